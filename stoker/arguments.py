@@ -1,0 +1,422 @@
+"""TrainingArguments: every knob of a run, grouped, validated at once, and serialisable as JSON.
+
+Field names and defaults follow `transformers.TrainingArguments` wherever the two overlap, so a script or a
+YAML written for the Hugging Face Trainer carries over. Each field's `help` is what `--help` prints.
+
+This module must stay cheap to import: it imports neither transformers nor any other heavy library. The
+lists of valid names below are kept in step with transformers by a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+# Names that `transformers.get_scheduler` accepts ("greedy" needs a metric and is not offered).
+SCHEDULER_NAMES = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+    "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
+# Optimizer names stoker builds (see stoker/optim.py); a subset of transformers' OptimizerNames.
+OPTIMIZER_NAMES = (
+    "adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop",
+    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
+    "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
+)
+INTERVAL_STRATEGIES = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+REPORT_TO = ("none", "all", "tensorboard")
+ACCELERATOR_CONFIG_KEYS = (
+    "split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+)
+# Fields that are parsed and validated but whose feature is not built yet: setting them is an error rather
+# than a silent no-op. Each maps to the value that means "off".
+NOT_YET_SUPPORTED = {"fsdp": None, "fsdp_config": None, "deepspeed": None, "auto_find_batch_size": False}
+# Dict-valued fields that may arrive as a JSON string from the command line.
+JSON_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config", "fsdp_config",
+               "deepspeed")
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration, reported together. `.problems` lists them one per entry."""
+
+    def __init__(self, problems: list[str], what: str = "configuration"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid {what} ({len(self.problems)} problem(s)):\n{lines}")
+
+
+def suggest(value: str, choices) -> str:
+    """' (did you mean X?)' for the closest valid name, or ''."""
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _help(text: str, group: str) -> dict:
+    return {"help": text, "group": group}
+
+
+@dataclass
+class TrainingArguments:
+    # --- where the run writes -------------------------------------------------------------------
+    output_dir: str | None = field(default=None, metadata=_help(
+        "Folder for checkpoints, logs and the final model (default: 'trainer_output').", "output"))
+    overwrite_output_dir: bool = field(default=False, metadata=_help(
+        "Allow training into an output_dir that already holds checkpoints without resuming from them.", "output"))
+    run_name: str | None = field(default=None, metadata=_help(
+        "A name for the run in logs (default: the output_dir).", "output"))
+
+    # --- duration -------------------------------------------------------------------------------
+    num_train_epochs: float = field(default=3.0, metadata=_help(
+        "Passes over the training data; fractional values stop part-way through the last epoch.", "duration"))
+    max_steps: int = field(default=-1, metadata=_help(
+        "Optimizer steps to run; overrides num_train_epochs when > 0.", "duration"))
+
+    # --- batch ----------------------------------------------------------------------------------
+    per_device_train_batch_size: int = field(default=8, metadata=_help(
+        "Samples per micro-batch on each process.", "batch"))
+    per_device_eval_batch_size: int = field(default=8, metadata=_help(
+        "Samples per evaluation batch on each process.", "batch"))
+    gradient_accumulation_steps: int = field(default=1, metadata=_help(
+        "Micro-batches per optimizer step. The loss is normalised over every target token of the window, so "
+        "B x A equals one batch of B*A exactly.", "batch"))
+    auto_find_batch_size: bool = field(default=False, metadata=_help(
+        "On out-of-memory, halve the micro-batch and double accumulation (not yet supported).", "batch"))
+
+    # --- optimizer and schedule -----------------------------------------------------------------
+    learning_rate: float = field(default=5e-5, metadata=_help("Peak learning rate.", "optimizer"))
+    weight_decay: float = field(default=0.0, metadata=_help(
+        "Decoupled weight decay; never applied to biases and normalisation weights.", "optimizer"))
+    adam_beta1: float = field(default=0.9, metadata=_help("Adam beta1.", "optimizer"))
+    adam_beta2: float = field(default=0.999, metadata=_help("Adam beta2.", "optimizer"))
+    adam_epsilon: float = field(default=1e-8, metadata=_help("Adam epsilon.", "optimizer"))
+    max_grad_norm: float = field(default=1.0, metadata=_help(
+        "Clip the global gradient norm to this value (0 disables clipping and grad_norm logging).", "optimizer"))
+    optim: str = field(default="adamw_torch_fused", metadata=_help(
+        f"Optimizer: one of {', '.join(OPTIMIZER_NAMES)}.", "optimizer"))
+    optim_args: str | None = field(default=None, metadata=_help(
+        "Extra optimizer keyword arguments as 'key=value,key=value'.", "optimizer"))
+    lr_scheduler_type: str = field(default="linear", metadata=_help(
+        f"Learning-rate schedule (transformers' get_scheduler): one of {', '.join(SCHEDULER_NAMES)}.", "optimizer"))
+    lr_scheduler_kwargs: dict | str | None = field(default=None, metadata=_help(
+        "Extra scheduler arguments, as a dict or a JSON string, e.g. '{\"num_cycles\": 2}'.", "optimizer"))
+    warmup_steps: float = field(default=0, metadata=_help(
+        "Linear warm-up: optimizer steps if >= 1, else a fraction of max_steps.", "optimizer"))
+    warmup_ratio: float = field(default=0.0, metadata=_help(
+        "Warm-up as a fraction of max_steps (used when warmup_steps is 0).", "optimizer"))
+
+    # --- precision ------------------------------------------------------------------------------
+    bf16: bool = field(default=False, metadata=_help("bfloat16 mixed precision (autocast).", "precision"))
+    fp16: bool = field(default=False, metadata=_help(
+        "float16 mixed precision with loss scaling (needs a GPU).", "precision"))
+    tf32: bool | None = field(default=None, metadata=_help(
+        "Allow TF32 matmuls on NVIDIA Ampere or newer (None leaves torch's setting alone).", "precision"))
+
+    # --- memory ---------------------------------------------------------------------------------
+    gradient_checkpointing: bool = field(default=False, metadata=_help(
+        "Recompute activations in the backward pass (non-reentrant) to save memory.", "memory"))
+    gradient_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
+        "Passed to model.gradient_checkpointing_enable, as a dict or a JSON string.", "memory"))
+    torch_compile: bool = field(default=False, metadata=_help("Compile the model with torch.compile.", "memory"))
+    torch_compile_backend: str | None = field(default=None, metadata=_help(
+        "torch.compile backend (default 'inductor'); setting it implies torch_compile.", "memory"))
+    torch_compile_mode: str | None = field(default=None, metadata=_help(
+        "torch.compile mode, e.g. 'reduce-overhead' or 'max-autotune'; setting it implies torch_compile.", "memory"))
+
+    # --- data -----------------------------------------------------------------------------------
+    dataloader_num_workers: int = field(default=0, metadata=_help(
+        "Worker processes per dataloader (0 loads in the main process).", "data"))
+    dataloader_pin_memory: bool = field(default=True, metadata=_help(
+        "Pin host memory for faster copies to the GPU.", "data"))
+    dataloader_persistent_workers: bool = field(default=False, metadata=_help(
+        "Keep dataloader workers alive between epochs (needs dataloader_num_workers > 0).", "data"))
+    dataloader_prefetch_factor: int | None = field(default=None, metadata=_help(
+        "Batches each worker loads ahead (needs dataloader_num_workers > 0).", "data"))
+    dataloader_drop_last: bool = field(default=False, metadata=_help(
+        "Drop the last incomplete micro-batch of each epoch.", "data"))
+    remove_unused_columns: bool = field(default=True, metadata=_help(
+        "Drop dataset columns that the model's forward does not accept (transformers and peft models).", "data"))
+    label_names: list[str] | None = field(default=None, metadata=_help(
+        "Batch keys that hold the labels (default: ['labels']).", "data"))
+    group_by_length: bool = field(default=False, metadata=_help(
+        "Batch samples of similar length together to reduce padding.", "data"))
+    length_column_name: str = field(default="length", metadata=_help(
+        "Dataset column with precomputed lengths for group_by_length.", "data"))
+    seed: int = field(default=42, metadata=_help("Seed for model initialisation, dropout and shuffling.", "data"))
+    data_seed: int | None = field(default=None, metadata=_help(
+        "Seed for the data order only (default: seed).", "data"))
+
+    # --- logging --------------------------------------------------------------------------------
+    logging_dir: str | None = field(default=None, metadata=_help(
+        "TensorBoard folder (default: output_dir/runs/<date>_<host>).", "logging"))
+    logging_strategy: str = field(default="steps", metadata=_help(
+        "When to log: 'no', 'steps' (every logging_steps) or 'epoch'.", "logging"))
+    logging_steps: float = field(default=500, metadata=_help(
+        "Optimizer steps between logs; a value < 1 is a fraction of max_steps.", "logging"))
+    logging_first_step: bool = field(default=False, metadata=_help("Also log after the first step.", "logging"))
+    report_to: str | list[str] | None = field(default="none", metadata=_help(
+        "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'.", "logging"))
+    disable_tqdm: bool | None = field(default=None, metadata=_help(
+        "Turn off the progress bar (periodic progress lines are printed instead).", "logging"))
+    include_num_input_tokens_seen: bool = field(default=True, metadata=_help(
+        "Count input tokens (attention_mask, else input_ids) into state.num_input_tokens_seen.", "logging"))
+
+    # --- evaluation -----------------------------------------------------------------------------
+    eval_strategy: str = field(default="no", metadata=_help(
+        "When to evaluate: 'no', 'steps' (every eval_steps) or 'epoch'.", "evaluation"))
+    eval_steps: float | None = field(default=None, metadata=_help(
+        "Optimizer steps between evaluations (default: logging_steps); < 1 is a fraction of max_steps.",
+        "evaluation"))
+    eval_on_start: bool = field(default=False, metadata=_help(
+        "Evaluate once before the first step (a sanity check and a baseline).", "evaluation"))
+    eval_accumulation_steps: int | None = field(default=None, metadata=_help(
+        "Move gathered predictions to the CPU every this many eval batches (saves accelerator memory).",
+        "evaluation"))
+    metric_for_best_model: str | None = field(default=None, metadata=_help(
+        "Metric that picks the best checkpoint, with or without the 'eval_' prefix (default: 'loss').",
+        "evaluation"))
+    greater_is_better: bool | None = field(default=None, metadata=_help(
+        "Whether a larger metric_for_best_model is better (default: False for names ending in 'loss').",
+        "evaluation"))
+
+    # --- saving ---------------------------------------------------------------------------------
+    save_strategy: str = field(default="steps", metadata=_help(
+        "When to checkpoint: 'no', 'steps', 'epoch' or 'best' (whenever the best metric improves).", "saving"))
+    save_steps: float = field(default=500, metadata=_help(
+        "Optimizer steps between checkpoints; < 1 is a fraction of max_steps.", "saving"))
+    save_total_limit: int | None = field(default=None, metadata=_help(
+        "Keep at most this many checkpoints (never deleting the best or the newest).", "saving"))
+    load_best_model_at_end: bool = field(default=False, metadata=_help(
+        "Load the best checkpoint's weights when training ends (needs matching eval and save strategies).",
+        "saving"))
+    resume_from_checkpoint: str | None = field(default=None, metadata=_help(
+        "Checkpoint folder to resume from (used by the recipes and `stoker train`).", "saving"))
+
+    # --- devices and distribution ---------------------------------------------------------------
+    use_cpu: bool = field(default=False, metadata=_help("Train on the CPU even when an accelerator exists.",
+                                                         "distributed"))
+    accelerator_config: dict | str | None = field(default=None, metadata=_help(
+        f"Accelerate dataloader options as a dict or JSON: {', '.join(ACCELERATOR_CONFIG_KEYS)}.", "distributed"))
+    fsdp: str | None = field(default=None, metadata=_help(
+        "FSDP options, e.g. 'full_shard auto_wrap' (not yet supported).", "distributed"))
+    fsdp_config: dict | str | None = field(default=None, metadata=_help(
+        "FSDP configuration as a dict, JSON string or file (not yet supported).", "distributed"))
+    deepspeed: dict | str | None = field(default=None, metadata=_help(
+        "DeepSpeed configuration as a dict or JSON file (not yet supported).", "distributed"))
+    ddp_backend: str | None = field(default=None, metadata=_help(
+        "torch.distributed backend: 'nccl', 'gloo', ... (default: chosen by torch).", "distributed"))
+    ddp_find_unused_parameters: bool | None = field(default=None, metadata=_help(
+        "DDP find_unused_parameters (default: False with gradient checkpointing, else True).", "distributed"))
+    ddp_bucket_cap_mb: int | None = field(default=None, metadata=_help("DDP gradient bucket size in MiB.",
+                                                                       "distributed"))
+    ddp_broadcast_buffers: bool | None = field(default=None, metadata=_help(
+        "DDP broadcast_buffers (default: torch's).", "distributed"))
+    ddp_timeout: int = field(default=1800, metadata=_help("Process-group timeout in seconds.", "distributed"))
+
+    def __post_init__(self):
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        if self.run_name is None:
+            self.run_name = self.output_dir
+        if self.logging_dir is None:
+            stamp = datetime.now().strftime("%b%d_%H-%M-%S")
+            self.logging_dir = os.path.join(self.output_dir, "runs", f"{stamp}_{socket.gethostname()}")
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        self.report_to = ["tensorboard" if r == "all" else r for r in (self.report_to or ["none"])]
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
+        if self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+        if self.data_seed is None:
+            self.data_seed = self.seed
+        problems = []
+        for name in JSON_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lstrip().startswith("{"):
+                try:
+                    setattr(self, name, json.loads(value))
+                except json.JSONDecodeError as e:
+                    problems.append(f"{name}={value!r}: not valid JSON ({e.msg})")
+        if self.metric_for_best_model is None and self.load_best_model_at_end:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        problems += self.problems()
+        if problems:
+            raise ConfigError(problems, "TrainingArguments")
+
+    # ------------------------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Every problem with these arguments, each naming the field, the value and what is accepted."""
+        p = []
+
+        def bad(name, accepted):
+            p.append(f"{name}={getattr(self, name)!r}: {accepted}")
+
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be a positive integer")
+        if self.max_steps == 0 or (self.max_steps < 0 and self.max_steps != -1):
+            bad("max_steps", "must be > 0, or -1 to train for num_train_epochs")
+        if self.max_steps <= 0 and not self.num_train_epochs > 0:
+            bad("num_train_epochs", "must be > 0 when max_steps is not set")
+        if self.learning_rate < 0:
+            bad("learning_rate", "must be >= 0")
+        if self.weight_decay < 0:
+            bad("weight_decay", "must be >= 0")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "must be >= 0 (steps, or a fraction of max_steps if < 1)")
+        if not 0 <= self.warmup_ratio < 1:
+            bad("warmup_ratio", "must be in [0, 1)")
+        if self.warmup_ratio and self.warmup_steps:
+            p.append(f"warmup_steps={self.warmup_steps!r} and warmup_ratio={self.warmup_ratio!r}: set only one")
+        if self.optim not in OPTIMIZER_NAMES:
+            bad("optim", f"unknown optimizer{suggest(self.optim, OPTIMIZER_NAMES)}; "
+                         f"accepted: {', '.join(OPTIMIZER_NAMES)}")
+        if self.lr_scheduler_type not in SCHEDULER_NAMES:
+            bad("lr_scheduler_type", f"unknown scheduler{suggest(self.lr_scheduler_type, SCHEDULER_NAMES)}; "
+                                     f"accepted: {', '.join(SCHEDULER_NAMES)}")
+        if self.optim_args:
+            for item in self.optim_args.split(","):
+                if "=" not in item:
+                    bad("optim_args", f"{item!r} is not 'key=value'; write e.g. 'betas=(0.9,0.95),eps=1e-6'")
+                    break
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                bad(name, "must be a dict or a JSON object string")
+        if isinstance(self.accelerator_config, dict):
+            for key in self.accelerator_config:
+                if key not in ACCELERATOR_CONFIG_KEYS:
+                    p.append(f"accelerator_config[{key!r}]: unknown key{suggest(key, ACCELERATOR_CONFIG_KEYS)}; "
+                             f"accepted: {', '.join(ACCELERATOR_CONFIG_KEYS)}")
+
+        # precision
+        if self.bf16 and self.fp16:
+            p.append("bf16=True and fp16=True: choose one mixed-precision mode")
+        p += self._hardware_problems()
+
+        # data loading
+        if self.dataloader_num_workers < 0:
+            bad("dataloader_num_workers", "must be >= 0")
+        if self.dataloader_num_workers == 0:
+            if self.dataloader_persistent_workers:
+                bad("dataloader_persistent_workers", "needs dataloader_num_workers > 0")
+            if self.dataloader_prefetch_factor is not None:
+                bad("dataloader_prefetch_factor", "needs dataloader_num_workers > 0")
+
+        # strategies and intervals
+        for name, choices in (("logging_strategy", INTERVAL_STRATEGIES), ("eval_strategy", INTERVAL_STRATEGIES),
+                              ("save_strategy", SAVE_STRATEGIES)):
+            if getattr(self, name) not in choices:
+                bad(name, f"accepted: {', '.join(choices)}{suggest(getattr(self, name), choices)}")
+        for name, strategy in (("logging_steps", self.logging_strategy), ("eval_steps", self.eval_strategy),
+                               ("save_steps", self.save_strategy)):
+            value = getattr(self, name)
+            if strategy == "steps" and not (value > 0 and (value < 1 or float(value).is_integer())):
+                bad(name, f"with {name.split('_')[0]}_strategy='steps' it must be a whole number >= 1 "
+                          "or a fraction in (0, 1) of max_steps")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            bad("save_total_limit", "must be >= 1, or None to keep every checkpoint")
+        if self.eval_accumulation_steps is not None and self.eval_accumulation_steps < 1:
+            bad("eval_accumulation_steps", "must be >= 1")
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            p.append("save_strategy='best' needs metric_for_best_model (e.g. 'eval_loss')")
+        if self.save_strategy == "best" and self.eval_strategy == "no":
+            p.append("save_strategy='best' needs eval_strategy 'steps' or 'epoch'")
+        if self.load_best_model_at_end:
+            if self.eval_strategy == "no":
+                p.append("load_best_model_at_end=True needs eval_strategy 'steps' or 'epoch' (it is 'no')")
+            elif self.save_strategy not in (self.eval_strategy, "best"):
+                p.append(f"load_best_model_at_end=True needs save_strategy == eval_strategy; got "
+                         f"save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}")
+            elif (self.save_strategy == "steps" and self.save_steps >= 1 and self.eval_steps >= 1
+                  and self.save_steps % self.eval_steps):
+                p.append(f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps; got "
+                         f"save_steps={self.save_steps!r}, eval_steps={self.eval_steps!r}")
+        bad_reports = [r for r in self.report_to if r not in REPORT_TO]
+        if bad_reports:
+            bad("report_to", f"unsupported {bad_reports}; accepted: {', '.join(REPORT_TO)}")
+        if self.ddp_timeout <= 0:
+            bad("ddp_timeout", "must be a positive number of seconds")
+        for name, off in NOT_YET_SUPPORTED.items():
+            if getattr(self, name) not in (off, "", [], {}):
+                bad(name, "not yet supported by stoker; leave it unset")
+        return p
+
+    def _hardware_problems(self) -> list[str]:
+        import torch
+
+        p = []
+        on_cuda = torch.cuda.is_available() and not self.use_cpu
+        if self.fp16 and not on_cuda:
+            p.append("fp16=True: float16 mixed precision needs a CUDA GPU (Accelerate would silently run float32 "
+                     "on the CPU); use bf16=True on the CPU")
+        if self.bf16 and on_cuda and not torch.cuda.is_bf16_supported():
+            p.append("bf16=True: this GPU cannot run bfloat16; use fp16=True")
+        if self.tf32 and not (on_cuda and torch.cuda.get_device_capability()[0] >= 8):
+            p.append("tf32=True: TF32 needs an NVIDIA Ampere or newer GPU; leave tf32 unset")
+        return p
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def mixed_precision(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
+    def warmup_for(self, max_steps: int) -> int:
+        """Warm-up optimizer steps for a run of max_steps (warmup_steps < 1 and warmup_ratio are fractions)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        import math
+
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * max_steps)
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """optim_args parsed from 'key=value,...' into Python literals."""
+        import ast
+
+        out = {}
+        if self.optim_args:
+            # split on commas that are not inside parentheses, so 'betas=(0.9,0.95)' stays one item
+            depth, item, items = 0, "", []
+            for ch in self.optim_args:
+                depth += (ch == "(") - (ch == ")")
+                if ch == "," and depth == 0:
+                    items.append(item)
+                    item = ""
+                else:
+                    item += ch
+            items.append(item)
+            for it in items:
+                key, value = it.split("=", 1)
+                try:
+                    out[key.strip()] = ast.literal_eval(value.strip())
+                except (ValueError, SyntaxError):
+                    out[key.strip()] = value.strip()
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainingArguments:
+        """Build from a dict (a YAML/JSON config); unknown keys are rejected with a suggestion."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in values if k not in names]
+        if unknown:
+            raise ConfigError([f"{k}: unknown field{suggest(k, names)}" for k in unknown], "TrainingArguments")
+        return cls(**values)

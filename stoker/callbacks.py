@@ -1,0 +1,328 @@
+"""Callbacks: the events of the training loop, the state they see and the controls they steer with.
+
+The loop in `Trainer.train`, with every event where it fires::
+
+    on_init_end                              # end of Trainer.__init__
+    on_train_begin
+    for epoch:
+        on_epoch_begin
+        for window of gradient_accumulation_steps micro-batches:
+            on_step_begin
+            for micro-batch in window:
+                forward, backward            # gradients sync on the window's last micro-batch only
+                on_substep_end               # after every micro-batch but the window's last
+            on_pre_optimizer_step            # gradients are final and clipped
+            optimizer.step()
+            on_optimizer_step
+            scheduler.step(), zero_grad, global_step += 1
+            on_step_end                      # DefaultFlowCallback sets should_log / should_evaluate / should_save
+            if should_log: on_log
+            if should_evaluate: (on_prediction_step per batch) on_evaluate
+            if should_save: on_save
+            if should_training_stop or should_epoch_stop: break
+        on_epoch_end                         # epoch strategies log / evaluate / save here
+    on_train_end
+    predict():  (on_prediction_step per batch) on_predict
+
+Callbacks receive `(args, state, control, **kwargs)` as in transformers (kwargs: model, optimizer,
+lr_scheduler, train_dataloader, eval_dataloader, metrics, logs, ...), so an existing Hugging Face callback
+keeps working. They observe and steer through `TrainerControl`; they never reach into the loop's locals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .arguments import suggest
+
+# Events in the order they are documented above. `TrainerCallback` has exactly these methods (tested).
+EVENTS = (
+    "on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end",
+    "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log", "on_prediction_step",
+    "on_evaluate", "on_save", "on_epoch_end", "on_train_end", "on_predict",
+)
+# Hooks that Hugging Face callbacks define but that have no meaning here; tolerated, never called.
+FOREIGN_EVENTS = ("on_push_begin",)
+
+
+@dataclass
+class TrainerState:
+    """What the loop knows about the run; saved as JSON with every checkpoint."""
+
+    epoch: float = 0.0
+    global_step: int = 0
+    max_steps: int = 0
+    num_train_epochs: int = 0
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int = 0           # per-device micro-batch actually used
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0.0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+
+    def to_json_string(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainerState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+@dataclass
+class TrainerControl:
+    """Flags that callbacks set to steer the loop. The loop resets each flag once it has acted on it."""
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
+
+
+class TrainerCallback:
+    """Base class: one no-op method per event. Subclass it and override the events you need.
+
+    A callback that keeps state across a resume (early stopping, say) implements `state()` returning a
+    JSON-able dict and `load_state(dict)`; the Trainer saves it with each checkpoint.
+    """
+
+    def on_init_end(self, args, state, control, **kwargs): ...
+    def on_train_begin(self, args, state, control, **kwargs): ...
+    def on_epoch_begin(self, args, state, control, **kwargs): ...
+    def on_step_begin(self, args, state, control, **kwargs): ...
+    def on_substep_end(self, args, state, control, **kwargs): ...
+    def on_pre_optimizer_step(self, args, state, control, **kwargs): ...
+    def on_optimizer_step(self, args, state, control, **kwargs): ...
+    def on_step_end(self, args, state, control, **kwargs): ...
+    def on_log(self, args, state, control, logs=None, **kwargs): ...
+    def on_prediction_step(self, args, state, control, **kwargs): ...
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs): ...
+    def on_save(self, args, state, control, **kwargs): ...
+    def on_epoch_end(self, args, state, control, **kwargs): ...
+    def on_train_end(self, args, state, control, **kwargs): ...
+    def on_predict(self, args, state, control, metrics=None, **kwargs): ...
+
+
+class CallbackHandler:
+    """Calls every callback for an event, in order; a callback may return a new TrainerControl."""
+
+    def __init__(self, callbacks):
+        self.callbacks: list = []
+        for cb in callbacks:
+            self.add(cb)
+
+    def add(self, callback):
+        cb = callback() if isinstance(callback, type) else callback
+        hooks = [m for m in dir(cb) if m.startswith("on_") and callable(getattr(cb, m))]
+        unknown = [m for m in hooks if m not in EVENTS + FOREIGN_EVENTS]
+        if unknown:
+            # A misspelled hook would otherwise never fire and nobody would notice.
+            raise ValueError(f"callback {type(cb).__name__} defines unknown event(s) "
+                             + ", ".join(f"{m}{suggest(m, EVENTS)}" for m in unknown)
+                             + f"; events are: {', '.join(EVENTS)}")
+        if any(type(c) is type(cb) for c in self.callbacks):
+            print(f"stoker: warning: a {type(cb).__name__} is already registered; adding another", file=sys.stderr)
+        self.callbacks.append(cb)
+
+    def pop(self, callback):
+        for cb in self.callbacks:
+            if cb is callback or (isinstance(callback, type) and type(cb) is callback):
+                self.callbacks.remove(cb)
+                return cb
+        return None
+
+    def fire(self, event: str, args, state: TrainerState, control: TrainerControl, **kwargs) -> TrainerControl:
+        for cb in self.callbacks:
+            method = getattr(cb, event, None)
+            if method is None:
+                continue
+            result = method(args, state, control, **kwargs)
+            if result is not None:
+                control = result
+        return control
+
+
+# ---------------------------------------------------------------------------------------------------
+# Built-in callbacks
+
+
+def _is_due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+class DefaultFlowCallback(TrainerCallback):
+    """Turns the logging / evaluation / saving strategies into TrainerControl flags."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if step == 1 and args.logging_first_step:
+            control.should_log = True
+        if args.logging_strategy == "steps" and _is_due(step, state.logging_steps):
+            control.should_log = True
+        if args.eval_strategy == "steps" and _is_due(step, state.eval_steps):
+            control.should_evaluate = True
+        if args.save_strategy == "steps" and _is_due(step, state.save_steps):
+            control.should_save = True
+        if step >= state.max_steps:
+            control.should_training_stop = True
+            if args.save_strategy == "steps":
+                control.should_save = True  # always end with a checkpoint of the final step
+            if args.logging_strategy == "steps":
+                control.should_log = True
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if args.logging_strategy == "epoch":
+            control.should_log = True
+        if args.eval_strategy == "epoch":
+            control.should_evaluate = True
+        if args.save_strategy == "epoch":
+            control.should_save = True
+        return control
+
+
+def format_logs(logs: dict[str, Any]) -> str:
+    parts = []
+    for k, v in logs.items():
+        if isinstance(v, float):
+            v = f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
+        parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+class ProgressCallback(TrainerCallback):
+    """A live tqdm bar on a terminal; elsewhere (CI, log files) a progress line every 5% of the run."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.bar = None
+        self.started = 0.0
+
+    def _live(self, args) -> bool:
+        return not args.disable_tqdm and getattr(self.stream, "isatty", lambda: False)()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+        if state.is_world_process_zero and self._live(args):
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, file=self.stream, dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+        elif _is_due(state.global_step, max(1, state.max_steps // 20)) or state.global_step == state.max_steps:
+            elapsed = time.perf_counter() - self.started
+            print(f"[stoker] step {state.global_step}/{state.max_steps} "
+                  f"({100 * state.global_step / state.max_steps:.0f}%) epoch {state.epoch:.2f} "
+                  f"elapsed {elapsed:.1f}s", file=self.stream, flush=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            line = f"[stoker] step {state.global_step}: {format_logs(logs)}"
+            if self.bar is not None:
+                self.bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class JsonlLoggerCallback(TrainerCallback):
+    """Appends every log record to output_dir/metrics.jsonl (one JSON object per line, main process only)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (state.is_world_process_zero and logs):
+            return
+        import os
+
+        os.makedirs(args.output_dir, exist_ok=True)
+        record = {"step": state.global_step, "epoch": round(state.epoch, 4), **logs}
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class TensorBoardCallback(TrainerCallback):
+    """Writes every numeric log value as a TensorBoard scalar under args.logging_dir."""
+
+    def __init__(self):
+        self.writer = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.logging_dir)
+            self.writer.add_text("args", args.to_json_string())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.writer is None or not logs:
+            return
+        for k, v in logs.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                tag = k.replace("eval_", "eval/", 1) if k.startswith("eval_") else f"train/{k}"
+                self.writer.add_scalar(tag, v, state.global_step)
+        self.writer.flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class EarlyStoppingCallback(TrainerCallback):
+    """Stops training when metric_for_best_model has not improved by more than `early_stopping_threshold`
+    for `early_stopping_patience` evaluations in a row. Its counter is saved with checkpoints."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+        if early_stopping_patience < 1:
+            raise ValueError(f"early_stopping_patience={early_stopping_patience!r}: must be >= 1")
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_threshold = early_stopping_threshold
+        self.patience_counter = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.metric_for_best_model is None or args.eval_strategy == "no":
+            raise ValueError("EarlyStoppingCallback needs metric_for_best_model and an eval_strategy other than 'no'")
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        name = args.metric_for_best_model
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        value = (metrics or {}).get(key)
+        if value is None:
+            raise KeyError(f"EarlyStoppingCallback: metric_for_best_model={name!r} is not among the evaluation "
+                           f"metrics {sorted(metrics or {})}")
+        best = state.best_metric
+        sign = 1 if args.greater_is_better else -1
+        # state.best_metric is updated after on_evaluate, so it still holds the previous best here
+        if best is None or sign * (value - best) > self.early_stopping_threshold:
+            self.patience_counter = 0
+        else:
+            self.patience_counter += 1
+        if self.patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+
+    def state(self) -> dict[str, Any]:
+        return {"patience_counter": self.patience_counter}
+
+    def load_state(self, values: dict[str, Any]) -> None:
+        self.patience_counter = int(values["patience_counter"])

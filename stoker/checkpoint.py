@@ -1,0 +1,298 @@
+"""Checkpoint I/O: tensors in safetensors, everything else in JSON, committed atomically. Never a pickle.
+
+A checkpoint is a folder `output_dir/checkpoint-<global_step>/`. It is written into a hidden temporary
+folder next to it, every file is fsynced, `manifest.json` (size and sha256 of every file) is written last,
+and the folder is renamed into place. A folder without a valid manifest is incomplete and never loaded.
+
+Nested state (optimizer, scheduler, RNG, grad scaler) is flattened by `flatten`: tensors go to
+`<name>.safetensors` under their path, the structure and plain values to `<name>.json`. Loading reads only
+those two formats, so loading a checkpoint cannot run code. transformers' and torch's own savers pickle
+optimizer and RNG state, which is why this is written here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+PREFIX = "checkpoint-"
+_STEP_RE = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupted or does not fit the run."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# nested state <-> (JSON tree, flat tensor dict)
+
+
+def flatten(obj: Any, path: str = "", tensors: dict[str, torch.Tensor] | None = None):
+    """Split `obj` into a JSON-able tree and a dict of tensors; tensors are replaced by {"__tensor__": key}."""
+    tensors = {} if tensors is None else tensors
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().cpu()
+        return {"__tensor__": path}, tensors
+    if isinstance(obj, np.ndarray):
+        tensors[path] = torch.from_numpy(obj.copy())
+        return {"__ndarray__": path}, tensors
+    if isinstance(obj, np.generic):
+        return obj.item(), tensors
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj, tensors
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}, tensors
+    if isinstance(obj, (list, tuple)):
+        items = [flatten(v, f"{path}.{i}", tensors)[0] for i, v in enumerate(obj)]
+        return ({"__tuple__": items} if isinstance(obj, tuple) else items), tensors
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: flatten(v, f"{path}.{k}", tensors)[0] for k, v in obj.items()}, tensors
+        return {"__items__": [[flatten(k, f"{path}.k{i}", tensors)[0], flatten(v, f"{path}.{i}", tensors)[0]]
+                              for i, (k, v) in enumerate(obj.items())]}, tensors
+    raise TypeError(f"cannot store {type(obj).__name__} at {path or '<root>'!r} in a checkpoint without pickle")
+
+
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, list):
+        return [unflatten(v, tensors) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if "__tensor__" in tree:
+        return tensors[tree["__tensor__"]]
+    if "__ndarray__" in tree:
+        return tensors[tree["__ndarray__"]].numpy()
+    if "__dtype__" in tree:
+        return getattr(torch, tree["__dtype__"])
+    if "__tuple__" in tree:
+        return tuple(unflatten(v, tensors) for v in tree["__tuple__"])
+    if "__items__" in tree:
+        return {unflatten(k, tensors): unflatten(v, tensors) for k, v in tree["__items__"]}
+    return {k: unflatten(v, tensors) for k, v in tree.items()}
+
+
+def save_state(folder: str, name: str, obj: Any) -> None:
+    """Write `obj` as <name>.json (+ <name>.safetensors when it holds tensors)."""
+    from safetensors.torch import save_file
+
+    tree, tensors = flatten(obj)
+    if tensors:
+        seen, unique = set(), {}
+        for key, t in tensors.items():  # safetensors refuses tensors that share memory
+            t = t.contiguous()
+            ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+            unique[key] = t.clone() if ptr in seen else t
+            seen.add(ptr)
+        save_file(unique, os.path.join(folder, f"{name}.safetensors"))
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
+        json.dump(tree, f)
+
+
+def load_state(folder: str, name: str) -> Any:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, f"{name}.json")) as f:
+        tree = json.load(f)
+    tensor_file = os.path.join(folder, f"{name}.safetensors")
+    tensors = load_file(tensor_file) if os.path.exists(tensor_file) else {}
+    return unflatten(tree, tensors)
+
+
+def write_json(folder: str, name: str, obj: Any) -> None:
+    with open(os.path.join(folder, name), "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+
+
+def read_json(folder: str, name: str) -> Any:
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------------------------------
+# atomic commit and verification
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    return sorted(out)
+
+
+def temp_dir_for(final: str) -> str:
+    parent, name = os.path.split(os.path.abspath(final))
+    return os.path.join(parent, f".tmp-{name}")
+
+
+def commit(tmp: str, final: str, step: int) -> None:
+    """Seal `tmp` with a manifest and rename it to `final` (replacing an older folder of the same name)."""
+    files = {}
+    for rel in _files(tmp):
+        path = os.path.join(tmp, rel)
+        _fsync(path)
+        files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    write_json(tmp, MANIFEST, {"format_version": FORMAT_VERSION, "global_step": step, "files": files})
+    _fsync(os.path.join(tmp, MANIFEST))
+    _fsync(tmp)
+    if os.path.exists(final):  # re-saving the same step (e.g. the final step after an epoch-end save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(os.path.dirname(os.path.abspath(final)))
+
+
+def verify(folder: str) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong with it."""
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return "no manifest.json (the save did not finish)"
+    try:
+        manifest = read_json(folder, MANIFEST)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"manifest.json is unreadable ({e})"
+    for rel, meta in files.items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        if os.path.getsize(path) != meta["size"]:
+            return f"{rel} has {os.path.getsize(path)} bytes, the manifest says {meta['size']}"
+        if _sha256(path) != meta["sha256"]:
+            return f"{rel} does not match its sha256 in the manifest"
+    return None
+
+
+def checkpoint_step(path: str) -> int | None:
+    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """checkpoint-<step> folders in output_dir, oldest first (complete or not)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [os.path.join(output_dir, n) for n in os.listdir(output_dir) if _STEP_RE.match(n)]
+    return sorted((p for p in found if os.path.isdir(p)), key=checkpoint_step)
+
+
+def rotate(output_dir: str, limit: int | None, keep: str | None = None) -> list[str]:
+    """Delete the oldest checkpoints beyond `limit`, never `keep` (the best) nor the newest one."""
+    if not limit:
+        return []
+    ckpts = list_checkpoints(output_dir)
+    keep_abs = os.path.abspath(keep) if keep else None
+    protected = {os.path.abspath(ckpts[-1])} if ckpts else set()
+    if keep_abs:
+        protected.add(keep_abs)
+    excess = len(ckpts) - max(limit, len(protected))
+    deleted = []
+    for path in ckpts:
+        if len(deleted) >= excess:
+            break
+        if os.path.abspath(path) not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    return deleted
+
+
+# ---------------------------------------------------------------------------------------------------
+# model weights
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def save_weights(model: torch.nn.Module, folder: str, state_dict: dict | None = None) -> None:
+    """transformers/peft models: save_pretrained (safetensors; peft saves only the adapter).
+    Plain modules: model.safetensors plus stoker_model.json describing the class and every tensor."""
+    if hasattr(model, "save_pretrained"):
+        from transformers.utils import logging as hf_logging
+
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint is noise
+        try:
+            model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
+        return
+    from safetensors.torch import save_file, save_model
+
+    if state_dict is None:
+        save_model(model, os.path.join(folder, "model.safetensors"))  # handles tied weights
+    else:
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, os.path.join(folder, "model.safetensors"))
+    cls = type(model)
+    write_json(folder, "stoker_model.json", {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                    for k, v in (state_dict or model.state_dict()).items()},
+    })
+
+
+def _weight_files(folder: str, names: tuple[str, ...]) -> list[str]:
+    for name in names:
+        index = os.path.join(folder, f"{name}.index.json")
+        if os.path.isfile(index):
+            shards = sorted(set(read_json(folder, f"{name}.index.json")["weight_map"].values()))
+            return [os.path.join(folder, s) for s in shards]
+        if os.path.isfile(os.path.join(folder, name)):
+            return [os.path.join(folder, name)]
+    raise CheckpointError(f"{folder}: no weights found (looked for {', '.join(names)})")
+
+
+def load_weights(model: torch.nn.Module, folder: str) -> None:
+    """Load weights saved by `save_weights` into `model`, refusing names or shapes that do not match."""
+    from safetensors.torch import load_file
+
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        state = {}
+        for f in _weight_files(folder, ("adapter_model.safetensors",)):
+            state.update(load_file(f))
+        result = set_peft_model_state_dict(model, state)
+        unexpected = list(getattr(result, "unexpected_keys", []))
+        if unexpected:
+            raise CheckpointError(f"{folder}: adapter tensors not in the model: {unexpected[:5]}")
+        return
+    state = {}
+    for f in _weight_files(folder, ("model.safetensors",)):
+        state.update(load_file(f))
+    own = model.state_dict()
+    problems = [f"{k} is not in the model" for k in state if k not in own]
+    problems += [f"{k} has shape {list(state[k].shape)} in the checkpoint, {list(own[k].shape)} in the model"
+                 for k in state if k in own and state[k].shape != own[k].shape]
+    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+    # save_pretrained drops tied copies (lm_head.weight tied to the embeddings): missing only if not tied
+    problems += [f"{k} is missing from the checkpoint" for k in own
+                 if k not in state and own[k].data_ptr() not in loaded_ptrs]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(f"{folder} does not fit this model: " + "; ".join(problems[:5]) + more)
+    model.load_state_dict(state, strict=False)

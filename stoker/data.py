@@ -1,0 +1,151 @@
+"""Batches: the padding collator, column filtering, samplers and the dataloaders the Trainer builds.
+
+The default collator is written here rather than taken from transformers because transformers' padding
+collators need a tokenizer and do not pad `labels` (DataCollatorWithPadding) or insist on seq2seq
+conventions (DataCollatorForSeq2Seq); a Trainer must batch variable-length rows of any model without one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+IGNORE_INDEX = -100
+_PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0}
+
+
+def _as_tensor(key: str, value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (np.ndarray, np.generic, int, float, bool, list, tuple)):
+        return torch.as_tensor(value)
+    raise TypeError(f"collator: column {key!r} holds {type(value).__name__} values, which cannot be batched "
+                    "as tensors; remove the column or pass a data_collator")
+
+
+class PaddingCollator:
+    """Stacks rows into a batch, padding 1-D sequences to the longest row (input_ids with pad_token_id,
+    attention_mask with 0, labels with -100). Rows without attention_mask get one when padding is needed."""
+
+    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[Mapping]) -> dict[str, torch.Tensor]:
+        if not isinstance(features[0], Mapping):
+            raise TypeError(f"collator: rows must be dicts of columns, got {type(features[0]).__name__}")
+        batch = {}
+        for key in features[0]:
+            values = [_as_tensor(key, f[key]) for f in features]
+            if values[0].dim() == 1 and len({v.shape[0] for v in values}) > 1:
+                batch[key] = self._pad(key, values)
+            else:
+                batch[key] = torch.stack(values)
+        if "input_ids" in batch and "attention_mask" not in batch and any(
+                len(f["input_ids"]) != batch["input_ids"].shape[1] for f in features):
+            batch["attention_mask"] = self._pad("attention_mask", [torch.ones(len(f["input_ids"]), dtype=torch.long)
+                                                                   for f in features])
+        return batch
+
+    def _pad(self, key: str, values: list[torch.Tensor]) -> torch.Tensor:
+        length = max(v.shape[0] for v in values)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        fill = self.pad_token_id if key == "input_ids" else _PAD_VALUES.get(key, 0)
+        out = torch.full((len(values), length), fill, dtype=values[0].dtype)
+        for i, v in enumerate(values):
+            out[i, : v.shape[0]] = v
+        return out
+
+
+class ColumnFilter:
+    """Wraps a collator so that it only sees the columns the model accepts (remove_unused_columns)."""
+
+    def __init__(self, collator, keep: set[str]):
+        self.collator = collator
+        self.keep = keep
+
+    def __call__(self, features):
+        return self.collator([{k: v for k, v in f.items() if k in self.keep} for f in features])
+
+
+def forward_columns(model: torch.nn.Module) -> set[str]:
+    """Named arguments of model.forward. transformers models also take **kwargs (attention options), which
+    never stand for dataset columns, so they are ignored as transformers.Trainer does."""
+    params = inspect.signature(model.forward).parameters.values()
+    return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """transformers' length-grouped order (mega-batches sorted by length), reseeded per epoch so the order of
+    every epoch is a pure function of (data_seed, epoch), which exact resume relies on."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int):
+        self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __iter__(self):
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+
+def _lengths(dataset, column: str) -> list[int]:
+    if hasattr(dataset, "column_names") and column in dataset.column_names:
+        return list(dataset[column])
+    return [len(row["input_ids"]) for row in dataset]
+
+
+def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> DataLoader:
+    """A DataLoader honouring every dataloader_* field. Training data is shuffled by a RandomSampler that
+    Accelerate replaces with its seedable sampler (order = f(data_seed, epoch)) when it prepares the loader."""
+    if not train:
+        sampler = SequentialSampler(dataset)
+    elif args.group_by_length:
+        sampler = LengthGroupedSampler(_lengths(dataset, args.length_column_name), batch_size, args.data_seed)
+    else:
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.data_seed))
+    workers = args.dataloader_num_workers
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        num_workers=workers,
+        pin_memory=args.dataloader_pin_memory and torch.cuda.is_available() and not args.use_cpu,
+        persistent_workers=args.dataloader_persistent_workers and workers > 0,
+        prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
+        drop_last=args.dataloader_drop_last if train else False,
+    )
+
+
+def count_targets(batch: Mapping, label_name: str | None, causal: bool) -> int | torch.Tensor:
+    """Items the loss averages over: target tokens (labels != -100, shifted by one for causal LMs) when the
+    batch has labels, else the number of samples."""
+    labels = batch.get(label_name) if label_name else None
+    if labels is None or not isinstance(labels, torch.Tensor):
+        first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
+        return first.shape[0]
+    if causal:
+        labels = labels[..., 1:]
+    if labels.is_floating_point():
+        return labels.shape[0]  # regression targets: one item per sample
+    return (labels != IGNORE_INDEX).sum()
+
+
+def count_input_tokens(batch: Mapping) -> int | torch.Tensor:
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    if "input_ids" in batch:
+        return batch["input_ids"].numel()
+    return 0

@@ -1,0 +1,79 @@
+"""Optimizers by name and learning-rate schedules.
+
+Only trainable parameters reach the optimizer, in two groups: with weight decay, and without it for biases
+and normalisation weights (decaying those only pulls them towards zero and hurts).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .arguments import TrainingArguments
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # by class name: covers torch's LayerNorm/GroupNorm/RMSNorm/BatchNorm*, and the RMSNorm classes that
+    # transformers models define for themselves (LlamaRMSNorm, ...)
+    return "norm" in type(module).__name__.lower()
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:  # tied weights appear twice
+                continue
+            seen.add(id(param))
+            (no_decay if _is_norm(module) or name == "bias" else decay).append(param)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+def _bnb(name: str):
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ImportError(f"optim={name!r} needs bitsandbytes: pip install bitsandbytes") from e
+    return bnb.optim
+
+
+def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
+    groups = parameter_groups(model, args.weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    name, lr, extra = args.optim, args.learning_rate, args.optimizer_kwargs()
+    adam = {"lr": lr, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    if name == "adamw_torch":
+        return torch.optim.AdamW(groups, **adam, **extra)
+    if name == "adamw_torch_fused":
+        return torch.optim.AdamW(groups, **adam, fused=True, **extra)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, **extra)
+    if name == "adagrad":
+        return torch.optim.Adagrad(groups, lr=lr, **extra)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr, **extra)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # a fixed learning rate as transformers.Trainer uses it, so the schedule stays in charge
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, **extra)
+    if name in ("adamw_bnb_8bit", "adamw_8bit"):
+        return _bnb(name).AdamW8bit(groups, **adam, **extra)
+    if name in ("paged_adamw_8bit", "paged_adamw_32bit"):
+        cls = _bnb(name).PagedAdamW8bit if name.endswith("8bit") else _bnb(name).PagedAdamW32bit
+        return cls(groups, **adam, **extra)
+    if name in ("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit"):
+        optim = _bnb(name)
+        cls = {"lion_8bit": optim.Lion8bit, "lion_32bit": optim.Lion32bit,
+               "paged_lion_8bit": optim.PagedLion8bit, "paged_lion_32bit": optim.PagedLion32bit}[name]
+        return cls(groups, lr=lr, betas=(args.adam_beta1, args.adam_beta2), **extra)
+    raise ValueError(f"optim={name!r}: unknown optimizer")  # unreachable: TrainingArguments validates names
+
+
+def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, max_steps: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_for(max_steps),
+                         num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})

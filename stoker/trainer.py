@@ -1,0 +1,731 @@
+"""The Trainer: one managed training loop over an accelerate.Accelerator, steered by callbacks.
+
+The loop (`Trainer._train_loop`) reads top to bottom: fetch a window of micro-batches, count the window's
+target tokens, forward/backward each micro-batch with the loss normalised over the whole window, clip,
+step, log, evaluate, save, stop. Every distributed mechanic (device placement, DDP, mixed precision,
+gradient sync) is Accelerate's; the Trainer only calls its API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .arguments import ConfigError, TrainingArguments
+from .callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    JsonlLoggerCallback,
+    ProgressCallback,
+    TensorBoardCallback,
+    TrainerControl,
+    TrainerState,
+)
+from .data import (
+    ColumnFilter,
+    PaddingCollator,
+    build_dataloader,
+    count_input_tokens,
+    count_targets,
+    forward_columns,
+)
+
+# transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
+# (transformers.loss.loss_utils); other models return a mean over their micro-batch and are rescaled.
+_NUM_ITEMS_LOSS_TYPES = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification")
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device as well
+
+
+def window_sizes(num_batches: int, accumulation: int) -> list[int]:
+    """Micro-batches in each optimizer step of an epoch of num_batches: full windows, then a short one."""
+    full, rest = divmod(num_batches, accumulation)
+    return [accumulation] * full + ([rest] if rest else [])
+
+
+def _unwrap_peft(model):
+    return model.get_base_model() if ckpt.is_peft_model(model) else model
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        args: TrainingArguments | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        data_collator: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        processing_class=None,
+        peft_config=None,
+        compute_loss_func: Callable | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+    ):
+        self.args = args if args is not None else TrainingArguments()
+        if peft_config is not None:
+            if ckpt.is_peft_model(model):
+                raise ConfigError(["peft_config: the model is already a PeftModel; pass one or the other"], "Trainer")
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.compute_metrics = compute_metrics
+        self.compute_loss_func = compute_loss_func
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.processing_class = processing_class
+        self._check_inputs(model, optimizers)
+
+        self.accelerator = self._build_accelerator(model)
+        self._apply_precision_switches()
+        self._enable_gradient_checkpointing(model)
+        self.model = model
+        self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
+        self.optimizer, self.lr_scheduler = optimizers
+
+        base = _unwrap_peft(model)
+        self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
+        self._causal = self._loss_type == "ForCausalLM"
+        self.label_names = self.args.label_names or ["labels"]
+        self.data_collator = data_collator or PaddingCollator(self._pad_token_id())
+        if self.args.remove_unused_columns and hasattr(base, "config"):
+            self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
+
+        self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
+                                  is_world_process_zero=self.accelerator.is_main_process)
+        self.control = TrainerControl()
+        defaults = [DefaultFlowCallback(), ProgressCallback(), JsonlLoggerCallback()]
+        if "tensorboard" in self.args.report_to:
+            defaults.append(TensorBoardCallback())
+        self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
+        self._fire("on_init_end")
+
+    # ------------------------------------------------------------------------------------------
+    # set-up
+
+    def _check_inputs(self, model, optimizers) -> None:
+        """Problems that need the model and data as well as the arguments, reported together."""
+        a, p = self.args, []
+        needs_eval = a.eval_strategy != "no" or a.eval_on_start or a.load_best_model_at_end
+        if needs_eval and self.eval_dataset is None:
+            p.append(f"eval_strategy={a.eval_strategy!r}"
+                     + (", eval_on_start=True" if a.eval_on_start else "")
+                     + ": evaluation needs an eval_dataset (pass one, or set eval_strategy='no')")
+        for name in ("train_dataset", "eval_dataset"):
+            ds = getattr(self, name)
+            if ds is not None and hasattr(ds, "__len__") and len(ds) == 0:
+                p.append(f"{name}: is empty (0 rows)")
+        ds = self.train_dataset
+        if ds is not None and not hasattr(ds, "__len__"):
+            if a.max_steps <= 0:
+                p.append("max_steps=-1: a train_dataset without a length (an IterableDataset) needs max_steps > 0")
+            if a.group_by_length:
+                p.append("group_by_length=True: needs a train_dataset with a length")
+        if not isinstance(model, torch.nn.Module):
+            p.append(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if a.gradient_checkpointing and isinstance(model, torch.nn.Module) and not hasattr(
+                model, "gradient_checkpointing_enable"):
+            p.append(f"gradient_checkpointing=True: {type(model).__name__} has no gradient_checkpointing_enable(); "
+                     "implement it (e.g. with torch.utils.checkpoint) or turn gradient checkpointing off")
+        if optimizers[1] is not None and optimizers[0] is None:
+            p.append("optimizers: a scheduler was given without its optimizer")
+        if p:
+            raise ConfigError(p, "Trainer inputs")
+
+    def _build_accelerator(self, model):
+        from accelerate import Accelerator, DataLoaderConfiguration
+        from accelerate.state import AcceleratorState, GradientState
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
+        from datetime import timedelta
+
+        a = self.args
+        # AcceleratorState is a process-wide singleton that refuses a second configuration. A new Trainer
+        # carries its own precision, so it resets the singleton (the process group in PartialState stays).
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        find_unused = a.ddp_find_unused_parameters
+        if find_unused is None:  # as transformers: checkpointed models re-enter forward, which DDP dislikes
+            find_unused = not a.gradient_checkpointing if hasattr(model, "config") else True
+        ddp = {"find_unused_parameters": find_unused}
+        if a.ddp_bucket_cap_mb is not None:
+            ddp["bucket_cap_mb"] = a.ddp_bucket_cap_mb
+        if a.ddp_broadcast_buffers is not None:
+            ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
+        config = {"use_seedable_sampler": True, **(a.accelerator_config or {})}
+        return Accelerator(
+            mixed_precision=a.mixed_precision,
+            cpu=a.use_cpu,
+            # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss
+            gradient_accumulation_steps=1,
+            dataloader_config=DataLoaderConfiguration(data_seed=a.data_seed, **config),
+            kwargs_handlers=[DistributedDataParallelKwargs(**ddp),
+                             InitProcessGroupKwargs(backend=a.ddp_backend, timeout=timedelta(seconds=a.ddp_timeout))],
+            dynamo_plugin=TorchDynamoPlugin(backend=a.torch_compile_backend, mode=a.torch_compile_mode)
+            if a.torch_compile else None,
+            step_scheduler_with_optimizer=False,
+        )
+
+    def _apply_precision_switches(self) -> None:
+        if self.args.tf32 is not None and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = self.args.tf32
+            torch.backends.cudnn.allow_tf32 = self.args.tf32
+
+    def _enable_gradient_checkpointing(self, model) -> None:
+        if not self.args.gradient_checkpointing:
+            return
+        kwargs = {"use_reentrant": False, **(self.args.gradient_checkpointing_kwargs or {})}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        config = getattr(_unwrap_peft(model), "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
+
+    def _pad_token_id(self) -> int:
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        return pad if pad is not None else 0
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def _fire(self, event: str, **kwargs) -> None:
+        self.control = self.callback_handler.fire(
+            event, self.args, self.state, self.control, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, processing_class=self.processing_class, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # loss
+
+    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """The micro-batch's share of the window loss: sum of its item losses / num_items_in_batch.
+
+        transformers models with a token loss receive num_items_in_batch and do the division themselves;
+        other models return a mean over their own items, which is rescaled by local items / window items,
+        so that B x A micro-batches give exactly the update of one batch of B*A.
+        """
+        if self.compute_loss_func is not None:
+            labels = inputs.pop(self.label_names[0], None)
+            outputs = model(**inputs)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif self._loss_type in _NUM_ITEMS_LOSS_TYPES and num_items_in_batch is not None:
+            outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+            loss = outputs["loss"]
+        else:
+            outputs = model(**inputs)
+            loss = self._loss_of(outputs)
+            if num_items_in_batch is not None:
+                local = count_targets(inputs, self.label_names[0], self._causal)
+                loss = loss * (local / num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    @staticmethod
+    def _loss_of(outputs) -> torch.Tensor:
+        if isinstance(outputs, torch.Tensor):
+            return outputs
+        loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+        if loss is None:
+            raise ValueError("the model returned no loss: return a loss tensor or a dict / ModelOutput with "
+                             "'loss', pass labels in the batch, or give Trainer(compute_loss_func=...)")
+        return loss
+
+    def _window_items(self, window: list[dict]) -> torch.Tensor:
+        """Target tokens (or samples) in the whole accumulation window, summed over every process."""
+        total = sum(torch.as_tensor(count_targets(b, self.label_names[0], self._causal), device=self.accelerator.device)
+                    for b in window)
+        if self.accelerator.num_processes > 1:
+            total = self.accelerator.reduce(total, reduction="sum")
+        return total.clamp_min(1)  # an all-padding window contributes zero loss, not NaN
+
+    # ------------------------------------------------------------------------------------------
+    # training
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs a train_dataset")
+        return build_dataloader(self.train_dataset, self.args, self.args.per_device_train_batch_size,
+                                self.data_collator, train=True)
+
+    def get_eval_dataloader(self, dataset=None):
+        dataset = dataset if dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluation needs an eval_dataset")
+        loader = build_dataloader(dataset, self.args, self.args.per_device_eval_batch_size, self.data_collator,
+                                  train=False)
+        return self.accelerator.prepare(loader)
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        from .optim import create_optimizer, create_scheduler
+
+        if self.optimizer is None:
+            self.optimizer = create_optimizer(self.model, self.args)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = create_scheduler(self.optimizer, self.args, num_training_steps)
+
+    def _plan_steps(self, train_dataloader) -> tuple[int, int | None]:
+        """(max_steps, steps per epoch or None for a dataset without a length)."""
+        a = self.args
+        try:
+            per_epoch = len(window_sizes(len(train_dataloader), a.gradient_accumulation_steps))
+        except TypeError:
+            per_epoch = None
+        if a.max_steps > 0:
+            return a.max_steps, per_epoch
+        if not per_epoch:
+            raise ValueError("train_dataset yields no full micro-batch (dataloader_drop_last=True with fewer rows "
+                             f"than per_device_train_batch_size={a.per_device_train_batch_size})")
+        return math.ceil(a.num_train_epochs * per_epoch), per_epoch
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """Train; resume_from_checkpoint is None, True (the newest complete checkpoint) or a checkpoint path."""
+        from transformers.trainer_utils import TrainOutput
+
+        if kwargs:
+            raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
+        a = self.args
+        resume_dir = self._resolve_resume(resume_from_checkpoint)
+        set_seed(a.seed)
+        train_dataloader = self.get_train_dataloader()
+        max_steps, per_epoch = self._plan_steps(train_dataloader)
+        self.create_optimizer_and_scheduler(max_steps)
+        self.model_wrapped, self.optimizer, train_dataloader = self.accelerator.prepare(
+            self.model, self.optimizer, train_dataloader)
+
+        s = self.state
+        s.max_steps, s.train_batch_size = max_steps, a.per_device_train_batch_size
+        s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
+        s.logging_steps, s.eval_steps, s.save_steps = (
+            math.ceil(max_steps * v) if v < 1 else int(v) for v in (a.logging_steps, a.eval_steps, a.save_steps))
+        start_epoch, skip_batches = 0, 0
+        if resume_dir is not None:
+            start_epoch, skip_batches = self._load_checkpoint(resume_dir)
+        if s.is_world_process_zero:
+            os.makedirs(a.output_dir, exist_ok=True)
+        self._fire("on_train_begin", train_dataloader=train_dataloader)
+        if a.eval_on_start and resume_dir is None:
+            self._evaluate_and_track()
+
+        started = time.perf_counter()
+        first_step = s.global_step
+        total_loss = self._train_loop(train_dataloader, per_epoch, start_epoch, skip_batches)
+
+        runtime = time.perf_counter() - started
+        steps_run = max(s.global_step - first_step, 1)
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(self._samples_seen / runtime, 3),
+            "train_steps_per_second": round(steps_run / runtime, 3),
+            "train_tokens_per_second": round(self._tokens_seen / runtime, 3),
+            "train_loss": total_loss / steps_run,
+            **self._memory_metrics(),
+        }
+        if a.load_best_model_at_end and s.best_model_checkpoint:
+            ckpt.load_weights(self.accelerator.unwrap_model(self.model_wrapped), s.best_model_checkpoint)
+        self.log(metrics)
+        self._fire("on_train_end")
+        return TrainOutput(s.global_step, metrics["train_loss"], metrics)
+
+    def _windows(self, dataloader, accumulation: int) -> Iterator[list[dict]]:
+        """Group micro-batches into optimizer-step windows; the epoch's last window may be shorter."""
+        window = []
+        for batch in dataloader:
+            window.append(batch)
+            if len(window) == accumulation:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    def _train_loop(self, train_dataloader, per_epoch, start_epoch: int, skip_batches: int) -> float:
+        a, s, acc = self.args, self.state, self.accelerator
+        model, optimizer = self.model_wrapped, self.optimizer
+        accumulation = a.gradient_accumulation_steps
+        total_loss = 0.0
+        self._log_loss = torch.zeros((), device=acc.device)  # summed on device: no host sync per step
+        self._log_steps, self._grad_norm = 0, None
+        self._tokens = torch.zeros((), dtype=torch.long, device=acc.device)
+        self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
+        self._last_saved_step = None
+        self._window_started, self._excluded = time.perf_counter(), 0.0
+        model.train()
+        for epoch in range(start_epoch, s.num_train_epochs):
+            train_dataloader.set_epoch(epoch)
+            loader = train_dataloader
+            if skip_batches:  # resume mid-epoch: skip indices in the sampler, no batch is loaded
+                loader = acc.skip_first_batches(train_dataloader, skip_batches)
+            self._batches_in_epoch, skip_batches = skip_batches, 0
+            self._epoch = epoch
+            self._fire("on_epoch_begin")
+            for window in self._windows(loader, accumulation):
+                self._fire("on_step_begin")
+                num_items = self._window_items(window)
+                for i, batch in enumerate(window):
+                    last = i == len(window) - 1
+                    # gradients are all-reduced only on the window's last micro-batch
+                    with contextlib.nullcontext() if last else acc.no_sync(model):
+                        loss = self.compute_loss(model, batch, num_items_in_batch=num_items)
+                        self._log_loss += loss.detach()
+                        # DDP averages gradients over processes; the loss is already normalised by the
+                        # global item count, so scale back up to get the sum over the global window
+                        acc.backward(loss * acc.num_processes)
+                    self._count_inputs(batch)
+                    if not last:
+                        self._fire("on_substep_end")
+                self._batches_in_epoch += len(window)
+                if a.max_grad_norm:
+                    self._grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm)
+                self._fire("on_pre_optimizer_step")
+                optimizer.step()
+                self._fire("on_optimizer_step")
+                if not acc.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with inf gradients
+                    self.lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                s.global_step += 1
+                self._log_steps += 1
+                s.epoch = epoch + (self._batches_in_epoch / len(train_dataloader) if per_epoch else 0)
+                self._fire("on_step_end")
+                total_loss += self._maybe_log_save_evaluate()
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+            if per_epoch and self._batches_in_epoch >= len(train_dataloader):
+                s.epoch = epoch + 1
+            self._fire("on_epoch_end")
+            total_loss += self._maybe_log_save_evaluate()
+            self.control.should_epoch_stop = False
+            if self.control.should_training_stop or s.global_step >= s.max_steps:
+                break
+        if self._log_steps:  # loss of steps after the last log
+            total_loss += self._reduce_log_loss()
+        return total_loss
+
+    def _count_inputs(self, batch: dict) -> None:
+        self._tokens += count_input_tokens(batch)
+        first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        self._samples_seen += first.shape[0] * self.accelerator.num_processes if first is not None else 0
+
+    def _reduce_log_loss(self) -> float:
+        """Sum of window losses since the last log (over every process), then reset. A host sync."""
+        total = self._log_loss.clone()
+        if self.accelerator.num_processes > 1:
+            total = self.accelerator.reduce(total, reduction="sum")
+        self._log_loss.zero_()
+        self._log_steps = 0
+        return total.item()
+
+    def _maybe_log_save_evaluate(self) -> float:
+        """Act on the control flags; returns the loss sum folded into the log (0 if nothing was logged)."""
+        c, s = self.control, self.state
+        logged = 0.0
+        if c.should_log and self._log_steps:
+            steps = self._log_steps
+            logged = self._reduce_log_loss()
+            tokens = self._tokens.clone()
+            if self.accelerator.num_processes > 1:
+                tokens = self.accelerator.reduce(tokens, reduction="sum")
+            tokens = int(tokens.item())
+            self._tokens.zero_()
+            self._tokens_seen += tokens
+            s.num_input_tokens_seen += tokens
+            elapsed = max(time.perf_counter() - self._window_started - self._excluded, 1e-9)
+            logs = {"loss": round(logged / steps, 6)}
+            if self._grad_norm is not None:
+                logs["grad_norm"] = float(self._grad_norm)
+            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+            logs["tokens_per_second"] = round(tokens / elapsed, 2)
+            logs["samples_per_second"] = round((self._samples_seen - self._samples_at_log) / elapsed, 3)
+            self._samples_at_log = self._samples_seen
+            self.log(logs)
+            self._window_started, self._excluded = time.perf_counter(), 0.0
+        c.should_log = False
+        paused = time.perf_counter()
+        if c.should_evaluate:
+            c.should_evaluate = False
+            if self._evaluate_and_track() and self.args.save_strategy == "best":
+                c.should_save = True
+        if c.should_save:
+            c.should_save = False
+            if self._last_saved_step != s.global_step:  # epoch end right after a step save: same step
+                self._save_checkpoint()
+                self._last_saved_step = s.global_step
+        self._excluded += time.perf_counter() - paused
+        return logged
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Record logs in state.log_history and hand them to the on_log callbacks."""
+        record = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
+        self.state.log_history.append(record)
+        self._fire("on_log", logs=logs)
+
+    def _memory_metrics(self) -> dict[str, float]:
+        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
+            return {"peak_memory_allocated_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+        import resource
+
+        # ru_maxrss is KiB on Linux: the process's peak resident memory, the CPU-side equivalent
+        return {"peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation and prediction
+
+    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        metrics = self._evaluation_loop(self.get_eval_dataloader(eval_dataset), metric_key_prefix).metrics
+        self.log(metrics)
+        self._fire("on_evaluate", metrics=metrics)
+        return metrics
+
+    def _evaluate_and_track(self) -> bool:
+        """Evaluate and update best_metric; True if this evaluation is the new best."""
+        metrics = self.evaluate()
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={name!r}: {key!r} is not among the evaluation metrics "
+                           f"{sorted(metrics)}")
+        value, best = metrics[key], self.state.best_metric
+        better = best is None or (value > best if self.args.greater_is_better else value < best)
+        if better and math.isfinite(value):
+            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
+            return True
+        return False
+
+    def predict(self, test_dataset, metric_key_prefix: str = "test"):
+        output = self._evaluation_loop(self.get_eval_dataloader(test_dataset), metric_key_prefix)
+        self._fire("on_predict", metrics=output.metrics)
+        return output
+
+    def _evaluation_loop(self, dataloader, prefix: str):
+        from transformers.trainer_utils import EvalPrediction, PredictionOutput
+
+        acc = self.accelerator
+        if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
+            self.model_wrapped = acc.prepare_model(self.model, evaluation_mode=True)
+        model = self.model_wrapped
+        was_training = model.training
+        model.eval()
+        want_predictions = self.compute_metrics is not None or prefix != "eval"
+        loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
+        items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
+        preds, labels, pending_preds, pending_labels = [], [], [], []
+        started = time.perf_counter()
+        for n, batch in enumerate(dataloader, 1):
+            label = batch.get(self.label_names[0])
+            with torch.no_grad():
+                if label is None and (self._loss_type or self.compute_loss_func):
+                    outputs = model(**batch)  # no labels, so no loss: predictions only
+                else:
+                    # each batch's loss is normalised over its own items, then re-weighted by them: the
+                    # result is the exact mean over every target token of the eval set
+                    items = count_targets(batch, self.label_names[0], self._causal)
+                    loss, outputs = self.compute_loss(model, dict(batch), return_outputs=True,
+                                                      num_items_in_batch=items)
+                    loss_sum += loss.double() * items
+                    items_sum += items
+            if want_predictions:
+                logits = self._logits_of(outputs)
+                if logits is not None and self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, label)
+                if logits is not None:
+                    pending_preds.append(acc.gather_for_metrics(acc.pad_across_processes(logits, dim=1, pad_index=-100)))
+                if label is not None:
+                    pending_labels.append(acc.gather_for_metrics(acc.pad_across_processes(label, dim=1, pad_index=-100)))
+                if self.args.eval_accumulation_steps and n % self.args.eval_accumulation_steps == 0:
+                    preds += [t.cpu() for t in pending_preds]
+                    labels += [t.cpu() for t in pending_labels]
+                    pending_preds, pending_labels = [], []
+            self._fire("on_prediction_step")
+        preds += [t.cpu() for t in pending_preds]
+        labels += [t.cpu() for t in pending_labels]
+        if was_training:
+            model.train()
+
+        metrics = {}
+        if acc.num_processes > 1:
+            loss_sum, items_sum = acc.reduce(loss_sum, "sum"), acc.reduce(items_sum, "sum")
+        if items_sum.item() > 0:
+            metrics[f"{prefix}_loss"] = loss_sum.item() / items_sum.item()
+        predictions = _concat_padded(preds)
+        label_ids = _concat_padded(labels)
+        if self.compute_metrics is not None and predictions is not None:
+            for k, v in self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids)).items():
+                metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = v
+        runtime = time.perf_counter() - started
+        metrics[f"{prefix}_runtime"] = round(runtime, 4)
+        metrics[f"{prefix}_samples_per_second"] = round(len(dataloader.dataset) / runtime, 3)
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    @staticmethod
+    def _logits_of(outputs):
+        if isinstance(outputs, torch.Tensor):
+            return None  # a bare loss
+        if isinstance(outputs, dict) or hasattr(outputs, "keys"):
+            if "logits" in outputs:
+                return outputs["logits"]
+            rest = [v for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)]
+            return rest[0] if rest else None
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    # saving and resuming
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Save the model for use outside stoker: transformers/peft models with save_pretrained
+        (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json."""
+        output_dir = output_dir or self.args.output_dir
+        acc = self.accelerator
+        state_dict = acc.get_state_dict(self.model_wrapped)  # gathers shards; every rank must call it
+        if acc.is_main_process:
+            os.makedirs(output_dir, exist_ok=True)
+            ckpt.save_weights(acc.unwrap_model(self.model_wrapped), output_dir, state_dict=state_dict)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(output_dir)
+            ckpt.write_json(output_dir, "training_args.json", self.args.to_dict())
+        acc.wait_for_everyone()
+
+    def _save_checkpoint(self) -> str:
+        a, s, acc = self.args, self.state, self.accelerator
+        final = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.global_step}")
+        tmp = ckpt.temp_dir_for(final)
+        if s.best_global_step == s.global_step:
+            s.best_model_checkpoint = final
+        s.stateful_callbacks = {type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks
+                                if callable(getattr(cb, "state", None))}
+        state_dict = acc.get_state_dict(self.model_wrapped)
+        if acc.is_main_process:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            ckpt.save_weights(acc.unwrap_model(self.model_wrapped), tmp, state_dict=state_dict)
+            ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
+            ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
+            if acc.scaler is not None:
+                ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                f.write(s.to_json_string())
+            ckpt.write_json(tmp, "training_args.json", a.to_dict())
+            ckpt.write_json(tmp, "loop_state.json", self._loop_state())
+        ckpt.save_state(tmp, f"rng_state_{acc.process_index}", _rng_state())
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            ckpt.commit(tmp, final, s.global_step)
+            ckpt.rotate(a.output_dir, a.save_total_limit, keep=s.best_model_checkpoint)
+        acc.wait_for_everyone()
+        self._fire("on_save")
+        return final
+
+    def _loop_state(self) -> dict[str, Any]:
+        """Where the data stream stands, and the settings that must not change for an exact resume."""
+        a = self.args
+        return {
+            "epoch": self._epoch,
+            "batches_in_epoch": self._batches_in_epoch,
+            "data_seed": a.data_seed,
+            "world_size": self.accelerator.num_processes,
+            "per_device_train_batch_size": a.per_device_train_batch_size,
+            "gradient_accumulation_steps": a.gradient_accumulation_steps,
+            "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
+        }
+
+    def _resolve_resume(self, resume) -> str | None:
+        a = self.args
+        if resume is None or resume is False:
+            resume = a.resume_from_checkpoint
+        if resume is None or resume is False:
+            existing = ckpt.list_checkpoints(a.output_dir)
+            if existing and not a.overwrite_output_dir:
+                raise ConfigError([f"output_dir={a.output_dir!r}: already holds {len(existing)} checkpoint(s) "
+                                   f"(newest {os.path.basename(existing[-1])}); resume with "
+                                   "train(resume_from_checkpoint=True), or set overwrite_output_dir=True"],
+                                  "Trainer inputs")
+            return None
+        if resume is True:
+            for path in reversed(ckpt.list_checkpoints(a.output_dir)):
+                problem = ckpt.verify(path)
+                if problem is None:
+                    return path
+                print(f"stoker: warning: skipping {path}: {problem}", file=sys.stderr)
+            print(f"stoker: no complete checkpoint in {a.output_dir}; starting from scratch", file=sys.stderr)
+            return None
+        problem = ckpt.verify(resume) if os.path.isdir(resume) else "no such folder"
+        if problem:
+            raise ckpt.CheckpointError(f"resume_from_checkpoint={resume!r}: {problem}")
+        return resume
+
+    def _load_checkpoint(self, folder: str) -> tuple[int, int]:
+        """Restore everything saved by _save_checkpoint; returns (epoch, batches to skip in it)."""
+        acc = self.accelerator
+        ckpt.load_weights(acc.unwrap_model(self.model_wrapped), folder)
+        self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
+        self.lr_scheduler.load_state_dict(ckpt.load_state(folder, "scheduler"))
+        if acc.scaler is not None and os.path.exists(os.path.join(folder, "scaler.json")):
+            acc.scaler.load_state_dict(ckpt.load_state(folder, "scaler"))
+        saved = TrainerState.from_dict(ckpt.read_json(folder, "trainer_state.json"))
+        s = self.state
+        for name in ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
+                     "best_global_step", "best_model_checkpoint", "stateful_callbacks"):
+            setattr(s, name, getattr(saved, name))
+        for cb in self.callback_handler.callbacks:
+            values = s.stateful_callbacks.get(type(cb).__name__)
+            if values is not None and callable(getattr(cb, "load_state", None)):
+                cb.load_state(values)
+        rng_name = f"rng_state_{acc.process_index}"
+        if os.path.exists(os.path.join(folder, f"{rng_name}.json")):
+            _set_rng_state(ckpt.load_state(folder, rng_name))
+        loop = ckpt.read_json(folder, "loop_state.json")
+        return loop["epoch"], loop["batches_in_epoch"]
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _concat_padded(tensors: list[torch.Tensor], pad: int = -100) -> np.ndarray | None:
+    """Concatenate batches along dim 0, padding later dims to the largest (sequence lengths vary)."""
+    if not tensors:
+        return None
+    if tensors[0].dim() == 0:
+        return torch.stack(tensors).numpy()
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    out = torch.full((sum(t.shape[0] for t in tensors), *shape), pad, dtype=tensors[0].dtype)
+    row = 0
+    for t in tensors:
+        out[(slice(row, row + t.shape[0]), *(slice(0, n) for n in t.shape[1:]))] = t
+        row += t.shape[0]
+    if out.dtype == torch.bfloat16:
+        out = out.float()
+    return out.numpy()
