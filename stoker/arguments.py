@@ -161,7 +161,7 @@ class TrainingArguments:
     logging_steps: float = field(default=500, metadata=_help(
         "Optimizer steps between logs; a value < 1 is a fraction of max_steps.", "logging"))
     logging_first_step: bool = field(default=False, metadata=_help("Also log after the first step.", "logging"))
-    report_to: str | list[str] | None = field(default="none", metadata=_help(
+    report_to: None | str | list[str] = field(default="none", metadata=_help(
         "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'.", "logging"))
     disable_tqdm: bool | None = field(default=None, metadata=_help(
         "Turn off the progress bar (periodic progress lines are printed instead).", "logging"))
@@ -420,3 +420,108 @@ class TrainingArguments:
         if unknown:
             raise ConfigError([f"{k}: unknown field{suggest(k, names)}" for k in unknown], "TrainingArguments")
         return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------------
+# parsing: CLI flags, a YAML/JSON file, and the file overridden by flags
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError([f"config file {path!r}: no such file"], "configuration")
+    with open(path) as f:
+        if path.endswith(".json"):
+            values = json.load(f)
+        else:
+            import yaml
+
+            values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ConfigError([f"config file {path!r}: must hold a mapping of field: value, "
+                           f"got {type(values).__name__}"], "configuration")
+    return values
+
+
+def _to_flags(values: dict[str, Any]) -> list[str]:
+    """A config mapping as command-line flags, so that argparse converts and checks types the same way for a
+    file and for flags (YAML reads '1e-4' as a string), and flags given later override the file."""
+    flags = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        flags.append(f"--{key}")
+        if isinstance(value, dict):
+            flags.append(json.dumps(value))
+        elif isinstance(value, (list, tuple)):
+            flags += [str(v) for v in value]
+        else:
+            flags.append(str(value))
+    return flags
+
+
+def _parser_class():
+    """transformers' HfArgumentParser, taught to put each field under its `group` in --help."""
+    import copy
+    import typing
+
+    from transformers import HfArgumentParser
+
+    class Parser(HfArgumentParser):
+        def _add_dataclass_arguments(self, dtype):
+            hints = typing.get_type_hints(dtype)
+            groups = {}
+            default_group = getattr(dtype, "_argument_group_name", dtype.__name__)
+            for f in dataclasses.fields(dtype):
+                if not f.init:
+                    continue
+                meta = dict(f.metadata)
+                name = meta.pop("group", default_group)
+                if name not in groups:
+                    groups[name] = self.add_argument_group(name)
+                plain = copy.copy(f)
+                plain.metadata, plain.type = meta, hints[f.name]
+                self._parse_dataclass_field(groups[name], plain)
+
+    return Parser
+
+
+def parse_config(types: tuple[type, ...], argv: list[str] | None = None, defaults: dict[str, Any] | None = None,
+                 prog: str | None = None):
+    """Parse `[CONFIG.yaml|json] [--field value ...]` into one instance of each dataclass in `types`.
+
+    Precedence: flags > config file > `defaults` > the dataclasses' own defaults. Unknown keys and flags are
+    rejected with the closest valid name; every dataclass's problems are reported in one ConfigError.
+    """
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = [f.name for t in types for f in dataclasses.fields(t) if f.init]
+    values = dict(defaults or {})
+    if argv and argv[0].endswith(CONFIG_SUFFIXES):
+        values.update(load_config_file(argv.pop(0)))
+    problems = [f"{k}: unknown field{suggest(k, names)}" for k in values if k not in names]
+    parser = _parser_class()(types, prog=prog)
+    if problems:
+        raise ConfigError(problems, "configuration")
+    namespace, rest = parser.parse_known_args(_to_flags(values) + argv)
+    for item in rest:
+        if item.startswith("--"):
+            flag = item[2:].split("=")[0].replace("-", "_")
+            problems.append(f"--{flag}: unknown flag{suggest(flag, names)}")
+        else:
+            problems.append(f"{item!r}: unexpected value (config files must come first and end in "
+                            f"{', '.join(CONFIG_SUFFIXES)})")
+    if problems:
+        raise ConfigError(problems, "command line")
+    out = []
+    for t in types:
+        keys = {f.name for f in dataclasses.fields(t) if f.init}
+        try:
+            out.append(t(**{k: v for k, v in vars(namespace).items() if k in keys}))
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems, "configuration")
+    return tuple(out)
