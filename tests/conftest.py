@@ -1,0 +1,69 @@
+"""Shared fixtures: a tiny Llama built from a config (no hub), variable-length causal-LM rows, and arguments.
+
+Every fixture is a factory so that a test can ask for several models / datasets / argument sets.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+VOCAB_SIZE = 64
+
+
+@pytest.fixture
+def tiny_llama():
+    """tiny_llama(seed=0, **config_overrides) -> a freshly initialised LlamaForCausalLM (~40k parameters)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(seed: int = 0, **overrides):
+        config = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        config.update(overrides)
+        torch.manual_seed(seed)  # the initial weights depend on the seed only
+        return LlamaForCausalLM(LlamaConfig(**config))
+
+    return make
+
+
+@pytest.fixture
+def clm_rows():
+    """clm_rows(n, seed=0, min_len=4, max_len=16) -> n dicts {"input_ids", "labels"} of random lengths.
+
+    Token ids start at 1 so that the collator's pad id 0 never occurs inside a row."""
+
+    def make(n: int, seed: int = 0, min_len: int = 4, max_len: int = 16, vocab_size: int = VOCAB_SIZE):
+        rng = random.Random(seed)
+        rows = []
+        for _ in range(n):
+            ids = [rng.randrange(1, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+            rows.append({"input_ids": ids, "labels": list(ids)})
+        return rows
+
+    return make
+
+
+@pytest.fixture
+def make_args(tmp_path):
+    """make_args(**overrides) -> TrainingArguments writing under tmp_path, quiet and without checkpoints."""
+    from stoker import TrainingArguments
+
+    def make(**overrides):
+        values = dict(
+            output_dir=str(tmp_path / "out"),
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+            logging_steps=1,
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=4,
+            num_train_epochs=1,
+            learning_rate=1e-3,
+            seed=0,
+        )
+        values.update(overrides)
+        return TrainingArguments(**values)
+
+    return make

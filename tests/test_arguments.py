@@ -1,0 +1,304 @@
+"""TrainingArguments: parity with transformers, one-shot validation, derived values, serialisation, import cost."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stoker import ConfigError, TrainingArguments
+from stoker.arguments import OPTIMIZER_NAMES, SCHEDULER_NAMES
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+
+# Fields that both dataclasses define (transformers 5.x). A field renamed or dropped on either side fails
+# test_field_names_overlap_transformers, so this list is the reviewed contract, not a snapshot.
+OVERLAP = {
+    "accelerator_config", "adam_beta1", "adam_beta2", "adam_epsilon", "auto_find_batch_size", "bf16", "data_seed",
+    "dataloader_drop_last", "dataloader_num_workers", "dataloader_persistent_workers", "dataloader_pin_memory",
+    "dataloader_prefetch_factor", "ddp_backend", "ddp_broadcast_buffers", "ddp_bucket_cap_mb",
+    "ddp_find_unused_parameters", "ddp_timeout", "deepspeed", "disable_tqdm", "eval_accumulation_steps",
+    "eval_on_start", "eval_steps", "eval_strategy", "fp16", "fsdp", "fsdp_config", "gradient_accumulation_steps",
+    "gradient_checkpointing", "gradient_checkpointing_kwargs", "greater_is_better", "include_num_input_tokens_seen",
+    "label_names", "learning_rate", "length_column_name", "load_best_model_at_end", "logging_first_step",
+    "logging_steps", "logging_strategy", "lr_scheduler_kwargs", "lr_scheduler_type", "max_grad_norm", "max_steps",
+    "metric_for_best_model", "num_train_epochs", "optim", "optim_args", "output_dir", "per_device_eval_batch_size",
+    "per_device_train_batch_size", "remove_unused_columns", "report_to", "resume_from_checkpoint", "run_name",
+    "save_steps", "save_strategy", "save_total_limit", "seed", "tf32", "torch_compile", "torch_compile_backend",
+    "torch_compile_mode", "use_cpu", "warmup_steps", "weight_decay",
+}
+# Fields transformers 5 dropped and stoker keeps, with the defaults transformers 4 had.
+KEPT_FROM_TRANSFORMERS_4 = {"overwrite_output_dir": False, "warmup_ratio": 0.0, "group_by_length": False,
+                            "logging_dir": None}
+# Intentional differences in the declared default:
+DEFAULT_EXCEPTIONS = {
+    # stoker: a bool defaulting to True; transformers 5: 'all' | 'non_padding' | 'no' (or a bool), default 'no'.
+    "include_num_input_tokens_seen",
+    # transformers 5 declares None because the field is a deprecated alias of activation_checkpointing; its
+    # __post_init__ resolves it to False, which test_resolved_defaults_match_transformers compares.
+    "gradient_checkpointing",
+}
+GROUPS = {"output", "duration", "batch", "optimizer", "precision", "memory", "data", "logging", "evaluation",
+          "saving", "distributed"}
+
+
+def _declared_default(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+# ---------------------------------------------------------------------------------------------------
+# parity with transformers
+
+
+def test_field_names_overlap_transformers():
+    import transformers
+
+    hf = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    ours = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert ours & hf == OVERLAP
+    assert ours - hf == set(KEPT_FROM_TRANSFORMERS_4)  # every other stoker field exists in transformers
+
+
+def test_declared_defaults_match_transformers():
+    import transformers
+
+    hf = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
+    ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    mismatches = {}
+    for name in sorted(OVERLAP - DEFAULT_EXCEPTIONS):
+        a, b = _declared_default(hf[name]), _declared_default(ours[name])
+        if a != b or type(a) is not type(b):
+            mismatches[name] = (a, b)
+    assert mismatches == {}
+    for name, default in KEPT_FROM_TRANSFORMERS_4.items():
+        assert _declared_default(ours[name]) == default, name
+
+
+def test_include_num_input_tokens_seen_is_a_bool_defaulting_to_true():
+    f = {f.name: f for f in dataclasses.fields(TrainingArguments)}["include_num_input_tokens_seen"]
+    assert f.default is True
+
+
+def test_resolved_defaults_match_transformers():
+    import transformers
+
+    hf, ours = transformers.TrainingArguments(), TrainingArguments()
+    assert ours.output_dir == hf.output_dir == "trainer_output"
+    assert ours.gradient_checkpointing is hf.gradient_checkpointing is False
+    for name in ("per_device_train_batch_size", "learning_rate", "optim", "lr_scheduler_type", "save_steps",
+                 "logging_steps", "num_train_epochs", "max_steps", "seed", "weight_decay", "max_grad_norm"):
+        assert getattr(ours, name) == getattr(hf, name), name
+
+
+def test_scheduler_names_follow_transformers():
+    from transformers.trainer_utils import SchedulerType
+
+    assert len(set(SCHEDULER_NAMES)) == len(SCHEDULER_NAMES)
+    assert set(SCHEDULER_NAMES) == {s.value for s in SchedulerType} - {"greedy"}
+
+
+def test_optimizer_names_are_transformers_names():
+    from transformers.training_args import OptimizerNames
+
+    assert len(set(OPTIMIZER_NAMES)) == len(OPTIMIZER_NAMES)
+    assert set(OPTIMIZER_NAMES) - {o.value for o in OptimizerNames} == set()
+
+
+def test_every_field_has_help_and_group():
+    for f in dataclasses.fields(TrainingArguments):
+        assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), f.name
+        assert f.metadata.get("group") in GROUPS, f.name
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation: every problem, once
+
+
+def _problems(**kwargs) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        TrainingArguments(**kwargs)
+    return info.value
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_all_problems_reported_in_one_error():
+    err = _problems(bf16=True, fp16=True, per_device_train_batch_size=0, gradient_accumulation_steps=-1,
+                    optim="adamw_torh", lr_scheduler_type="cosin")
+    message = str(err)
+    for name in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps", "optim=",
+                 "lr_scheduler_type"):
+        assert name in message, name
+    # one problem entry per offending field, each naming its field
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "optim", "lr_scheduler_type"):
+        assert any(p.startswith(f"{name}=") for p in err.problems), name
+    assert any("bf16" in p and "fp16" in p for p in err.problems)
+    assert len(err.problems) >= 5
+    assert "'adamw_torch'" in message
+    assert "'cosine'" in message
+    assert message.count("invalid TrainingArguments") == 1
+
+
+def test_valid_defaults_raise_nothing():
+    args = TrainingArguments()
+    assert args.problems() == []
+
+
+def test_load_best_model_needs_evaluation():
+    err = _problems(load_best_model_at_end=True, eval_strategy="no")
+    assert "load_best_model_at_end" in str(err) and "eval_strategy" in str(err)
+
+
+def test_load_best_model_needs_matching_strategies():
+    err = _problems(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch")
+    assert "save_strategy" in str(err) and "eval_strategy" in str(err)
+    TrainingArguments(load_best_model_at_end=True, eval_strategy="epoch", save_strategy="epoch")
+
+
+def test_load_best_model_needs_save_steps_multiple_of_eval_steps():
+    err = _problems(load_best_model_at_end=True, eval_strategy="steps", eval_steps=30, save_steps=50)
+    assert "save_steps" in str(err) and "eval_steps" in str(err) and "multiple" in str(err)
+    args = TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", eval_steps=30, save_steps=60)
+    assert args.metric_for_best_model == "loss" and args.greater_is_better is False
+
+
+def test_save_best_needs_a_metric():
+    err = _problems(save_strategy="best", eval_strategy="steps")
+    assert "metric_for_best_model" in str(err)
+    TrainingArguments(save_strategy="best", eval_strategy="steps", metric_for_best_model="loss")
+
+
+@needs_no_cuda
+def test_fp16_on_cpu_is_rejected():
+    err = _problems(fp16=True)
+    assert "fp16" in str(err) and "CUDA GPU" in str(err)
+
+
+@needs_no_cuda
+def test_tf32_on_cpu_is_rejected():
+    err = _problems(tf32=True)
+    assert "tf32" in str(err)
+    TrainingArguments(tf32=False)  # turning it off is always fine
+
+
+def test_worker_options_need_workers():
+    err = _problems(dataloader_persistent_workers=True, dataloader_prefetch_factor=2)
+    assert any(p.startswith("dataloader_persistent_workers=") for p in err.problems)
+    assert any(p.startswith("dataloader_prefetch_factor=") for p in err.problems)
+    TrainingArguments(dataloader_num_workers=1, dataloader_persistent_workers=True, dataloader_prefetch_factor=2)
+
+
+def test_unknown_report_to():
+    err = _problems(report_to="wandb")
+    assert "report_to" in str(err) and "wandb" in str(err)
+
+
+@pytest.mark.parametrize("name,value", [("fsdp", "full_shard"), ("deepspeed", "ds.json"),
+                                        ("auto_find_batch_size", True), ("fsdp_config", {"min_num_params": 1})])
+def test_not_yet_supported_fields(name, value):
+    err = _problems(**{name: value})
+    assert len(err.problems) == 1
+    assert err.problems[0].startswith(f"{name}=") and "not yet supported" in err.problems[0]
+
+
+def test_unknown_accelerator_config_key():
+    err = _problems(accelerator_config={"split_batch": True})
+    assert "accelerator_config" in str(err) and "'split_batches'" in str(err)
+    args = TrainingArguments(accelerator_config='{"split_batches": false}')
+    assert args.accelerator_config == {"split_batches": False}
+
+
+def test_invalid_json_for_scheduler_kwargs():
+    err = _problems(lr_scheduler_kwargs="{num_cycles: 2}")
+    assert "lr_scheduler_kwargs" in str(err) and "JSON" in str(err)
+    assert TrainingArguments(lr_scheduler_kwargs='{"num_cycles": 2}').lr_scheduler_kwargs == {"num_cycles": 2}
+
+
+# ---------------------------------------------------------------------------------------------------
+# derived values
+
+
+def test_eval_steps_defaults_to_logging_steps():
+    assert TrainingArguments(logging_steps=7).eval_steps == 7
+    assert TrainingArguments(logging_steps=7, eval_steps=3).eval_steps == 3
+
+
+def test_data_seed_defaults_to_seed():
+    assert TrainingArguments(seed=5).data_seed == 5
+    assert TrainingArguments(seed=5, data_seed=9).data_seed == 9
+
+
+def test_torch_compile_mode_implies_compile():
+    plain = TrainingArguments()
+    assert plain.torch_compile is False and plain.torch_compile_backend is None
+    args = TrainingArguments(torch_compile_mode="reduce-overhead")
+    assert args.torch_compile is True and args.torch_compile_backend == "inductor"
+    args = TrainingArguments(torch_compile_backend="eager")
+    assert args.torch_compile is True and args.torch_compile_backend == "eager"
+
+
+def test_report_to_all_means_tensorboard():
+    assert TrainingArguments(report_to="all").report_to == ["tensorboard"]
+    assert TrainingArguments(report_to="tensorboard").report_to == ["tensorboard"]
+
+
+def test_warmup_for():
+    assert TrainingArguments(warmup_steps=10).warmup_for(95) == 10
+    assert TrainingArguments(warmup_steps=0.1).warmup_for(95) == 10  # ceil(9.5)
+    assert TrainingArguments(warmup_ratio=0.2).warmup_for(50) == 10
+    assert TrainingArguments().warmup_for(50) == 0
+
+
+def test_optimizer_kwargs_parses_tuples_numbers_and_strings():
+    args = TrainingArguments(optim_args="betas=(0.9,0.95),eps=1e-6,foo=bar")
+    assert args.optimizer_kwargs() == {"betas": (0.9, 0.95), "eps": 1e-6, "foo": "bar"}
+
+
+def test_optim_args_without_equals_is_rejected():
+    err = _problems(optim_args="eps")
+    assert "optim_args" in str(err)
+
+
+# ---------------------------------------------------------------------------------------------------
+# serialisation
+
+
+def test_json_round_trip():
+    args = TrainingArguments(output_dir="somewhere", learning_rate=3e-4, lr_scheduler_type="cosine",
+                             lr_scheduler_kwargs={"num_cycles": 2}, label_names=["labels", "more"],
+                             report_to="tensorboard", warmup_ratio=0.1, optim_args="eps=1e-6",
+                             accelerator_config={"even_batches": False}, eval_strategy="steps", eval_steps=5)
+    again = TrainingArguments.from_dict(json.loads(args.to_json_string()))
+    assert again.to_dict() == args.to_dict()
+    assert again.lr_scheduler_kwargs == {"num_cycles": 2} and again.label_names == ["labels", "more"]
+    assert TrainingArguments.from_dict(json.loads(TrainingArguments().to_json_string())).to_dict() \
+        == TrainingArguments().to_dict()
+
+
+def test_from_dict_rejects_unknown_keys_with_a_suggestion():
+    with pytest.raises(ConfigError) as info:
+        TrainingArguments.from_dict({"learning_rat": 1e-4, "seed": 1})
+    assert "learning_rat" in str(info.value) and "'learning_rate'" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# import cost
+
+
+def test_import_stoker_stays_light():
+    code = ("import json, sys, stoker\n"
+            "heavy = ('transformers', 'peft', 'bitsandbytes', 'datasets', 'tensorboard', 'matplotlib')\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))\n"
+            "print(json.dumps('torch' in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[-2]) == []
+    assert json.loads(lines[-1]) is True  # the check itself works: a module that is imported is seen
