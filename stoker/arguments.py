@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,7 +39,9 @@ ACCELERATOR_CONFIG_KEYS = (
 )
 # Fields that are parsed and validated but whose feature is not built yet: setting them is an error rather
 # than a silent no-op. Each maps to the value that means "off".
-NOT_YET_SUPPORTED = {"fsdp": None, "fsdp_config": None, "deepspeed": None, "auto_find_batch_size": False}
+NOT_YET_SUPPORTED = {"fsdp": None, "fsdp_config": None, "deepspeed": None}
+NONFINITE_POLICIES = ("skip", "stop")
+RESUME_MISMATCH = ("error", "warn")
 # Dict-valued fields that may arrive as a JSON string from the command line.
 JSON_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config", "fsdp_config",
                "deepspeed")
@@ -88,7 +91,8 @@ class TrainingArguments:
         "Micro-batches per optimizer step. The loss is normalised over every target token of the window, so "
         "B x A equals one batch of B*A exactly.", "batch"))
     auto_find_batch_size: bool = field(default=False, metadata=_help(
-        "On out-of-memory, halve the micro-batch and double accumulation (not yet supported).", "batch"))
+        "On out-of-memory, halve the micro-batch and double gradient_accumulation_steps (the update stays the "
+        "same), retry the step, and keep the new size in checkpoints.", "batch"))
 
     # --- optimizer and schedule -----------------------------------------------------------------
     learning_rate: float = field(default=5e-5, metadata=_help("Peak learning rate.", "optimizer"))
@@ -199,6 +203,23 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = field(default=None, metadata=_help(
         "Checkpoint folder to resume from (used by the recipes and `stoker train`).", "saving"))
 
+    # --- faults -----------------------------------------------------------------------------------
+    nonfinite_policy: str = field(default="skip", metadata=_help(
+        "On a non-finite loss or gradient norm (checked every step, before the optimizer step): 'skip' the "
+        "update (parameters and optimizer state unchanged, counted in the logs) or 'stop' with an error.",
+        "faults"))
+    max_nonfinite_steps: int = field(default=3, metadata=_help(
+        "Stop with an error after this many consecutive non-finite steps, whatever nonfinite_policy says.",
+        "faults"))
+    save_on_signal: bool = field(default=True, metadata=_help(
+        "On SIGTERM or SIGUSR1 (preemption, SLURM time limits), finish the optimizer step, write a checkpoint "
+        "and exit with code 75 (stoker.trainer.PREEMPTED_EXIT_CODE); resume with resume_from_checkpoint=True.",
+        "faults"))
+    resume_mismatch: str = field(default="error", metadata=_help(
+        "When a checkpoint was written with other batch size, accumulation, world size, dataset length or "
+        "seeds: 'error' refuses to resume, 'warn' continues with the new settings (no longer exact).",
+        "faults"))
+
     # --- devices and distribution ---------------------------------------------------------------
     use_cpu: bool = field(default=False, metadata=_help("Train on the CPU even when an accelerator exists.",
                                                          "distributed"))
@@ -288,12 +309,13 @@ class TrainingArguments:
         if self.lr_scheduler_type not in SCHEDULER_NAMES:
             bad("lr_scheduler_type", f"unknown scheduler{suggest(self.lr_scheduler_type, SCHEDULER_NAMES)}; "
                                      f"accepted: {', '.join(SCHEDULER_NAMES)}")
-        if self.optim_args:
-            for item in self.optim_args.split(","):
-                if "=" not in item:
-                    bad("optim_args", f"{item!r} is not 'key=value'; write e.g. 'betas=(0.9,0.95),eps=1e-6'")
-                    break
+        try:
+            self.optimizer_kwargs()
+        except ValueError as e:
+            bad("optim_args", f"{e}; write e.g. 'betas=(0.9,0.95),eps=1e-6'")
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config"):
+            if isinstance(getattr(self, name), str) and getattr(self, name).lstrip().startswith("{"):
+                continue  # invalid JSON, reported by __post_init__
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 bad(name, "must be a dict or a JSON object string")
         if isinstance(self.accelerator_config, dict):
@@ -345,6 +367,12 @@ class TrainingArguments:
                   and self.save_steps % self.eval_steps):
                 p.append(f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps; got "
                          f"save_steps={self.save_steps!r}, eval_steps={self.eval_steps!r}")
+        if self.nonfinite_policy not in NONFINITE_POLICIES:
+            bad("nonfinite_policy", f"accepted: {', '.join(NONFINITE_POLICIES)}")
+        if self.max_nonfinite_steps < 1:
+            bad("max_nonfinite_steps", "must be >= 1")
+        if self.resume_mismatch not in RESUME_MISMATCH:
+            bad("resume_mismatch", f"accepted: {', '.join(RESUME_MISMATCH)}")
         bad_reports = [r for r in self.report_to if r not in REPORT_TO]
         if bad_reports:
             bad("report_to", f"unsupported {bad_reports}; accepted: {', '.join(REPORT_TO)}")
@@ -383,27 +411,21 @@ class TrainingArguments:
         return math.ceil((self.warmup_steps or self.warmup_ratio) * max_steps)
 
     def optimizer_kwargs(self) -> dict[str, Any]:
-        """optim_args parsed from 'key=value,...' into Python literals."""
+        """optim_args 'key=value,...' as a dict of Python literals (non-literals stay strings)."""
         import ast
 
         out = {}
-        if self.optim_args:
-            # split on commas that are not inside parentheses, so 'betas=(0.9,0.95)' stays one item
-            depth, item, items = 0, "", []
-            for ch in self.optim_args:
-                depth += (ch == "(") - (ch == ")")
-                if ch == "," and depth == 0:
-                    items.append(item)
-                    item = ""
-                else:
-                    item += ch
-            items.append(item)
-            for it in items:
-                key, value = it.split("=", 1)
-                try:
-                    out[key.strip()] = ast.literal_eval(value.strip())
-                except (ValueError, SyntaxError):
-                    out[key.strip()] = value.strip()
+        if not self.optim_args:
+            return out
+        # split on commas outside parentheses, so that 'betas=(0.9,0.95)' stays one item
+        for item in re.split(r",(?![^()]*\))", self.optim_args or ""):
+            if "=" not in item:
+                raise ValueError(f"{item!r} is not 'key=value'")
+            key, value = (x.strip() for x in item.split("=", 1))
+            try:
+                out[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                out[key] = value
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -469,6 +491,9 @@ def _parser_class():
     from transformers import HfArgumentParser
 
     class Parser(HfArgumentParser):
+        def error(self, message):  # argparse would print and exit; report it like every other problem
+            raise ConfigError([message], "command line")
+
         def _add_dataclass_arguments(self, dtype):
             hints = typing.get_type_hints(dtype)
             groups = {}
@@ -502,15 +527,18 @@ def parse_config(types: tuple[type, ...], argv: list[str] | None = None, default
     if argv and argv[0].endswith(CONFIG_SUFFIXES):
         values.update(load_config_file(argv.pop(0)))
     problems = [f"{k}: unknown field{suggest(k, names)}" for k in values if k not in names]
-    parser = _parser_class()(types, prog=prog)
+    # allow_abbrev=False: '--learning_rat' must be an error (as the same key in a file is), not a prefix
+    parser = _parser_class()(types, prog=prog, allow_abbrev=False)
     if problems:
         raise ConfigError(problems, "configuration")
     namespace, rest = parser.parse_known_args(_to_flags(values) + argv)
+    after_flag = False
     for item in rest:
         if item.startswith("--"):
             flag = item[2:].split("=")[0].replace("-", "_")
             problems.append(f"--{flag}: unknown flag{suggest(flag, names)}")
-        else:
+            after_flag = True
+        elif not after_flag:  # a value right after an unknown flag belongs to it
             problems.append(f"{item!r}: unexpected value (config files must come first and end in "
                             f"{', '.join(CONFIG_SUFFIXES)})")
     if problems:

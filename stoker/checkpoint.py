@@ -149,6 +149,13 @@ def temp_dir_for(final: str) -> str:
     return os.path.join(parent, f".tmp-{name}")
 
 
+def stale_temp_dirs(output_dir: str) -> list[str]:
+    """Temporary folders of saves that never committed (the process was killed while writing)."""
+    if not os.path.isdir(output_dir):
+        return []
+    return [os.path.join(output_dir, n) for n in os.listdir(output_dir) if n.startswith(f".tmp-{PREFIX}")]
+
+
 def commit(tmp: str, final: str, step: int) -> None:
     """Seal `tmp` with a manifest and rename it to `final` (replacing an older folder of the same name)."""
     files = {}
@@ -165,8 +172,18 @@ def commit(tmp: str, final: str, step: int) -> None:
     _fsync(os.path.dirname(os.path.abspath(final)))
 
 
+def _looks_pickled(path: str) -> bool:
+    """A pickle stream (protocol 2+ starts with 0x80 and the protocol number) or a torch.save zip archive."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head == b"PK\x03\x04"
+
+
 def verify(folder: str) -> str | None:
-    """None if the checkpoint is complete and intact, else what is wrong with it."""
+    """None if the checkpoint is complete and intact, else what is wrong with it. Reads bytes only."""
+    pickled = [rel for rel in _files(folder) if _looks_pickled(os.path.join(folder, rel))]
+    if pickled:
+        return f"{', '.join(pickled)} is a pickle or torch.save file, which stoker never loads (it can run code)"
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest_path):
         return "no manifest.json (the save did not finish)"
@@ -175,6 +192,9 @@ def verify(folder: str) -> str | None:
         files = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         return f"manifest.json is unreadable ({e})"
+    unexpected = [rel for rel in _files(folder) if rel != MANIFEST and rel not in files]
+    if unexpected:
+        return f"{', '.join(unexpected)} not in the manifest (added after the checkpoint was written)"
     for rel, meta in files.items():
         path = os.path.join(folder, rel)
         if not os.path.isfile(path):

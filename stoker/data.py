@@ -126,6 +126,9 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
         persistent_workers=args.dataloader_persistent_workers and workers > 0,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
         drop_last=args.dataloader_drop_last if train else False,
+        # iterator creation draws worker seeds from this generator instead of the global RNG, which
+        # would otherwise shift dropout masks after a resume (reseeded per epoch by the Trainer)
+        generator=torch.Generator().manual_seed(args.data_seed) if train else None,
     )
 
 

@@ -17,7 +17,7 @@ from .arguments import ConfigError, TrainingArguments
 
 @dataclass
 class ModelArguments:
-    _argument_group_name = "model"
+    _argument_group_name = "model (recipe)"
 
     model_name_or_path: str | None = field(default=None, metadata={
         "help": "A hub id or a local folder to load with from_pretrained; unset builds a tiny Llama from the "
@@ -40,7 +40,7 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    _argument_group_name = "data"
+    _argument_group_name = "dataset (recipe)"
 
     dataset_name: str | None = field(default=None, metadata={
         "help": "'addition' (generated here), or a dataset id for datasets.load_dataset; unset with no files "

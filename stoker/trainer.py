@@ -13,7 +13,10 @@ import inspect
 import math
 import os
 import random
+import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +47,26 @@ from .data import (
 # transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
 # (transformers.loss.loss_utils); other models return a mean over their micro-batch and are rescaled.
 _NUM_ITEMS_LOSS_TYPES = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification")
+
+
+# Exit code after a checkpoint on SIGTERM/SIGUSR1: EX_TEMPFAIL, "temporary failure, try again" (requeue and
+# resume with resume_from_checkpoint=True).
+PREEMPTED_EXIT_CODE = 75
+
+
+class TrainingPreempted(SystemExit):
+    """Raised by train() once the checkpoint after a SIGTERM/SIGUSR1 is committed; exits with code 75."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.signum, self.step = signum, step
+
+    def __str__(self):
+        return f"preempted by signal {self.signum}: checkpoint-{self.step} saved; exiting with {PREEMPTED_EXIT_CODE}"
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped on a non-finite loss or gradient norm (see nonfinite_policy)."""
 
 
 def set_seed(seed: int) -> None:
@@ -90,6 +113,13 @@ class Trainer:
         self.compute_loss_func = compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.processing_class = processing_class
+        base = _unwrap_peft(model)
+        self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
+        self._causal = self._loss_type == "ForCausalLM"
+        self.label_names = self.args.label_names or ["labels"]
+        self.data_collator = data_collator or PaddingCollator(self._pad_token_id())
+        if self.args.remove_unused_columns and hasattr(base, "config"):
+            self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
         self._check_inputs(model, optimizers)
 
         self.accelerator = self._build_accelerator(model)
@@ -98,14 +128,8 @@ class Trainer:
         self.model = model
         self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
         self.optimizer, self.lr_scheduler = optimizers
-
-        base = _unwrap_peft(model)
-        self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
-        self._causal = self._loss_type == "ForCausalLM"
-        self.label_names = self.args.label_names or ["labels"]
-        self.data_collator = data_collator or PaddingCollator(self._pad_token_id())
-        if self.args.remove_unused_columns and hasattr(base, "config"):
-            self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
+        self._given_optimizers = optimizers  # built anew by each train() call unless given here
+        self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
 
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
@@ -145,8 +169,50 @@ class Trainer:
                      "implement it (e.g. with torch.utils.checkpoint) or turn gradient checkpointing off")
         if optimizers[1] is not None and optimizers[0] is None:
             p.append("optimizers: a scheduler was given without its optimizer")
+        if isinstance(model, torch.nn.Module):
+            for name in ("train_dataset", "eval_dataset"):
+                p += self._probe_rows(model, name)
         if p:
             raise ConfigError(p, "Trainer inputs")
+
+    def _probe_rows(self, model, name: str) -> list[str]:
+        """Collate the first rows of a dataset and check them against the model, so that a missing column,
+        a wrong label dtype or a collator that returns non-tensors fails here rather than mid-run."""
+        ds = getattr(self, name)
+        if ds is None or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
+            return []
+        rows = [ds[i] for i in range(min(len(ds), 2))]
+        try:
+            batch = self.data_collator(rows)
+        except Exception as e:
+            return [f"{name}: the data collator failed on its first rows: {type(e).__name__}: {e}"]
+        if not isinstance(batch, dict):
+            return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict of tensors"]
+        p = []
+        loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
+        if loose:
+            p.append(f"{name}: the data collator returned non-tensor values for {loose}")
+        columns = sorted(rows[0]) if isinstance(rows[0], dict) else []
+        forward = inspect.signature(_unwrap_peft(model).forward).parameters.values()
+        if self._loss_type is not None:
+            if "input_ids" not in batch and "inputs_embeds" not in batch:
+                p.append(f"{name}: rows have columns {columns}; {type(model).__name__} needs 'input_ids'")
+        elif self.compute_loss_func is None:
+            required = [q.name for q in forward if q.default is q.empty and q.kind in (q.POSITIONAL_OR_KEYWORD,
+                                                                                     q.KEYWORD_ONLY)]
+            missing = [r for r in required if r not in batch]
+            if missing:
+                p.append(f"{name}: rows have columns {columns}; {type(model).__name__}.forward needs {missing}")
+        labels = batch.get(self.label_names[0])
+        if self._loss_type in _NUM_ITEMS_LOSS_TYPES and isinstance(labels, torch.Tensor):
+            if labels.is_floating_point():
+                p.append(f"{name}: {self.label_names[0]} has dtype {labels.dtype}; {self._loss_type} needs integer "
+                         "token ids (-100 for ignored positions)")
+            ids = batch.get("input_ids")
+            if isinstance(ids, torch.Tensor) and labels.shape != ids.shape:
+                p.append(f"{name}: {self.label_names[0]} has shape {list(labels.shape)} but input_ids has "
+                         f"{list(ids.shape)}; {self._loss_type} needs one label per token")
+        return p
 
     def _build_accelerator(self, model):
         from accelerate import Accelerator, DataLoaderConfiguration
@@ -262,15 +328,14 @@ class Trainer:
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
-        return build_dataloader(self.train_dataset, self.args, self.args.per_device_train_batch_size,
-                                self.data_collator, train=True)
+        micro_batch = getattr(self, "_micro_batch", self.args.per_device_train_batch_size)
+        return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
 
     def get_eval_dataloader(self, dataset=None):
         dataset = dataset if dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluation needs an eval_dataset")
-        loader = build_dataloader(dataset, self.args, self.args.per_device_eval_batch_size, self.data_collator,
-                                  train=False)
+        loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
         return self.accelerator.prepare(loader)
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -296,37 +361,55 @@ class Trainer:
         return math.ceil(a.num_train_epochs * per_epoch), per_epoch
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """Train; resume_from_checkpoint is None, True (the newest complete checkpoint) or a checkpoint path."""
+        """Train; resume_from_checkpoint is None, True (the newest complete checkpoint) or a checkpoint path.
+
+        Raises TrainingPreempted (a SystemExit with PREEMPTED_EXIT_CODE) after checkpointing on SIGTERM/SIGUSR1.
+        """
         from transformers.trainer_utils import TrainOutput
 
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
         a = self.args
         resume_dir = self._resolve_resume(resume_from_checkpoint)
+        # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
+        s = self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
+                                      is_world_process_zero=self.accelerator.is_main_process)
+        self.control = TrainerControl()
+        self.optimizer, self.lr_scheduler = self._given_optimizers
         set_seed(a.seed)
+        self._micro_batch, self._accumulation = a.per_device_train_batch_size, a.gradient_accumulation_steps
+        loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
+        if loop is not None:  # may adopt the micro-batch that auto_find_batch_size settled on
+            self._check_resume_settings(loop, resume_dir)
         train_dataloader = self.get_train_dataloader()
         max_steps, per_epoch = self._plan_steps(train_dataloader)
         self.create_optimizer_and_scheduler(max_steps)
-        self.model_wrapped, self.optimizer, train_dataloader = self.accelerator.prepare(
+        self.model_wrapped, self.optimizer, self._train_dataloader = self.accelerator.prepare(
             self.model, self.optimizer, train_dataloader)
+        self._loader_micro_batch = self._micro_batch
 
-        s = self.state
-        s.max_steps, s.train_batch_size = max_steps, a.per_device_train_batch_size
+        s.max_steps, s.train_batch_size = max_steps, self._micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.logging_steps, s.eval_steps, s.save_steps = (
             math.ceil(max_steps * v) if v < 1 else int(v) for v in (a.logging_steps, a.eval_steps, a.save_steps))
-        start_epoch, skip_batches = 0, 0
+        start_epoch, skip = 0, 0
         if resume_dir is not None:
-            start_epoch, skip_batches = self._load_checkpoint(resume_dir)
+            self._load_checkpoint(resume_dir)
+            start_epoch, skip = loop["epoch"], self._resume_skip(loop)
         if s.is_world_process_zero:
             os.makedirs(a.output_dir, exist_ok=True)
-        self._fire("on_train_begin", train_dataloader=train_dataloader)
+            for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+        self._fire("on_train_begin", train_dataloader=self._train_dataloader)
         if a.eval_on_start and resume_dir is None:
             self._evaluate_and_track()
 
         started = time.perf_counter()
         first_step = s.global_step
-        total_loss = self._train_loop(train_dataloader, per_epoch, start_epoch, skip_batches)
+        with self._preemption_signals():
+            total_loss = self._train_loop(per_epoch, start_epoch, skip)
+        if self._preempted is not None:
+            raise TrainingPreempted(self._preempted, s.global_step)
 
         runtime = time.perf_counter() - started
         steps_run = max(s.global_step - first_step, 1)
@@ -335,7 +418,7 @@ class Trainer:
             "train_samples_per_second": round(self._samples_seen / runtime, 3),
             "train_steps_per_second": round(steps_run / runtime, 3),
             "train_tokens_per_second": round(self._tokens_seen / runtime, 3),
-            "train_loss": total_loss / steps_run,
+            "train_loss": total_loss / max(steps_run - self._nonfinite_total, 1),
             **self._memory_metrics(),
         }
         if a.load_best_model_at_end and s.best_model_checkpoint:
@@ -344,69 +427,47 @@ class Trainer:
         self._fire("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
 
-    def _windows(self, dataloader, accumulation: int) -> Iterator[list[dict]]:
-        """Group micro-batches into optimizer-step windows; the epoch's last window may be shorter."""
-        window = []
-        for batch in dataloader:
-            window.append(batch)
-            if len(window) == accumulation:
-                yield window
-                window = []
-        if window:
-            yield window
-
-    def _train_loop(self, train_dataloader, per_epoch, start_epoch: int, skip_batches: int) -> float:
+    def _train_loop(self, per_epoch, start_epoch: int, skip: int) -> float:
         a, s, acc = self.args, self.state, self.accelerator
         model, optimizer = self.model_wrapped, self.optimizer
-        accumulation = a.gradient_accumulation_steps
         total_loss = 0.0
         self._log_loss = torch.zeros((), device=acc.device)  # summed on device: no host sync per step
         self._log_steps, self._grad_norm = 0, None
         self._tokens = torch.zeros((), dtype=torch.long, device=acc.device)
         self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
+        self._nonfinite_run, self._nonfinite_total = 0, 0
         self._last_saved_step = None
         self._window_started, self._excluded = time.perf_counter(), 0.0
         model.train()
         for epoch in range(start_epoch, s.num_train_epochs):
-            train_dataloader.set_epoch(epoch)
-            loader = train_dataloader
-            if skip_batches:  # resume mid-epoch: skip indices in the sampler, no batch is loaded
-                loader = acc.skip_first_batches(train_dataloader, skip_batches)
-            self._batches_in_epoch, skip_batches = skip_batches, 0
             self._epoch = epoch
             self._fire("on_epoch_begin")
-            for window in self._windows(loader, accumulation):
+            for window in self._epoch_windows(epoch, skip):
                 self._fire("on_step_begin")
-                num_items = self._window_items(window)
-                for i, batch in enumerate(window):
-                    last = i == len(window) - 1
-                    # gradients are all-reduced only on the window's last micro-batch
-                    with contextlib.nullcontext() if last else acc.no_sync(model):
-                        loss = self.compute_loss(model, batch, num_items_in_batch=num_items)
-                        self._log_loss += loss.detach()
-                        # DDP averages gradients over processes; the loss is already normalised by the
-                        # global item count, so scale back up to get the sum over the global window
-                        acc.backward(loss * acc.num_processes)
-                    self._count_inputs(batch)
-                    if not last:
-                        self._fire("on_substep_end")
+                window_loss, window = self._accumulate(model, window)
                 self._batches_in_epoch += len(window)
-                if a.max_grad_norm:
-                    self._grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm)
-                self._fire("on_pre_optimizer_step")
-                optimizer.step()
-                self._fire("on_optimizer_step")
-                if not acc.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with inf gradients
-                    self.lr_scheduler.step()
+                # with max_grad_norm=0 this only measures the norm (the non-finite guard needs it)
+                grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf)
+                if self._check_step(window_loss, grad_norm):  # one host sync per step
+                    self._fire("on_pre_optimizer_step")
+                    optimizer.step()
+                    self._fire("on_optimizer_step")
+                    if not acc.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with inf gradients
+                        self.lr_scheduler.step()
+                    self._log_loss += window_loss
+                    self._log_steps += 1
+                    self._grad_norm = grad_norm
                 optimizer.zero_grad(set_to_none=True)
                 s.global_step += 1
-                self._log_steps += 1
-                s.epoch = epoch + (self._batches_in_epoch / len(train_dataloader) if per_epoch else 0)
+                s.epoch = epoch + (self._batches_in_epoch / len(self._train_dataloader) if per_epoch else 0)
                 self._fire("on_step_end")
+                if self._preempted is not None:  # checkpoint this step, then leave
+                    self.control.should_save = self.control.should_training_stop = True
                 total_loss += self._maybe_log_save_evaluate()
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
-            if per_epoch and self._batches_in_epoch >= len(train_dataloader):
+            skip = 0
+            if per_epoch and self._batches_in_epoch >= len(self._train_dataloader):
                 s.epoch = epoch + 1
             self._fire("on_epoch_end")
             total_loss += self._maybe_log_save_evaluate()
@@ -416,6 +477,142 @@ class Trainer:
         if self._log_steps:  # loss of steps after the last log
             total_loss += self._reduce_log_loss()
         return total_loss
+
+    def _epoch_windows(self, epoch: int, skip: int) -> Iterator[list[dict]]:
+        """The epoch's optimizer-step windows from micro-batch `skip` on; the last window may be shorter.
+
+        Resuming skips indices in the sampler, so no skipped batch is loaded or run. When an out-of-memory
+        error halves the micro-batch, the loader is rebuilt at the same sample position.
+        """
+        self._batches_in_epoch = skip
+        while True:
+            loader = self._train_loader_at(epoch, self._batches_in_epoch)
+            size, window = self._micro_batch, []
+            for batch in loader:
+                window.append(batch)
+                if len(window) == self._accumulation:
+                    yield window
+                    window = []
+                    if self._micro_batch != size:
+                        break
+            else:
+                if window:
+                    yield window
+                return
+
+    def _train_loader_at(self, epoch: int, skip: int):
+        acc = self.accelerator
+        if self._loader_micro_batch != self._micro_batch:
+            self._train_dataloader = acc.prepare(self.get_train_dataloader())
+            self._loader_micro_batch = self._micro_batch
+        loader = self._train_dataloader
+        loader.set_epoch(epoch)
+        if loader.generator is not None:  # worker seeds = f(data_seed, epoch), not the global RNG: resumable
+            loader.generator.manual_seed(self.args.data_seed + epoch)
+        return acc.skip_first_batches(loader, skip) if skip else loader
+
+    def _accumulate(self, model, window: list[dict]) -> tuple[torch.Tensor, list[dict]]:
+        """Forward and backward over a window; returns (window loss on this process, the window as run).
+
+        With auto_find_batch_size, an out-of-memory error halves the micro-batch and retries the same
+        samples as twice as many micro-batches: the update is unchanged because the loss is normalised over
+        the window's target tokens, not over micro-batches.
+        """
+        from accelerate.utils.memory import should_reduce_batch_size
+
+        while True:
+            try:
+                loss = self._forward_backward(model, window)
+                break
+            except Exception as e:
+                if not (self.args.auto_find_batch_size and should_reduce_batch_size(e)):
+                    raise
+                window = self._halve_micro_batch(window, e)
+        for batch in window:
+            self._count_inputs(batch)
+        return loss, window
+
+    def _forward_backward(self, model, window: list[dict]) -> torch.Tensor:
+        acc = self.accelerator
+        num_items = self._window_items(window)
+        window_loss = torch.zeros((), device=acc.device)
+        for i, batch in enumerate(window):
+            last = i == len(window) - 1
+            # gradients are all-reduced only on the window's last micro-batch
+            with contextlib.nullcontext() if last else acc.no_sync(model):
+                loss = self.compute_loss(model, dict(batch), num_items_in_batch=num_items)
+                # DDP averages gradients over processes; the loss is already normalised by the global
+                # item count, so scale back up to get the sum over the global window
+                acc.backward(loss * acc.num_processes)
+            window_loss += loss.detach()
+            if not last:
+                self._fire("on_substep_end")
+        return window_loss
+
+    def _halve_micro_batch(self, window: list[dict], error: Exception) -> list[dict]:
+        from accelerate.utils.memory import clear_device_cache
+
+        if self._micro_batch % 2:
+            raise RuntimeError(f"out of memory with a micro-batch of {self._micro_batch}: auto_find_batch_size "
+                               "can only halve an even micro-batch (use a power of two)") from error
+        self.optimizer.zero_grad(set_to_none=True)
+        clear_device_cache(garbage_collection=True)
+        self._micro_batch //= 2
+        self._accumulation *= 2
+        self._batches_in_epoch *= 2
+        self.state.train_batch_size = self._micro_batch
+        print(f"stoker: warning: out of memory at step {self.state.global_step + 1}; micro-batch now "
+              f"{self._micro_batch} x accumulation {self._accumulation} (same update)", file=sys.stderr)
+        return [part for batch in window for part in _split_batch(batch, self._micro_batch)]
+
+    def _check_step(self, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """True if the update may be applied. Checked on every step, which costs one host sync per step: the
+        price of never applying a non-finite update. Also shares a pending preemption signal across ranks."""
+        acc = self.accelerator
+        bad = ~torch.isfinite(window_loss)
+        if acc.scaler is None:  # with fp16 loss scaling, inf gradients are the scaler's business
+            bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
+        if acc.num_processes > 1:  # every rank must take the same decision
+            flags = torch.stack([bad.float(), torch.tensor(float(self._signal is not None), device=acc.device)])
+            flags = acc.reduce(flags, reduction="sum")
+            bad, signalled = flags[0] > 0, flags[1].item() > 0
+        else:
+            signalled = self._signal is not None
+        if signalled and self._preempted is None:
+            self._preempted = self._signal or signal.SIGTERM
+        if not bad.item():
+            self._nonfinite_run = 0
+            return True
+        self._nonfinite_run += 1
+        self._nonfinite_total += 1
+        step = self.state.global_step + 1
+        what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
+        if self.args.nonfinite_policy == "stop":
+            raise NonFiniteError(f"{what}; stopping (nonfinite_policy='stop')")
+        if self._nonfinite_run >= self.args.max_nonfinite_steps:
+            raise NonFiniteError(f"{what}: {self._nonfinite_run} non-finite steps in a row "
+                                 f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping")
+        print(f"stoker: warning: {what}; update skipped", file=sys.stderr)
+        return False
+
+    @contextlib.contextmanager
+    def _preemption_signals(self):
+        """While training, SIGTERM / SIGUSR1 only set a flag: the loop finishes the optimizer step, saves and
+        exits. The handler never raises, so a second signal during the save cannot interrupt it."""
+        self._signal, self._preempted = None, None
+        if not self.args.save_on_signal or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        wanted = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in wanted}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
 
     def _count_inputs(self, batch: dict) -> None:
         self._tokens += count_input_tokens(batch)
@@ -435,9 +632,9 @@ class Trainer:
         """Act on the control flags; returns the loss sum folded into the log (0 if nothing was logged)."""
         c, s = self.control, self.state
         logged = 0.0
-        if c.should_log and self._log_steps:
+        if c.should_log and (self._log_steps or self._nonfinite_total):
             steps = self._log_steps
-            logged = self._reduce_log_loss()
+            logged = self._reduce_log_loss() if steps else 0.0
             tokens = self._tokens.clone()
             if self.accelerator.num_processes > 1:
                 tokens = self.accelerator.reduce(tokens, reduction="sum")
@@ -446,9 +643,11 @@ class Trainer:
             self._tokens_seen += tokens
             s.num_input_tokens_seen += tokens
             elapsed = max(time.perf_counter() - self._window_started - self._excluded, 1e-9)
-            logs = {"loss": round(logged / steps, 6)}
+            logs = {"loss": round(logged / steps, 6)} if steps else {}
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
+            if self._nonfinite_total:
+                logs["nonfinite_steps_skipped"] = self._nonfinite_total
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
             logs["tokens_per_second"] = round(tokens / elapsed, 2)
             logs["samples_per_second"] = round((self._samples_seen - self._samples_at_log) / elapsed, 3)
@@ -487,7 +686,7 @@ class Trainer:
     # evaluation and prediction
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        metrics = self._evaluation_loop(self.get_eval_dataloader(eval_dataset), metric_key_prefix).metrics
+        metrics = self._evaluation_loop(eval_dataset, metric_key_prefix).metrics
         self.log(metrics)
         self._fire("on_evaluate", metrics=metrics)
         return metrics
@@ -510,19 +709,40 @@ class Trainer:
         return False
 
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
-        output = self._evaluation_loop(self.get_eval_dataloader(test_dataset), metric_key_prefix)
+        output = self._evaluation_loop(test_dataset, metric_key_prefix)
         self._fire("on_predict", metrics=output.metrics)
         return output
 
-    def _evaluation_loop(self, dataloader, prefix: str):
-        from transformers.trainer_utils import EvalPrediction, PredictionOutput
+    def _evaluation_loop(self, dataset, prefix: str):
+        """Run the model over a dataset without gradients. With auto_find_batch_size, an out-of-memory error
+        halves the evaluation batch (never the training batch) and starts the pass over."""
+        from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-        acc = self.accelerator
         if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
-            self.model_wrapped = acc.prepare_model(self.model, evaluation_mode=True)
+            self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
         model = self.model_wrapped
         was_training = model.training
         model.eval()
+        try:
+            while True:
+                try:
+                    return self._evaluation_pass(model, self.get_eval_dataloader(dataset), prefix)
+                except Exception as e:
+                    if not (self.args.auto_find_batch_size and should_reduce_batch_size(e)
+                            and self._eval_batch_size > 1):
+                        raise
+                    clear_device_cache(garbage_collection=True)
+                    self._eval_batch_size //= 2
+                    print(f"stoker: warning: out of memory in evaluation; eval batch now {self._eval_batch_size}",
+                          file=sys.stderr)
+        finally:
+            if was_training:
+                model.train()
+
+    def _evaluation_pass(self, model, dataloader, prefix: str):
+        from transformers.trainer_utils import EvalPrediction, PredictionOutput
+
+        acc = self.accelerator
         want_predictions = self.compute_metrics is not None or prefix != "eval"
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
@@ -556,8 +776,6 @@ class Trainer:
             self._fire("on_prediction_step")
         preds += [t.cpu() for t in pending_preds]
         labels += [t.cpu() for t in pending_labels]
-        if was_training:
-            model.train()
 
         metrics = {}
         if acc.num_processes > 1:
@@ -610,27 +828,33 @@ class Trainer:
             s.best_model_checkpoint = final
         s.stateful_callbacks = {type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks
                                 if callable(getattr(cb, "state", None))}
+        if not all(torch.isfinite(p).all() for p in self.model_wrapped.parameters()):
+            raise NonFiniteError(f"refusing to save {os.path.basename(final)}: the model has non-finite parameters")
         state_dict = acc.get_state_dict(self.model_wrapped)
-        if acc.is_main_process:
-            import shutil
-
+        try:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                ckpt.save_weights(acc.unwrap_model(self.model_wrapped), tmp, state_dict=state_dict)
+                ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
+                ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
+                if acc.scaler is not None:
+                    ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    f.write(s.to_json_string())
+                ckpt.write_json(tmp, "training_args.json", a.to_dict())
+                ckpt.write_json(tmp, "loop_state.json", self._loop_state())
+            ckpt.save_state(tmp, f"rng_state_{acc.process_index}", _rng_state())
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                ckpt.commit(tmp, final, s.global_step)
+        except OSError as e:  # a full disk, a permission error: nothing half-written stays behind
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        acc.wait_for_everyone()
+            raise ckpt.CheckpointError(f"saving {final} failed: {e.strerror or e}; the partial folder was removed "
+                                       "and earlier checkpoints are intact") from e
         if acc.is_main_process:
-            ckpt.save_weights(acc.unwrap_model(self.model_wrapped), tmp, state_dict=state_dict)
-            ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
-            ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
-            if acc.scaler is not None:
-                ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                f.write(s.to_json_string())
-            ckpt.write_json(tmp, "training_args.json", a.to_dict())
-            ckpt.write_json(tmp, "loop_state.json", self._loop_state())
-        ckpt.save_state(tmp, f"rng_state_{acc.process_index}", _rng_state())
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            ckpt.commit(tmp, final, s.global_step)
             ckpt.rotate(a.output_dir, a.save_total_limit, keep=s.best_model_checkpoint)
         acc.wait_for_everyone()
         self._fire("on_save")
@@ -644,10 +868,33 @@ class Trainer:
             "batches_in_epoch": self._batches_in_epoch,
             "data_seed": a.data_seed,
             "world_size": self.accelerator.num_processes,
-            "per_device_train_batch_size": a.per_device_train_batch_size,
-            "gradient_accumulation_steps": a.gradient_accumulation_steps,
+            "seed": a.seed,
+            "per_device_train_batch_size": self._micro_batch,  # as run: auto_find_batch_size may have halved it
+            "gradient_accumulation_steps": self._accumulation,
             "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
         }
+
+    def _check_resume_settings(self, loop: dict[str, Any], folder: str) -> None:
+        """Refuse (or, with resume_mismatch='warn', report) settings that make the resume inexact."""
+        a = self.args
+        saved_micro, saved_acc = loop["per_device_train_batch_size"], loop["gradient_accumulation_steps"]
+        if a.auto_find_batch_size and saved_micro * saved_acc == self._micro_batch * self._accumulation:
+            self._micro_batch, self._accumulation = saved_micro, saved_acc  # the size that fit memory
+        now = {"per_device_train_batch_size": self._micro_batch, "gradient_accumulation_steps": self._accumulation,
+               "world_size": self.accelerator.num_processes, "data_seed": a.data_seed, "seed": a.seed,
+               "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None}
+        changed = [f"{k}={loop[k]!r} (now {v!r})" for k, v in now.items() if loop.get(k) != v]
+        if not changed:
+            return
+        what = f"{folder} was written with {', '.join(changed)}: resuming cannot reproduce the original run"
+        if a.resume_mismatch == "error":
+            raise ckpt.CheckpointError(f"{what}; restore those settings, or set resume_mismatch='warn' to continue")
+        print(f"stoker: warning: {what}; continuing with the new settings (resume_mismatch='warn')", file=sys.stderr)
+
+    def _resume_skip(self, loop: dict[str, Any]) -> int:
+        """Micro-batches of the current size to skip in the resumed epoch (the same samples, if sizes match)."""
+        consumed = loop["batches_in_epoch"] * loop["per_device_train_batch_size"] * loop["world_size"]
+        return consumed // (self._micro_batch * self.accelerator.num_processes)
 
     def _resolve_resume(self, resume) -> str | None:
         a = self.args
@@ -674,8 +921,8 @@ class Trainer:
             raise ckpt.CheckpointError(f"resume_from_checkpoint={resume!r}: {problem}")
         return resume
 
-    def _load_checkpoint(self, folder: str) -> tuple[int, int]:
-        """Restore everything saved by _save_checkpoint; returns (epoch, batches to skip in it)."""
+    def _load_checkpoint(self, folder: str) -> None:
+        """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
         acc = self.accelerator
         ckpt.load_weights(acc.unwrap_model(self.model_wrapped), folder)
         self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
@@ -694,8 +941,6 @@ class Trainer:
         rng_name = f"rng_state_{acc.process_index}"
         if os.path.exists(os.path.join(folder, f"{rng_name}.json")):
             _set_rng_state(ckpt.load_state(folder, rng_name))
-        loop = ckpt.read_json(folder, "loop_state.json")
-        return loop["epoch"], loop["batches_in_epoch"]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -712,6 +957,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _split_batch(batch: dict, rows: int) -> list[dict]:
+    """Cut a micro-batch into pieces of `rows` rows: the batches a loader with that batch size yields, since a
+    sampler's index order nests (batch i of 2n rows = batches 2i and 2i+1 of n rows)."""
+    first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
+    return [{k: v[i:i + rows] if isinstance(v, torch.Tensor) and v.shape[:1] == first.shape[:1] else v
+             for k, v in batch.items()} for i in range(0, first.shape[0], rows)]
 
 
 def _concat_padded(tensors: list[torch.Tensor], pad: int = -100) -> np.ndarray | None:

@@ -1,0 +1,319 @@
+"""Callbacks: the documented event list, how often each event fires, steering through TrainerControl, and the
+built-in callbacks (early stopping, progress lines, TensorBoard, metrics.jsonl)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections import Counter
+
+import pytest
+
+import stoker.callbacks
+from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainerControl, TrainerState
+from stoker.callbacks import EVENTS, ProgressCallback
+
+
+class Recorder(TrainerCallback):
+    """Counts every event and remembers the global step at which it fired."""
+
+    def __init__(self):
+        self.counts = Counter()
+        self.steps: dict[str, list[int]] = {}
+        self.logs: list[dict] = []
+        self.metrics: list[dict] = []
+
+
+def _recording(event):
+    def method(self, args, state, control, **kwargs):
+        self.counts[event] += 1
+        self.steps.setdefault(event, []).append(state.global_step)
+        if event == "on_log":
+            self.logs.append(dict(kwargs["logs"]))
+        if event == "on_evaluate":
+            self.metrics.append(dict(kwargs["metrics"]))
+
+    method.__name__ = event
+    return method
+
+
+for _event in EVENTS:
+    setattr(Recorder, _event, _recording(_event))
+
+
+class StopAt(TrainerCallback):
+    """Sets one control flag in on_step_end at the given global steps."""
+
+    def __init__(self, flag: str, steps):
+        self.flag, self.steps = flag, set(steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.steps:
+            setattr(control, self.flag, True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the event list
+
+
+def test_docstring_events_equal_base_class_methods_and_events():
+    documented = set(re.findall(r"\bon_[a-z_]+", stoker.callbacks.__doc__))
+    methods = {m for m in vars(TrainerCallback) if m.startswith("on_") and callable(getattr(TrainerCallback, m))}
+    assert documented == methods == set(EVENTS)
+    assert len(EVENTS) == len(set(EVENTS))
+
+
+# ---------------------------------------------------------------------------------------------------
+# how often each event fires
+
+
+def test_event_counts_in_a_known_run(tiny_llama, clm_rows, make_args):
+    # 24 rows / batch 4 = 6 micro-batches per epoch; accumulation 2 -> 3 optimizer steps per epoch, 6 in all
+    args = make_args(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_train_epochs=2,
+                     logging_steps=2, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4)
+    rec = Recorder()
+    trainer = Trainer(tiny_llama(), args, train_dataset=clm_rows(24), eval_dataset=clm_rows(8, seed=1),
+                      callbacks=[rec])
+    out = trainer.train()
+    assert out.global_step == 6
+    expected = {
+        "on_init_end": 1, "on_train_begin": 1, "on_epoch_begin": 2, "on_epoch_end": 2,
+        "on_step_begin": 6, "on_step_end": 6, "on_pre_optimizer_step": 6, "on_optimizer_step": 6,
+        "on_substep_end": 6,        # one per window of 2: after its first micro-batch
+        "on_evaluate": 2,           # steps 3 and 6
+        "on_prediction_step": 4,    # 8 eval rows / batch 4 = 2 batches, x 2 evaluations
+        "on_log": 6,                # train logs at 2, 4, 6 + 2 eval logs + the final train metrics
+        "on_train_end": 1,
+        "on_save": 0, "on_predict": 0,
+    }
+    assert {e: rec.counts[e] for e in EVENTS} == expected
+    assert rec.steps["on_evaluate"] == [3, 6]
+    assert rec.steps["on_log"] == [2, 3, 4, 6, 6, 6]
+    assert rec.steps["on_epoch_begin"] == [0, 3]
+    assert rec.steps["on_step_end"] == [1, 2, 3, 4, 5, 6]
+    kinds = ["loss" if "loss" in logs else "eval" if "eval_loss" in logs else "train" for logs in rec.logs]
+    assert kinds == ["loss", "eval", "loss", "loss", "eval", "train"]
+    assert "train_loss" in rec.logs[-1]
+    assert all("eval_loss" in m for m in rec.metrics)
+
+
+def test_short_last_window_fires_no_substep_end(tiny_llama, clm_rows, make_args):
+    # 20 rows / batch 4 = 5 micro-batches per epoch: windows of 2, 2, 1 -> 3 steps, 2 substep_ends per epoch
+    args = make_args(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_train_epochs=2,
+                     logging_steps=100)
+    rec = Recorder()
+    out = Trainer(tiny_llama(), args, train_dataset=clm_rows(20), callbacks=[rec]).train()
+    assert out.global_step == 6
+    assert rec.counts["on_substep_end"] == 4
+    assert rec.counts["on_step_begin"] == rec.counts["on_step_end"] == 6
+    assert rec.steps["on_epoch_end"] == [3, 6]
+    # the substep_ends belong to steps 1, 2 (not 3) and 4, 5 (not 6): global_step is the last finished step
+    assert rec.steps["on_substep_end"] == [0, 1, 3, 4]
+
+
+# ---------------------------------------------------------------------------------------------------
+# registering callbacks
+
+
+def test_misspelled_hook_is_rejected(tiny_llama, clm_rows, make_args):
+    class Typo(TrainerCallback):
+        def on_stepend(self, args, state, control, **kwargs): ...
+
+    with pytest.raises(ValueError, match="'on_step_end'"):
+        Trainer(tiny_llama(), make_args(), train_dataset=clm_rows(8), callbacks=[Typo()])
+    trainer = Trainer(tiny_llama(), make_args(), train_dataset=clm_rows(8))
+    with pytest.raises(ValueError, match="on_stepend"):
+        trainer.add_callback(Typo)
+
+
+def test_callback_classes_are_instantiated(tiny_llama, clm_rows, make_args):
+    trainer = Trainer(tiny_llama(), make_args(), train_dataset=clm_rows(8), callbacks=[Recorder])
+    recorders = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Recorder)]
+    assert len(recorders) == 1
+    assert recorders[0].counts["on_init_end"] == 1
+
+
+def test_hugging_face_callbacks_work(tiny_llama, clm_rows, make_args):
+    import transformers
+
+    class HFLogs(transformers.TrainerCallback):
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    cb = HFLogs()
+    Trainer(tiny_llama(), make_args(max_steps=2, logging_steps=1), train_dataset=clm_rows(8),
+            callbacks=[cb]).train()
+    assert [("loss" in logs) for logs in cb.logs] == [True, True, False]
+    assert "train_loss" in cb.logs[-1]
+
+
+def test_add_remove_pop_callback(tiny_llama, clm_rows, make_args):
+    trainer = Trainer(tiny_llama(), make_args(max_steps=1), train_dataset=clm_rows(8))
+    kept, removed, popped = Recorder(), Recorder(), Recorder()
+    for cb in (kept, removed, popped):
+        trainer.add_callback(cb)
+    callbacks = trainer.callback_handler.callbacks
+    assert all(any(c is cb for c in callbacks) for cb in (kept, removed, popped))
+
+    trainer.remove_callback(removed)
+    assert trainer.pop_callback(popped) is popped
+    assert not any(c is removed or c is popped for c in callbacks)
+    default_progress = trainer.pop_callback(ProgressCallback)  # by class
+    assert isinstance(default_progress, ProgressCallback)
+    assert not any(isinstance(c, ProgressCallback) for c in callbacks)
+    assert trainer.pop_callback(ProgressCallback) is None
+
+    trainer.train()
+    assert kept.counts["on_step_end"] == 1
+    assert removed.counts["on_step_end"] == popped.counts["on_step_end"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# steering through TrainerControl
+
+
+def test_should_training_stop(tiny_llama, clm_rows, make_args):
+    rec = Recorder()
+    out = Trainer(tiny_llama(), make_args(max_steps=6), train_dataset=clm_rows(24),
+                  callbacks=[StopAt("should_training_stop", {2}), rec]).train()
+    assert out.global_step == 2
+    assert rec.counts["on_step_end"] == 2
+    assert rec.counts["on_train_end"] == 1
+
+
+def test_should_epoch_stop_moves_to_the_next_epoch(tiny_llama, clm_rows, make_args):
+    # 12 rows / batch 4 = 3 steps per epoch, 2 epochs; epoch 0 is cut after its first step
+    rec = Recorder()
+    out = Trainer(tiny_llama(), make_args(num_train_epochs=2), train_dataset=clm_rows(12),
+                  callbacks=[StopAt("should_epoch_stop", {1}), rec]).train()
+    assert rec.steps["on_epoch_begin"] == [0, 1]
+    assert rec.steps["on_epoch_end"] == [1, 4]
+    assert out.global_step == 4
+
+
+def test_a_stop_request_does_not_carry_into_the_next_train_call(tiny_llama, clm_rows, make_args):
+    # as in transformers, each train() is a run of its own: a should_training_stop set in the previous run
+    # (by early stopping, say) must not end the next one after its first step
+    stop = StopAt("should_training_stop", {2})
+    trainer = Trainer(tiny_llama(), make_args(num_train_epochs=2), train_dataset=clm_rows(12), callbacks=[stop])
+    assert trainer.train().global_step == 2
+    trainer.remove_callback(stop)
+    rec = Recorder()
+    trainer.add_callback(rec)
+    out = trainer.train()
+    assert rec.counts["on_step_end"] == 6
+    assert out.global_step == 6
+
+
+def test_should_save_from_a_callback(tiny_llama, clm_rows, make_args, tmp_path):
+    args = make_args(max_steps=2, save_strategy="no", output_dir=str(tmp_path / "run"))
+    rec = Recorder()
+    Trainer(tiny_llama(), args, train_dataset=clm_rows(8), callbacks=[StopAt("should_save", {1}), rec]).train()
+    checkpoints = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert checkpoints == ["checkpoint-1"]
+    assert (tmp_path / "run" / "checkpoint-1" / "manifest.json").is_file()
+    assert rec.steps.get("on_save") == [1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# EarlyStoppingCallback
+
+
+def test_early_stopping_stops_after_patience_evaluations(tiny_llama, clm_rows, make_args):
+    # learning_rate=0: the weights never change, so the eval loss never improves (threshold 0, lower is better)
+    args = make_args(learning_rate=0.0, max_steps=10, eval_strategy="steps", eval_steps=1,
+                     metric_for_best_model="loss")
+    assert args.greater_is_better is False
+    early, rec = EarlyStoppingCallback(early_stopping_patience=2), Recorder()
+    out = Trainer(tiny_llama(), args, train_dataset=clm_rows(16), eval_dataset=clm_rows(4, seed=1),
+                  callbacks=[early, rec]).train()
+    assert rec.counts["on_evaluate"] == 1 + 2
+    assert out.global_step == 3
+    assert early.patience_counter == 2
+    losses = [m["eval_loss"] for m in rec.metrics]
+    assert losses[0] == losses[1] == losses[2]
+
+
+def test_early_stopping_counter_resets_on_improvement(make_args):
+    args = make_args(eval_strategy="steps", metric_for_best_model="eval_loss")
+    cb, state, control = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.01), \
+        TrainerState(), TrainerControl()
+    for value, counter in ((1.0, 0), (0.995, 1), (0.9, 0), (0.9, 1)):
+        cb.on_evaluate(args, state, control, metrics={"eval_loss": value})
+        assert cb.patience_counter == counter
+        assert control.should_training_stop is False
+        state.best_metric = value if state.best_metric is None else min(state.best_metric, value)
+    cb.on_evaluate(args, state, control, metrics={"eval_loss": 0.95})
+    assert cb.patience_counter == 2 and control.should_training_stop is True
+
+
+def test_early_stopping_state_round_trip():
+    cb = EarlyStoppingCallback(early_stopping_patience=3)
+    cb.patience_counter = 2
+    saved = json.loads(json.dumps(cb.state()))
+    fresh = EarlyStoppingCallback(early_stopping_patience=3)
+    assert fresh.patience_counter == 0
+    fresh.load_state(saved)
+    assert fresh.patience_counter == 2
+
+
+def test_early_stopping_needs_a_metric(tiny_llama, clm_rows, make_args):
+    trainer = Trainer(tiny_llama(), make_args(max_steps=1), train_dataset=clm_rows(8),
+                      callbacks=[EarlyStoppingCallback()])
+    with pytest.raises(ValueError, match="metric_for_best_model"):
+        trainer.train()
+    with pytest.raises(ValueError):
+        EarlyStoppingCallback(early_stopping_patience=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# built-in reporting callbacks
+
+
+def test_progress_lines_on_a_non_tty_stream(tiny_llama, clm_rows, make_args):
+    # 8 rows / batch 2 = 4 steps per epoch, 40 steps: a line every 5% = every 2 steps
+    stream = io.StringIO()
+    args = make_args(per_device_train_batch_size=2, max_steps=40, logging_steps=20, disable_tqdm=False)
+    trainer = Trainer(tiny_llama(), args, train_dataset=clm_rows(8))
+    trainer.pop_callback(ProgressCallback)
+    trainer.add_callback(ProgressCallback(stream=stream))
+    trainer.train()
+    text = stream.getvalue()
+    progress = [int(k) for k in re.findall(r"^\[stoker\] step (\d+)/40 ", text, flags=re.M)]
+    assert progress == list(range(2, 41, 2))
+    logged = [int(k) for k in re.findall(r"^\[stoker\] step (\d+): loss=", text, flags=re.M)]
+    assert logged == [20, 40]
+    assert "\r" not in text  # no progress bar
+
+
+def test_tensorboard_event_files(tiny_llama, clm_rows, make_args, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "tb"
+    args = make_args(max_steps=3, logging_steps=1, report_to="tensorboard", logging_dir=str(logdir))
+    Trainer(tiny_llama(), args, train_dataset=clm_rows(12)).train()
+    events = list(logdir.glob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_metrics_jsonl_has_one_object_per_log(tiny_llama, clm_rows, make_args, tmp_path):
+    args = make_args(max_steps=4, logging_steps=2, eval_strategy="steps", eval_steps=2,
+                     output_dir=str(tmp_path / "run"))
+    rec = Recorder()
+    trainer = Trainer(tiny_llama(), args, train_dataset=clm_rows(16), eval_dataset=clm_rows(4, seed=1),
+                      callbacks=[rec])
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == rec.counts["on_log"] == len(trainer.state.log_history) == 5
+    assert all(isinstance(r, dict) for r in records)
+    train_logs = [r for r in records if not any(k.startswith(("eval_", "train_")) for k in r)]
+    assert [r["step"] for r in train_logs] == [2, 4]
+    assert all(isinstance(r["loss"], float) for r in train_logs)
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
