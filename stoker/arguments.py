@@ -34,6 +34,7 @@ OPTIMIZER_NAMES = (
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 REPORT_TO = ("none", "all", "tensorboard")
+TOKEN_COUNTS = ("no", "all", "non_padding")
 ACCELERATOR_CONFIG_KEYS = (
     "split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking",
 )
@@ -169,8 +170,9 @@ class TrainingArguments:
         "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'.", "logging"))
     disable_tqdm: bool | None = field(default=None, metadata=_help(
         "Turn off the progress bar (periodic progress lines are printed instead).", "logging"))
-    include_num_input_tokens_seen: bool = field(default=True, metadata=_help(
-        "Count input tokens (attention_mask, else input_ids) into state.num_input_tokens_seen.", "logging"))
+    include_num_input_tokens_seen: str = field(default="no", metadata=_help(
+        "Count input tokens into state.num_input_tokens_seen: 'no', 'all' (padding included) or 'non_padding'; "
+        "True means 'all' (as transformers).", "logging"))
 
     # --- evaluation -----------------------------------------------------------------------------
     eval_strategy: str = field(default="no", metadata=_help(
@@ -256,6 +258,9 @@ class TrainingArguments:
             self.torch_compile = True
         if self.torch_compile and self.torch_compile_backend is None:
             self.torch_compile_backend = "inductor"
+        counting = str(self.include_num_input_tokens_seen).lower()
+        if counting in ("true", "false"):  # transformers maps booleans so
+            self.include_num_input_tokens_seen = "all" if counting == "true" else "no"
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
         if self.data_seed is None:
@@ -373,6 +378,8 @@ class TrainingArguments:
             bad("max_nonfinite_steps", "must be >= 1")
         if self.resume_mismatch not in RESUME_MISMATCH:
             bad("resume_mismatch", f"accepted: {', '.join(RESUME_MISMATCH)}")
+        if self.include_num_input_tokens_seen not in TOKEN_COUNTS:
+            bad("include_num_input_tokens_seen", f"accepted: {', '.join(TOKEN_COUNTS)} (or a bool)")
         bad_reports = [r for r in self.report_to if r not in REPORT_TO]
         if bad_reports:
             bad("report_to", f"unsupported {bad_reports}; accepted: {', '.join(REPORT_TO)}")

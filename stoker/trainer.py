@@ -350,7 +350,7 @@ class Trainer:
         """(max_steps, steps per epoch or None for a dataset without a length)."""
         a = self.args
         try:
-            per_epoch = len(window_sizes(len(train_dataloader), a.gradient_accumulation_steps))
+            per_epoch = len(window_sizes(len(train_dataloader), self._accumulation))
         except TypeError:
             per_epoch = None
         if a.max_steps > 0:
@@ -393,6 +393,7 @@ class Trainer:
         s.logging_steps, s.eval_steps, s.save_steps = (
             math.ceil(max_steps * v) if v < 1 else int(v) for v in (a.logging_steps, a.eval_steps, a.save_steps))
         start_epoch, skip = 0, 0
+        self._reset_accumulators()
         if resume_dir is not None:
             self._load_checkpoint(resume_dir)
             start_epoch, skip = loop["epoch"], self._resume_skip(loop)
@@ -431,11 +432,6 @@ class Trainer:
         a, s, acc = self.args, self.state, self.accelerator
         model, optimizer = self.model_wrapped, self.optimizer
         total_loss = 0.0
-        self._log_loss = torch.zeros((), device=acc.device)  # summed on device: no host sync per step
-        self._log_steps, self._grad_norm = 0, None
-        self._tokens = torch.zeros((), dtype=torch.long, device=acc.device)
-        self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
-        self._nonfinite_run, self._nonfinite_total = 0, 0
         self._last_saved_step = None
         self._window_started, self._excluded = time.perf_counter(), 0.0
         model.train()
@@ -461,6 +457,8 @@ class Trainer:
                 s.global_step += 1
                 s.epoch = epoch + (self._batches_in_epoch / len(self._train_dataloader) if per_epoch else 0)
                 self._fire("on_step_end")
+                if self.accelerator.num_processes == 1 and self._signal is not None:
+                    self._preempted = self._signal  # alone, act on a signal as soon as the step is done
                 if self._preempted is not None:  # checkpoint this step, then leave
                     self.control.should_save = self.control.should_training_stop = True
                 total_loss += self._maybe_log_save_evaluate()
@@ -614,8 +612,33 @@ class Trainer:
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
 
+    def _reset_accumulators(self) -> None:
+        """What the loop sums between two logs. Kept on the device (no host sync per step) and saved with
+        each checkpoint, so that a resumed run logs the same numbers as the run that was never stopped."""
+        device = self.accelerator.device
+        self._log_loss = torch.zeros((), device=device)
+        self._log_steps, self._grad_norm = 0, None
+        self._tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
+        self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
+        self._nonfinite_run, self._nonfinite_total = 0, 0
+
+    def _pending_log(self) -> dict[str, Any]:
+        return {"loss": self._log_loss, "steps": self._log_steps, "tokens": self._tokens,
+                "samples": self._samples_seen - self._samples_at_log, "nonfinite_total": self._nonfinite_total,
+                "nonfinite_run": self._nonfinite_run}
+
+    def _restore_pending_log(self, pending: dict[str, Any]) -> None:
+        device = self.accelerator.device
+        self._log_loss, self._tokens = pending["loss"].to(device), pending["tokens"].to(device)
+        self._log_steps, self._samples_seen = pending["steps"], pending["samples"]
+        self._nonfinite_total, self._nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
+
     def _count_inputs(self, batch: dict) -> None:
-        self._tokens += count_input_tokens(batch)
+        non_padding = count_input_tokens(batch)
+        ids = batch.get("input_ids")
+        self._tokens += torch.stack([torch.as_tensor(non_padding, device=self._tokens.device),
+                                     torch.as_tensor(ids.numel() if ids is not None else non_padding,
+                                                     device=self._tokens.device)])
         first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         self._samples_seen += first.shape[0] * self.accelerator.num_processes if first is not None else 0
 
@@ -635,13 +658,14 @@ class Trainer:
         if c.should_log and (self._log_steps or self._nonfinite_total):
             steps = self._log_steps
             logged = self._reduce_log_loss() if steps else 0.0
-            tokens = self._tokens.clone()
+            counts = self._tokens.clone()
             if self.accelerator.num_processes > 1:
-                tokens = self.accelerator.reduce(tokens, reduction="sum")
-            tokens = int(tokens.item())
+                counts = self.accelerator.reduce(counts, reduction="sum")
+            tokens, all_tokens = (int(c) for c in counts.tolist())
             self._tokens.zero_()
             self._tokens_seen += tokens
-            s.num_input_tokens_seen += tokens
+            mode = self.args.include_num_input_tokens_seen
+            s.num_input_tokens_seen += tokens if mode == "non_padding" else all_tokens if mode == "all" else 0
             elapsed = max(time.perf_counter() - self._window_started - self._excluded, 1e-9)
             logs = {"loss": round(logged / steps, 6)} if steps else {}
             if self._grad_norm is not None:
@@ -846,7 +870,8 @@ class Trainer:
                     f.write(s.to_json_string())
                 ckpt.write_json(tmp, "training_args.json", a.to_dict())
                 ckpt.write_json(tmp, "loop_state.json", self._loop_state())
-            ckpt.save_state(tmp, f"rng_state_{acc.process_index}", _rng_state())
+            ckpt.save_state(tmp, f"process_{acc.process_index}",
+                            {"rng": _rng_state(), "pending_log": self._pending_log()})
             acc.wait_for_everyone()
             if acc.is_main_process:
                 ckpt.commit(tmp, final, s.global_step)
@@ -938,9 +963,9 @@ class Trainer:
             values = s.stateful_callbacks.get(type(cb).__name__)
             if values is not None and callable(getattr(cb, "load_state", None)):
                 cb.load_state(values)
-        rng_name = f"rng_state_{acc.process_index}"
-        if os.path.exists(os.path.join(folder, f"{rng_name}.json")):
-            _set_rng_state(ckpt.load_state(folder, rng_name))
+        own = ckpt.load_state(folder, f"process_{acc.process_index}")
+        _set_rng_state(own["rng"])
+        self._restore_pending_log(own["pending_log"])
 
 
 def _rng_state() -> dict[str, Any]:

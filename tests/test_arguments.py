@@ -37,8 +37,6 @@ KEPT_FROM_TRANSFORMERS_4 = {"overwrite_output_dir": False, "warmup_ratio": 0.0, 
                             "logging_dir": None}
 # Intentional differences in the declared default:
 DEFAULT_EXCEPTIONS = {
-    # stoker: a bool defaulting to True; transformers 5: 'all' | 'non_padding' | 'no' (or a bool), default 'no'.
-    "include_num_input_tokens_seen",
     # transformers 5 declares None because the field is a deprecated alias of activation_checkpointing; its
     # __post_init__ resolves it to False, which test_resolved_defaults_match_transformers compares.
     "gradient_checkpointing",
@@ -95,9 +93,12 @@ def test_declared_defaults_match_transformers():
         assert _declared_default(ours[name]) == default, name
 
 
-def test_include_num_input_tokens_seen_is_a_bool_defaulting_to_true():
-    f = {f.name: f for f in dataclasses.fields(TrainingArguments)}["include_num_input_tokens_seen"]
-    assert f.default is True
+def test_include_num_input_tokens_seen_takes_transformers_values():
+    assert TrainingArguments(include_num_input_tokens_seen=True).include_num_input_tokens_seen == "all"
+    assert TrainingArguments(include_num_input_tokens_seen=False).include_num_input_tokens_seen == "no"
+    assert TrainingArguments(include_num_input_tokens_seen="non_padding").include_num_input_tokens_seen == "non_padding"
+    with pytest.raises(ConfigError, match="include_num_input_tokens_seen='some'"):
+        TrainingArguments(include_num_input_tokens_seen="some")
 
 
 def test_resolved_defaults_match_transformers():

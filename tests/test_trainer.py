@@ -291,9 +291,14 @@ def test_datasets_dataset_and_token_counting(tmp_path):
 
     data = rows(12, seed=9)
     ds = Dataset.from_list([{**r, "attention_mask": [1] * len(r["input_ids"])} for r in data])
-    t, _ = train(llama(), tmp_path, ds, per_device_train_batch_size=4, num_train_epochs=1)
-    assert t.state.num_input_tokens_seen == sum(len(r["input_ids"]) for r in data)
-    assert t.state.global_step == 3 and t.state.epoch == pytest.approx(1.0)
+    seen = {}
+    for mode in ("non_padding", "all", "no"):
+        t, _ = train(llama(), tmp_path / mode, ds, per_device_train_batch_size=4, num_train_epochs=1,
+                     include_num_input_tokens_seen=mode, logging_steps=2)
+        seen[mode] = t.state.num_input_tokens_seen
+        assert t.state.global_step == 3 and t.state.epoch == pytest.approx(1.0)
+    assert seen["non_padding"] == sum(len(r["input_ids"]) for r in data)
+    assert seen["all"] > seen["non_padding"] and seen["no"] == 0  # "all" counts padding too
 
 
 def test_fractional_epochs_and_max_steps(tmp_path):
