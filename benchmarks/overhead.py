@@ -22,7 +22,7 @@ Measures two things and prints them as one table of medians and ratios:
 
 It is a measurement, not a test: it prints and exits 0. About two minutes on 2 CPU cores:
 
-    python benchmarks/overhead.py [--steps 60] [--repeats 3] [--threads 2]
+    python benchmarks/overhead.py [--steps 60] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run (>= 40 advised)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each way, after one warm-up")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every run")
+    # one thread by default: with as many threads as cores, any other busy process on the machine stalls
+    # torch's thread pool and slows a run several-fold, which swamps a 2% difference
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every run")
     a = parser.parse_args(argv)
     if a.steps < 1 or a.repeats < 1 or a.threads < 1:
         parser.error("--steps, --repeats and --threads must be positive integers")
@@ -296,15 +298,20 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()  # its handler holds the real stderr, which quiet() cannot redirect
 
     job = Job(steps=a.steps)
+    load_before = os.getloadavg()[0]
     loop_seconds, losses = time_loops(job, a.repeats)
     import_secs = time_imports(IMPORT_REPEATS)
+    load_after = os.getloadavg()[0]
 
     median = lambda runs: {label: statistics.median(v) for label, v in runs.items()}
     lines = format_table(f"loop ({job.steps} optimizer steps, median of {a.repeats})", "hand-written",
                          median(loop_seconds), LOOP_TARGETS)
     lines += [""] + format_table(f"import (fresh interpreter, median of {IMPORT_REPEATS})", "torch+accelerate",
                                  median(import_secs), {"import stoker": "(target <= 1.2)"})
-    lines += ["", f"timed loop runs (seconds; torch threads = {a.threads}):"] + format_runs(loop_seconds)
+    # the load average and the spread of the runs show whether other work on the machine disturbed them
+    lines += ["", f"timed loop runs (seconds; torch threads = {a.threads}; 1-minute load average "
+                  f"{load_before:.2f} before, {load_after:.2f} after on {os.cpu_count()} cores):"]
+    lines += format_runs(loop_seconds)
     lines += ["", *loss_check(losses)]
     print("\n".join(lines))
     return 0
