@@ -46,7 +46,7 @@ import torch
 import stoker
 from stoker.data import PaddingCollator
 from stoker.optim import parameter_groups
-from stoker.tasks import addition_splits, char_tokenizer, encode_completion
+from stoker.tasks import arithmetic_splits, char_tokenizer, encode_completion
 
 NUM_TRAIN_ROWS = 4096  # 128 batches of 32: the default 60 steps stay inside one epoch
 NUM_EVAL_ROWS = 256    # the fixed held-out batch whose loss is compared after training
@@ -79,7 +79,7 @@ class Data:
 
 def build_data(seed: int) -> Data:
     tokenizer = char_tokenizer()
-    train_pairs, eval_pairs = addition_splits(NUM_TRAIN_ROWS, NUM_EVAL_ROWS, seed=seed)
+    train_pairs, eval_pairs = arithmetic_splits("addition", NUM_TRAIN_ROWS, NUM_EVAL_ROWS, seed=seed)
     encode = lambda pairs: [encode_completion(tokenizer, p, a) for p, a in pairs]
     collator = PaddingCollator(tokenizer.pad_token_id)
     return Data(tokenizer, encode(train_pairs), collator(encode(eval_pairs)), collator)

@@ -1,8 +1,15 @@
-"""What the recipe scripts and `stoker train` share: model and data arguments, loading, and the run.
+"""What the recipe scripts and `stoker train` share: arguments, model and data loading, and the runs.
 
-A recipe is data -> model -> Trainer. Each piece here works offline on its embedded default (a tiny Llama
-built from a config, a character tokenizer and a generated task) and on real inputs (a hub id or a local
-folder for the model; a hub dataset or local text/JSON files for the data).
+A recipe is data -> model -> Trainer -> report. Three recipes share every piece here:
+
+    clm             causal-LM training on text (grouped into blocks) or prompt/completion rows
+    sft             instruction fine-tuning through a chat template, loss on the assistant's tokens only,
+                    full or LoRA / QLoRA
+    classification  sequence classification with accuracy and macro F1, LoRA optional
+
+Each works offline on an embedded default (tiny models built from configs, tokenizers built or trained
+locally, generated tasks with held-out metrics) and on real inputs: a hub id or local folder for the model,
+a hub dataset or local .txt/.json/.jsonl files for the data.
 """
 
 from __future__ import annotations
@@ -12,7 +19,21 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from .arguments import ConfigError, TrainingArguments
+from .arguments import CONFIG_SUFFIXES, ConfigError, TrainingArguments, load_config_file, parse_config
+
+RECIPES = ("clm", "sft", "classification")
+GENERATED = ("addition", "subtraction", "topics")
+
+
+@dataclass
+class RecipeArguments:
+    _argument_group_name = "recipe"
+
+    recipe: str = field(default="sft", metadata={"help": f"What to run: {', '.join(RECIPES)}."})
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise ConfigError([f"recipe={self.recipe!r}: accepted: {', '.join(RECIPES)}"], "RecipeArguments")
 
 
 @dataclass
@@ -20,20 +41,39 @@ class ModelArguments:
     _argument_group_name = "model (recipe)"
 
     model_name_or_path: str | None = field(default=None, metadata={
-        "help": "A hub id or a local folder to load with from_pretrained; unset builds a tiny Llama from the "
-                "sizes below (trained from scratch)."})
-    hidden_size: int = field(default=128, metadata={"help": "Width of the tiny Llama built from scratch."})
-    num_hidden_layers: int = field(default=4, metadata={"help": "Layers of the tiny Llama built from scratch."})
-    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of the tiny Llama."})
-    intermediate_size: int = field(default=256, metadata={"help": "MLP width of the tiny Llama."})
+        "help": "A hub id or a local folder for from_pretrained. Unset: clm and classification build a tiny "
+                "model from the sizes below; sft starts from the model the clm recipe makes (output_dir/base)."})
+    hidden_size: int = field(default=128, metadata={"help": "Width of a model built from scratch."})
+    num_hidden_layers: int = field(default=4, metadata={"help": "Layers of a model built from scratch."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of a model built from scratch."})
+    intermediate_size: int = field(default=256, metadata={"help": "MLP width of a model built from scratch."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of every weight."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "Linear layers to adapt by name (e.g. q_proj v_proj), or 'all-linear'."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained in full and saved with the adapter (e.g. a classification head)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "Load the base in 4 bits (QLoRA; needs use_peft)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bits (needs use_peft)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit data type: nf4 or fp4."})
+    use_bnb_nested_quant: bool = field(default=True, metadata={"help": "Double quantisation of the 4-bit scales."})
+    bnb_4bit_compute_dtype: str = field(default="float32", metadata={
+        "help": "dtype of 4-bit matmuls: float32, bfloat16 or float16."})
+    merge_adapter: bool = field(default=True, metadata={
+        "help": "After LoRA training, also save the adapter merged into the base in output_dir/merged."})
 
     def __post_init__(self):
         p = [f"{n}={getattr(self, n)!r}: must be a positive integer"
-             for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+             for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "lora_r")
              if getattr(self, n) < 1]
         if not p and self.hidden_size % self.num_attention_heads:
             p.append(f"hidden_size={self.hidden_size}: must be divisible by num_attention_heads="
                      f"{self.num_attention_heads}")
+        if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
+            p.append(f"load_in_{'4' if self.load_in_4bit else '8'}bit=True: a k-bit base cannot be trained "
+                     "itself; set use_peft=True (QLoRA)")
         if p:
             raise ConfigError(p, "ModelArguments")
 
@@ -43,20 +83,27 @@ class DataArguments:
     _argument_group_name = "dataset (recipe)"
 
     dataset_name: str | None = field(default=None, metadata={
-        "help": "'addition' (generated here), or a dataset id for datasets.load_dataset; unset with no files "
-                "means 'addition'."})
+        "help": f"A generated task ({', '.join(GENERATED)}) or a dataset id for datasets.load_dataset. Unset "
+                "with no files: the recipe's own generated task."})
     train_file: str | None = field(default=None, metadata={
-        "help": "Local .txt/.json/.jsonl training file: rows with 'text', or 'prompt' and 'completion'."})
+        "help": "Local .txt/.json/.jsonl training file: rows with 'text', 'prompt' and 'completion', "
+                "'messages' (sft) or 'text' and 'label' (classification)."})
     validation_file: str | None = field(default=None, metadata={"help": "Local held-out file, same format."})
     text_column: str = field(default="text", metadata={"help": "Column holding plain text."})
+    label_column: str = field(default="label", metadata={"help": "Column holding class labels."})
+    messages_column: str = field(default="messages", metadata={"help": "Column holding chat messages (sft)."})
     max_length: int = field(default=512, metadata={"help": "Truncate every row to this many tokens."})
-    num_train_examples: int = field(default=9000, metadata={"help": "Generated training problems."})
-    num_eval_examples: int = field(default=500, metadata={"help": "Generated held-out problems."})
+    block_size: int | None = field(default=None, metadata={
+        "help": "clm on text: concatenate the texts and cut them into blocks of this many tokens."})
+    num_train_examples: int = field(default=9000, metadata={"help": "Generated training examples."})
+    num_eval_examples: int = field(default=500, metadata={"help": "Generated held-out examples."})
 
     def __post_init__(self):
         p = []
-        if self.dataset_name not in (None, "addition") and self.train_file:
+        if self.dataset_name is not None and self.train_file:
             p.append(f"dataset_name={self.dataset_name!r} and train_file={self.train_file!r}: give one of them")
+        if self.validation_file and not self.train_file:
+            p.append(f"validation_file={self.validation_file!r}: needs train_file too")
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
             if path is not None and not path.endswith((".txt", ".json", ".jsonl")):
@@ -66,38 +113,86 @@ class DataArguments:
         for name in ("max_length", "num_train_examples", "num_eval_examples"):
             if getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)!r}: must be a positive integer")
+        if self.block_size is not None and self.block_size < 2:
+            p.append(f"block_size={self.block_size!r}: must be >= 2")
         if p:
             raise ConfigError(p, "DataArguments")
 
 
-# The embedded default of `stoker train`: about a minute on 2 CPU cores, answer exact match 0% -> ~80%.
-DEFAULT_JOB = {
-    "dataset_name": "addition",
-    "output_dir": "stoker_output",
-    "num_train_epochs": 8,
-    "per_device_train_batch_size": 32,
-    "per_device_eval_batch_size": 100,
-    "learning_rate": 3e-3,
-    "lr_scheduler_type": "cosine",
-    "warmup_steps": 0.05,
-    "weight_decay": 0.01,
-    "logging_steps": 100,
-    "eval_strategy": "steps",
-    "eval_steps": 500,
-    "save_steps": 500,
-    "save_total_limit": 2,
+ARGUMENT_TYPES = (RecipeArguments, ModelArguments, DataArguments, TrainingArguments)
+_COMMON = {"per_device_train_batch_size": 32, "per_device_eval_batch_size": 100, "lr_scheduler_type": "cosine",
+           "warmup_steps": 0.05, "weight_decay": 0.01, "save_total_limit": 2, "eval_strategy": "steps"}
+# The embedded defaults, one per recipe; `stoker train` with no config runs DEFAULT_JOBS["sft"].
+DEFAULT_JOBS = {
+    # a tiny Llama learns 2-digit addition from scratch: under a minute on 2 CPU cores, exact match 0 -> ~100%
+    "clm": {**_COMMON, "recipe": "clm", "dataset_name": "addition", "output_dir": "stoker_output/base",
+            "num_train_epochs": 4, "learning_rate": 3e-3, "logging_steps": 100, "eval_steps": 250,
+            "save_steps": 250},
+    # LoRA teaches that model to answer in chat form (the main job; it makes the base first if needed)
+    "sft": {**_COMMON, "recipe": "sft", "dataset_name": "addition", "output_dir": "stoker_output",
+            "use_peft": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "num_train_examples": 4500,
+            "num_train_epochs": 6, "learning_rate": 5e-3, "logging_steps": 50, "eval_steps": 200,
+            "save_steps": 200},
+    # a tiny BERT with a locally trained word tokenizer sorts sentences into four topics
+    "classification": {**_COMMON, "recipe": "classification", "dataset_name": "topics",
+                       "output_dir": "stoker_output/classifier", "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_train_examples": 4000, "num_train_epochs": 3,
+                       "learning_rate": 1e-3, "logging_steps": 50, "eval_steps": 100, "save_steps": 100},
 }
 
 
-def build_tokenizer_and_model(m: ModelArguments, seed: int):
+def parse_recipe_args(argv: list[str], recipe: str | None = None, prog: str | None = None):
+    """(RecipeArguments, ModelArguments, DataArguments, TrainingArguments) from `[CONFIG] [--flags]`.
+
+    With no config file the recipe's embedded default fills in what the flags leave out."""
+    argv = list(argv)
+    has_file = bool(argv) and argv[0].endswith(CONFIG_SUFFIXES)
+    if recipe is None:  # from --recipe, else the file's recipe: key, else sft
+        flags = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipe"]
+        recipe = flags[-1] if flags else (load_config_file(argv[0]).get("recipe", "sft") if has_file else "sft")
+    elif "--recipe" not in argv:
+        argv += ["--recipe", recipe]
+    defaults = None if has_file else dict(DEFAULT_JOBS.get(recipe, {}))
+    if defaults and "--train_file" in argv:  # the user's data replaces the default's generated task
+        defaults.pop("dataset_name", None)
+    return parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog)
+
+
+def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
+    """The body of `stoker train` and of the scripts in recipes/: parse, run, return an exit code."""
+    from .checkpoint import CheckpointError
+
+    try:
+        r, m, d, args = parse_recipe_args(sys.argv[1:] if argv is None else argv, recipe,
+                                          prog=f"stoker train ({recipe or 'any recipe'})")
+        RUNS[r.recipe](m, d, args)
+    except (ConfigError, CheckpointError) as e:
+        print(f"stoker: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# models
+
+
+def build_causal_lm(m: ModelArguments, seed: int, vocab_from=None):
+    """(tokenizer, model): from model_name_or_path (k-bit if asked), or a tiny Llama built from the sizes."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from .lora import quantization_config
 
     if m.model_name_or_path:
         tokenizer = AutoTokenizer.from_pretrained(m.model_name_or_path)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        return tokenizer, AutoModelForCausalLM.from_pretrained(m.model_name_or_path)
+        quant = quantization_config(m.load_in_4bit, m.load_in_8bit, m.bnb_4bit_quant_type, m.use_bnb_nested_quant,
+                                    m.bnb_4bit_compute_dtype)
+        return tokenizer, AutoModelForCausalLM.from_pretrained(m.model_name_or_path, quantization_config=quant)
+    if m.load_in_4bit or m.load_in_8bit:
+        raise ConfigError(["load_in_4bit/load_in_8bit: quantise a pretrained model (set model_name_or_path); a "
+                           "model built from scratch has nothing to keep frozen"], "ModelArguments")
     from .tasks import char_tokenizer
 
     tokenizer = char_tokenizer()
@@ -111,78 +206,246 @@ def build_tokenizer_and_model(m: ModelArguments, seed: int):
     return tokenizer, LlamaForCausalLM(config)
 
 
-def _encode_rows(rows, tokenizer, d: DataArguments, where: str) -> list[dict]:
+def peft_config_for(m: ModelArguments, model):
+    if not m.use_peft:
+        return None
+    from .lora import lora_config
+
+    return lora_config(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_target_modules, m.lora_modules_to_save)
+
+
+# ---------------------------------------------------------------------------------------------------
+# data
+
+
+def load_rows(d: DataArguments) -> tuple[list[dict], list[dict] | None]:
+    """Raw rows (dicts) of the train and held-out splits of a dataset id or of local files."""
+    from datasets import load_dataset
+
+    if d.train_file:
+        files = {"train": d.train_file, **({"validation": d.validation_file} if d.validation_file else {})}
+        raw = load_dataset("text" if d.train_file.endswith(".txt") else "json", data_files=files)
+    else:
+        raw = load_dataset(d.dataset_name)
+    held = next((raw[s] for s in ("validation", "test") if s in raw), None)
+    return raw["train"], held
+
+
+def _require(rows, columns: list[list[str]], where: str) -> list[str]:
+    """The first column set that the rows have; else an error naming the columns found."""
+    found = set(rows.column_names if hasattr(rows, "column_names") else rows[0].keys()) if len(rows) else set()
+    if not len(rows):
+        raise ConfigError([f"{where}: has no rows"], "data")
+    for option in columns:
+        if set(option) <= found:
+            return option
+    wanted = " or ".join("+".join(repr(c) for c in option) for option in columns)
+    raise ConfigError([f"{where}: rows need {wanted}; found columns {sorted(found)}"], "data")
+
+
+def encode_chat(tokenizer, messages: list[dict], max_length: int) -> dict[str, list[int]]:
+    """Token ids of a conversation rendered by the chat template, with labels on the last (assistant) turn."""
+    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]
+    if full[: len(prompt)] != prompt:
+        raise ConfigError(["chat template: the rendered prompt is not a prefix of the rendered conversation, so "
+                           "the response tokens cannot be found"], "tokenizer")
+    row = {"input_ids": full, "attention_mask": [1] * len(full), "labels": [-100] * len(prompt) + full[len(prompt):]}
+    return {k: v[:max_length] for k, v in row.items()}
+
+
+def clm_rows(rows, tokenizer, d: DataArguments, where: str) -> tuple[list[dict], bool]:
+    """Token-id rows for causal-LM training, and whether they are prompt/completion pairs (masked prompts)."""
     from .tasks import encode_completion
 
-    if len(rows) == 0:
-        raise ConfigError([f"{where}: has no rows"], "data")
-    columns = set(rows[0].keys())
+    kind = _require(rows, [["prompt", "completion"], [d.text_column]], where)
+    if kind == ["prompt", "completion"]:
+        return [{k: v[: d.max_length] for k, v in encode_completion(tokenizer, r["prompt"], r["completion"]).items()}
+                for r in rows], True
+    ids = [tokenizer(r[d.text_column], truncation=d.block_size is None, max_length=d.max_length)["input_ids"]
+           for r in rows]
+    if d.block_size:  # as transformers' run_clm: one token stream cut into equal blocks, the tail dropped
+        stream = [t for row in ids for t in row]
+        ids = [stream[i:i + d.block_size] for i in range(0, len(stream) - d.block_size + 1, d.block_size)]
+        if not ids:
+            raise ConfigError([f"block_size={d.block_size}: {where} has only {len(stream)} tokens"], "data")
+    return [{"input_ids": r, "attention_mask": [1] * len(r), "labels": list(r)} for r in ids], False
+
+
+def sft_rows(rows, tokenizer, d: DataArguments, where: str) -> list[dict]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError([f"tokenizer {type(tokenizer).__name__}: has no chat_template; sft renders "
+                           "conversations with it (set tokenizer.chat_template, or use the clm recipe)"], "tokenizer")
+    kind = _require(rows, [[d.messages_column], ["prompt", "completion"]], where)
     out = []
-    if {"prompt", "completion"} <= columns:
-        for r in rows:
-            out.append({k: v[: d.max_length] for k, v in encode_completion(tokenizer, r["prompt"],
-                                                                           r["completion"]).items()})
-    elif d.text_column in columns:
-        for r in rows:
-            ids = tokenizer(r[d.text_column], truncation=True, max_length=d.max_length)["input_ids"]
-            out.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)})
-    else:
-        raise ConfigError([f"{where}: rows need a {d.text_column!r} column or 'prompt' and 'completion'; "
-                           f"found columns {sorted(columns)}"], "data")
+    for r in rows:
+        messages = r[d.messages_column] if kind == [d.messages_column] else [
+            {"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ConfigError([f"{where}: every conversation must end with an assistant message"], "data")
+        out.append(encode_chat(tokenizer, messages, d.max_length))
     return out
 
 
-def load_data(d: DataArguments, tokenizer, seed: int) -> tuple[list[dict], list[dict] | None, bool]:
-    """(train rows, held-out rows, whether rows are prompt/completion pairs) as token-id dicts."""
-    if d.train_file or (d.dataset_name not in (None, "addition")):
-        from datasets import load_dataset
+def generated_pairs(task: str, d: DataArguments, seed: int):
+    from .tasks import arithmetic_splits
 
-        if d.train_file:
-            files = {"train": d.train_file, **({"validation": d.validation_file} if d.validation_file else {})}
-            kind = "text" if d.train_file.endswith(".txt") else "json"
-            raw = load_dataset(kind, data_files=files)
-        else:
-            raw = load_dataset(d.dataset_name)
-        train_rows = raw["train"]
-        eval_rows = raw["validation"] if "validation" in raw else raw["test"] if "test" in raw else None
-        paired = {"prompt", "completion"} <= set(train_rows.column_names)
-        train = _encode_rows(train_rows, tokenizer, d, "train data")
-        held = _encode_rows(eval_rows, tokenizer, d, "validation data") if eval_rows is not None else None
-        return train, held, paired
-    from .tasks import addition_splits
+    return arithmetic_splits(task, d.num_train_examples, d.num_eval_examples, seed=seed)
 
-    train_pairs, eval_pairs = addition_splits(d.num_train_examples, d.num_eval_examples, seed=seed)
-    rows = lambda pairs: [{"prompt": p, "completion": a} for p, a in pairs]
-    return (_encode_rows(rows(train_pairs), tokenizer, d, "generated train data"),
-            _encode_rows(rows(eval_pairs), tokenizer, d, "generated eval data"), True)
+
+# ---------------------------------------------------------------------------------------------------
+# runs
 
 
 def run_clm(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
-    """Train a causal LM, evaluate before and after, save the model and tokenizer into output_dir."""
+    """Causal-LM training on text or prompt/completion rows."""
+    tokenizer, model = build_causal_lm(m, args.seed)
+    if d.train_file or d.dataset_name not in (None, *GENERATED):
+        train_raw, held_raw = load_rows(d)
+        train, paired = clm_rows(train_raw, tokenizer, d, "train data")
+        held = clm_rows(held_raw, tokenizer, d, "validation data")[0] if held_raw is not None else None
+    else:
+        train_pairs, held_pairs = generated_pairs(d.dataset_name or "addition", d, args.seed)
+        as_rows = lambda pairs: [{"prompt": p, "completion": a} for p, a in pairs]
+        train, paired = clm_rows(as_rows(train_pairs), tokenizer, d, "generated data")
+        held = clm_rows(as_rows(held_pairs), tokenizer, d, "generated data")[0]
+    return _train_causal_lm(m, model, tokenizer, train, held, paired, args)
+
+
+def run_sft(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
+    """Instruction fine-tuning through the tokenizer's chat template; loss on the assistant turn only."""
+    if m.model_name_or_path is None:
+        m.model_name_or_path = ensure_base_model(os.path.join(args.output_dir, "base"))
+    tokenizer, model = build_causal_lm(m, args.seed)
+    if d.train_file or d.dataset_name not in (None, *GENERATED):
+        train_raw, held_raw = load_rows(d)
+        train = sft_rows(train_raw, tokenizer, d, "train data")
+        held = sft_rows(held_raw, tokenizer, d, "validation data") if held_raw is not None else None
+    else:
+        train_pairs, held_pairs = generated_pairs(d.dataset_name or "addition", d, args.seed)
+        chats = lambda pairs: [{d.messages_column: [{"role": "user", "content": p.rstrip("=")},
+                                                    {"role": "assistant", "content": a}]} for p, a in pairs]
+        train = sft_rows(chats(train_pairs), tokenizer, d, "generated data")
+        held = sft_rows(chats(held_pairs), tokenizer, d, "generated data")
+    return _train_causal_lm(m, model, tokenizer, train, held, True, args)
+
+
+def ensure_base_model(folder: str) -> str:
+    """The model that the clm recipe's default job makes, trained into `folder` unless it is already there."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        print(f"[stoker] no base model in {folder}: training one with the clm recipe first", file=sys.stderr)
+        _, m, d, args = parse_recipe_args(["--output_dir", folder, "--overwrite_output_dir", "true",
+                                           "--disable_tqdm", "true"], "clm")
+        run_clm(m, d, args)
+    return folder
+
+
+def _train_causal_lm(m, model, tokenizer, train, held, paired, args) -> dict:
     from .tasks import answer_metrics, argmax_logits
     from .trainer import Trainer
 
-    tokenizer, model = build_tokenizer_and_model(m, args.seed)
-    train, held, paired = load_data(d, tokenizer, args.seed)
-    if held is None and args.eval_strategy != "no":
-        args.eval_strategy = "no"  # nothing held out: train without evaluation rather than fail late
     trainer = Trainer(model, args, train_dataset=train, eval_dataset=held, processing_class=tokenizer,
                       compute_metrics=answer_metrics if paired else None,
-                      preprocess_logits_for_metrics=argmax_logits if paired else None)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"[stoker] {type(model).__name__}: {params / 1e6:.2f}M parameters; {len(train)} training rows"
-          + (f", {len(held)} held out" if held else ""), file=sys.stderr)
+                      preprocess_logits_for_metrics=argmax_logits if paired else None,
+                      peft_config=peft_config_for(m, model))
+    results = _train_and_report(trainer, m, held)
+    if paired and held and trainer.accelerator.is_main_process:
+        results["sample"] = generate_sample(trainer, tokenizer, held[0])
+        print(f"sample: {results['sample']['prompt']!r} -> {results['sample']['generated']!r} "
+              f"(expected {results['sample']['expected']!r})")
+        _write_results(args.output_dir, results)
+    return results
+
+
+def generate_sample(trainer, tokenizer, row: dict) -> dict:
+    """Greedy completion of one held-out prompt by the trained model."""
+    import torch
+
+    prompt_len = next(i for i, label in enumerate(row["labels"]) if label != -100)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    model.eval()
+    ids = torch.tensor([row["input_ids"][:prompt_len]], device=trainer.accelerator.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)
+    return {"prompt": decode(ids[0]), "generated": decode(out[0, prompt_len:]),
+            "expected": decode([t for t in row["labels"] if t != -100])}
+
+
+def run_classification(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
+    """Sequence classification with accuracy and macro F1."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from .tasks import TOPICS, classification_metrics, topic_sentences, train_word_tokenizer
+    from .trainer import Trainer
+
+    if d.train_file or d.dataset_name not in (None, *GENERATED):
+        train_raw, held_raw = load_rows(d)
+        _require(train_raw, [[d.text_column, d.label_column]], "train data")
+        if held_raw is not None:
+            _require(held_raw, [[d.text_column, d.label_column]], "validation data")
+        texts = [r[d.text_column] for r in train_raw]
+        names = sorted({str(r[d.label_column]) for r in train_raw})
+        label_of = {n: i for i, n in enumerate(names)}
+        as_pairs = lambda rows: [(r[d.text_column], label_of[str(r[d.label_column])]) for r in rows]
+        train_pairs, held_pairs = as_pairs(train_raw), as_pairs(held_raw) if held_raw is not None else None
+    else:
+        pairs = topic_sentences(d.num_train_examples + d.num_eval_examples, seed=args.seed)
+        train_pairs, held_pairs = pairs[: d.num_train_examples], pairs[d.num_train_examples:]
+        texts, names = [t for t, _ in train_pairs], list(TOPICS)
+    if m.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(m.model_name_or_path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            m.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)),
+            label2id={n: i for i, n in enumerate(names)})
+    else:
+        tokenizer = train_word_tokenizer(texts, max_length=d.max_length)
+        torch.manual_seed(args.seed)
+        model = BertForSequenceClassification(BertConfig(
+            vocab_size=len(tokenizer), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
+            max_position_embeddings=max(d.max_length, 64), num_labels=len(names),
+            id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
+            pad_token_id=tokenizer.pad_token_id))
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    encode = lambda pairs: [{**tokenizer(t, truncation=True, max_length=d.max_length), "labels": y}
+                            for t, y in pairs]
+    held = encode(held_pairs) if held_pairs else None
+    trainer = Trainer(model, args, train_dataset=encode(train_pairs), eval_dataset=held, processing_class=tokenizer,
+                      compute_metrics=classification_metrics, peft_config=peft_config_for(m, model))
+    return _train_and_report(trainer, m, held)
+
+
+def _train_and_report(trainer, m: ModelArguments, held) -> dict:
+    """Evaluate, train, evaluate again; save the model (and a merged copy of a LoRA adapter); report."""
+    args = trainer.args
+    if held is None and args.eval_strategy != "no":
+        args.eval_strategy = "no"  # nothing held out: train without evaluation rather than fail late
     before = trainer.evaluate() if held else {}
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     after = trainer.evaluate() if held else {}
     trainer.save_model()
     results = {"before": before, "after": after, "train": result.metrics}
     if trainer.accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        # a k-bit base is merged from its full-precision files, which is what merge_adapter loads
+        if m.use_peft and m.merge_adapter and m.model_name_or_path:
+            from .lora import merge_adapter
+
+            results["merged"] = merge_adapter(m.model_name_or_path, args.output_dir,
+                                              os.path.join(args.output_dir, "merged"))
+        _write_results(args.output_dir, results)
         print(format_before_after(before, after, len(held or [])))
-        print(f"model and tokenizer saved to {args.output_dir} (transformers from_pretrained loads them)")
+        print(f"saved to {args.output_dir}" + (" (adapter; merged model in merged/)" if "merged" in results else ""))
     return results
+
+
+def _write_results(output_dir: str, results: dict) -> None:
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
 
 
 def format_before_after(before: dict, after: dict, n: int) -> str:
@@ -193,3 +456,6 @@ def format_before_after(before: dict, after: dict, n: int) -> str:
     lines = [f"{'held-out (' + str(n) + ' rows)':<{width}}  {'before':>8}  {'after':>8}"]
     lines += [f"{k:<{width}}  {before[k]:>8.4f}  {after[k]:>8.4f}" for k in keys]
     return "\n".join(lines)
+
+
+RUNS = {"clm": run_clm, "sft": run_sft, "classification": run_classification}

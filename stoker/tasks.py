@@ -1,8 +1,13 @@
 """Tasks the package generates, so that the default jobs and the tests run offline with a real metric.
 
-`addition`: "37+45=" -> "82". A model that has not learned arithmetic gets ~10% of the answer digits right
-(and almost no whole answer); a small Llama trained for a few minutes on a CPU gets most of them. The
-tokenizer is character-level and built locally, so nothing is downloaded.
+- `addition` / `subtraction`: "37+45=" -> "082", "45-37=" -> "08". A model that has not learned the operation
+  gets almost no whole answer right; a small Llama trained for half a minute on a CPU gets nearly all. As
+  conversations ("q: 37+45" / "a: 082") they are the default sft task: LoRA teaches the chat form to the
+  model that learned the plain form.
+- `topics`: short generated sentences about one of four topics, for sequence classification.
+
+Tokenizers are built or trained locally (a character vocabulary; a word vocabulary trained on the corpus), so
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -12,35 +17,103 @@ import random
 import numpy as np
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
-ALPHABET = list("0123456789+-*=()., \n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+ALPHABET = list("0123456789+-*=()., :?!'\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+# The chat template of the character tokenizer: "q: <user>\na: <assistant></s>", system text on a line of its
+# own. The default sft job teaches a model pre-trained on plain "37+45=082" lines to answer in this form.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}q: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}a: {{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}a: {% endif %}"
+)
+OPERATIONS = {"addition": "+", "subtraction": "-"}
 
 
 def char_tokenizer():
-    """A character-level PreTrainedTokenizerFast (special tokens first, then ALPHABET)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    """A character-level PreTrainedTokenizerFast (special tokens first, then ALPHABET) with a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK] + ALPHABET)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                   unk_token=UNK, model_max_length=512)
+    core.decoder = decoders.Fuse()  # characters join without spaces when decoded
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+                                        unk_token=UNK, model_max_length=512)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
-def addition_pairs(digits: int = 2) -> list[tuple[str, str]]:
-    """Every 'a+b=' problem with operands below 10**digits, with its answer."""
-    top = 10 ** digits
-    return [(f"{a}+{b}=", str(a + b)) for a in range(top) for b in range(top)]
+def arithmetic_pairs(task: str, digits: int = 2) -> list[tuple[str, str]]:
+    """Every problem of `task` with operands below 10**digits (subtraction: never negative), with its answer."""
+    # fixed width, zero-padded: every digit keeps its position, which small models learn far faster
+    top, op, w = 10 ** digits, OPERATIONS[task], digits
+    if op == "+":
+        return [(f"{a:0{w}d}+{b:0{w}d}=", f"{a + b:0{w + 1}d}") for a in range(top) for b in range(top)]
+    return [(f"{a:0{w}d}-{b:0{w}d}=", f"{a - b:0{w}d}") for a in range(top) for b in range(a + 1)]
 
 
-def addition_splits(num_train: int, num_eval: int, digits: int = 2, seed: int = 0):
+def arithmetic_splits(task: str, num_train: int, num_eval: int, digits: int = 2, seed: int = 0):
     """Disjoint train / held-out problems, drawn without replacement (held-out problems are never trained on)."""
-    pairs = addition_pairs(digits)
+    pairs = arithmetic_pairs(task, digits)
     if num_train + num_eval > len(pairs):
         raise ValueError(f"num_train + num_eval = {num_train + num_eval}: only {len(pairs)} distinct "
-                         f"{digits}-digit problems exist")
+                         f"{digits}-digit {task} problems exist")
     random.Random(seed).shuffle(pairs)
     return pairs[:num_train], pairs[num_train:num_train + num_eval]
+
+
+TOPICS = {
+    "sports": "match goal team coach score player league season referee stadium ball win".split(),
+    "cooking": "recipe oven flour sugar butter salt bake pan stir dough sauce dinner".split(),
+    "weather": "rain cloud storm sunny wind snow forecast cold warm humid thunder sky".split(),
+    "music": "song guitar piano melody band concert album rhythm singer drum chord tune".split(),
+}
+FILLER = "the a this that our their was is very quite really again today we they it and".split()
+
+
+def topic_sentences(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """n sentences of 6 to 12 words, each drawing about a third of its words from one topic (its label)."""
+    rng = random.Random(seed)
+    names = list(TOPICS)
+    out = []
+    for _ in range(n):
+        label = rng.randrange(len(names))
+        words = [rng.choice(TOPICS[names[label]]) if rng.random() < 0.35 else rng.choice(FILLER)
+                 for _ in range(rng.randint(6, 12))]
+        if not any(w in TOPICS[names[label]] for w in words):
+            words[rng.randrange(len(words))] = rng.choice(TOPICS[names[label]])
+        out.append((" ".join(words), label))
+    return out
+
+
+def train_word_tokenizer(texts: list[str], max_length: int = 64):
+    """A word-level tokenizer trained on `texts` ([CLS] text [SEP], as BERT-style classifiers expect)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    core = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials))
+    core.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[(t, core.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_length)
+
+
+def classification_metrics(eval_pred) -> dict[str, float]:
+    """Accuracy and macro F1 (the mean over classes of 2PR/(P+R), 0 for a class never predicted nor present)."""
+    preds = np.asarray(eval_pred.predictions)
+    preds = preds.argmax(-1) if preds.ndim > 1 else preds
+    labels = np.asarray(eval_pred.label_ids)
+    f1 = []
+    for c in np.union1d(labels, preds):
+        tp = np.sum((preds == c) & (labels == c))
+        denom = np.sum(preds == c) + np.sum(labels == c)
+        f1.append(2 * tp / denom if denom else 0.0)
+    return {"accuracy": float((preds == labels).mean()), "f1": float(np.mean(f1))}
 
 
 def encode_completion(tokenizer, prompt: str, answer: str) -> dict[str, list[int]]:

@@ -227,18 +227,21 @@ FEATURE_ON = {"fsdp": "full_shard", "deepspeed": "ds.json", "auto_find_batch_siz
               "fsdp_config": {"min_num_params": 1}}
 
 
-@pytest.mark.parametrize("name", sorted(NOT_YET_SUPPORTED))
-def test_not_yet_supported_fields(name):
-    err = _problems(**{name: FEATURE_ON[name]})  # a KeyError here: add the new field to FEATURE_ON
-    assert len(err.problems) == 1
-    assert err.problems[0].startswith(f"{name}=") and "not yet supported" in err.problems[0]
+def test_not_yet_supported_fields():
+    # a loop, not a parametrisation: the list may be empty (fsdp, fsdp_config and deepspeed left it), and an
+    # empty parametrisation would be reported as a skipped test
+    for name in sorted(NOT_YET_SUPPORTED):
+        err = _problems(**{name: FEATURE_ON[name]})  # a KeyError here: add the new field to FEATURE_ON
+        assert len(err.problems) == 1
+        assert err.problems[0].startswith(f"{name}=") and "not yet supported" in err.problems[0]
 
 
 def test_not_yet_supported_list_matches_help_texts():
     assert set(NOT_YET_SUPPORTED) <= set(FEATURE_ON)  # every unsupported field has a value to test it with
     flagged = {f.name for f in dataclasses.fields(TrainingArguments) if "not yet supported" in f.metadata["help"]}
     assert flagged == set(NOT_YET_SUPPORTED)
-    assert {"fsdp", "deepspeed"} <= flagged  # stoker builds neither yet
+    # fsdp, fsdp_config and deepspeed are checked by stoker.distributed (tests/test_distributed_config.py)
+    assert not {"fsdp", "fsdp_config", "deepspeed"} & flagged
 
 
 def test_unknown_accelerator_config_key():

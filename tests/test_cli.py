@@ -166,7 +166,8 @@ def test_train_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    rc = main(["train", "--output_dir", str(out), "--num_train_examples", "256", "--num_eval_examples", "64",
+    rc = main(["train", "--recipe", "clm", "--output_dir", str(out), "--num_train_examples", "256",
+               "--num_eval_examples", "64",
                "--num_train_epochs", "1", "--hidden_size", "32", "--intermediate_size", "64",
                "--num_hidden_layers", "1", "--disable_tqdm", "true", "--eval_steps", "4", "--save_steps", "4",
                "--logging_steps", "2"])
@@ -187,7 +188,7 @@ def test_train_end_to_end(tmp_path, monkeypatch):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    batch = tokenizer(["12+34=", "7+8="], return_tensors="pt", padding=True)
+    batch = tokenizer(["12+34=", "07+08="], return_tensors="pt", padding=True)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert logits.shape[:2] == batch["input_ids"].shape

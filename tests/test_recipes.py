@@ -1,4 +1,5 @@
-"""Recipes and docs stay in step with the package: every recipe runs end to end on a shortened setting."""
+"""Every recipe runs end to end on a shortened setting and leaves artifacts the ecosystem loads; the YAML
+files spell out the embedded defaults; the docs list every argument."""
 
 from __future__ import annotations
 
@@ -8,60 +9,212 @@ import os
 import runpy
 from pathlib import Path
 
+import pytest
+import torch
+
 from stoker import TrainingArguments
-from stoker.arguments import parse_config
-from stoker.recipes import DEFAULT_JOB, DataArguments, ModelArguments
+from stoker.arguments import ConfigError
+from stoker.recipes import DEFAULT_JOBS, parse_recipe_args
 
 ROOT = Path(__file__).resolve().parents[1]
-SHORT = ["--num_train_examples", "128", "--num_eval_examples", "32", "--num_train_epochs", "1",
-         "--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1",
+# 64 wide: bitsandbytes' CPU 4-bit inference path needs in_features >= its 64-value block
+TINY = ["--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "1"]
+SHORT = ["--num_train_examples", "192", "--num_eval_examples", "32", "--num_train_epochs", "1",
          "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32", "--disable_tqdm", "true",
-         "--logging_steps", "2", "--eval_steps", "4", "--save_steps", "4"]
+         "--logging_steps", "2", "--eval_steps", "6", "--save_steps", "6"]
 
 
-def test_addition_yaml_spells_out_the_embedded_default():
-    from_yaml = parse_config((ModelArguments, DataArguments, TrainingArguments),
-                             [str(ROOT / "recipes" / "clm_addition.yaml")])
-    embedded = parse_config((ModelArguments, DataArguments, TrainingArguments), [], DEFAULT_JOB)
+def recipe_main(name: str):
+    return runpy.run_path(str(ROOT / "recipes" / f"{name}.py"))["main"]
+
+
+def results(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("recipe", ["clm", "sft", "classification"])
+def test_yaml_spells_out_the_embedded_default(recipe):
+    from_yaml = parse_recipe_args([str(ROOT / "recipes" / f"{recipe}.yaml")])
+    embedded = parse_recipe_args([], recipe)
     for a, b in zip(from_yaml, embedded, strict=True):
         da, db = dataclasses.asdict(a), dataclasses.asdict(b)
         da.pop("logging_dir", None), db.pop("logging_dir", None)  # time-stamped
         assert da == db
 
 
-def test_clm_recipe_runs_end_to_end(tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_every_shipped_config_parses():
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):
+        parse_recipe_args([str(path)])
 
-    main = runpy.run_path(str(ROOT / "recipes" / "clm.py"))["main"]
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """A tiny addition model made by the clm recipe (shortened): the base for the sft tests."""
+    out = tmp_path_factory.mktemp("base")
+    assert recipe_main("clm")(["--output_dir", str(out), *TINY, *SHORT]) == 0
+    return out
+
+
+def test_clm_recipe_end_to_end(base_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    r = results(base_model)
+    assert r["after"]["eval_loss"] < r["before"]["eval_loss"]
+    assert {"eval_exact_match", "eval_token_accuracy"} <= set(r["after"]) and "generated" in r["sample"]
+    assert sorted(p.name for p in base_model.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-6"]
+    model = AutoModelForCausalLM.from_pretrained(base_model)
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    assert model.config.hidden_size == 64 and tokenizer.decode(tokenizer.encode("12+34=")) == "12+34="
+    records = [json.loads(line) for line in (base_model / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_exact_match" in rec for rec in records)
+
+
+def test_clm_recipe_groups_local_text_into_blocks(tmp_path):
+    train = tmp_path / "train.txt"
+    train.write_text("".join(f"{i} plus {i} is {2 * i}\n" for i in range(60)))
+    dev = tmp_path / "dev.txt"
+    dev.write_text("".join(f"{i} plus {i} is {2 * i}\n" for i in range(60, 70)))
     out = tmp_path / "run"
-    assert main([str(ROOT / "recipes" / "clm_addition.yaml"), "--output_dir", str(out), *SHORT]) == 0
-    results = json.loads((out / "results.json").read_text())
-    assert results["after"]["eval_loss"] < results["before"]["eval_loss"]
-    assert {"eval_exact_match", "eval_token_accuracy"} <= set(results["after"])
-    assert any(p.startswith("checkpoint-") for p in os.listdir(out))
-    assert AutoModelForCausalLM.from_pretrained(out).config.hidden_size == 32
+    argv = ["--train_file", str(train), "--validation_file", str(dev), "--block_size", "32", "--output_dir", str(out),
+            *TINY, *SHORT]
+    assert recipe_main("clm")(argv) == 0
+    r = results(out)
+    assert r["after"]["eval_loss"] < r["before"]["eval_loss"]
+    blocks = sum(len(f"{i} plus {i} is {2 * i}") for i in range(60)) // 32  # one token per character
+    newest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert state["global_step"] == -(-blocks // 16)
 
 
-def test_clm_recipe_trains_on_local_text_files(tmp_path):
-    train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps({"text": f"{i} plus {i} is {2 * i}"}) + "\n" for i in range(40)))
-    dev = tmp_path / "dev.jsonl"
-    dev.write_text("".join(json.dumps({"text": f"{i} plus {i} is {2 * i}"}) + "\n" for i in range(40, 48)))
-    main = runpy.run_path(str(ROOT / "recipes" / "clm.py"))["main"]
-    out = tmp_path / "run"
-    assert main(["--train_file", str(train), "--validation_file", str(dev), "--output_dir", str(out), *SHORT]) == 0
-    results = json.loads((out / "results.json").read_text())
-    assert results["after"]["eval_loss"] < results["before"]["eval_loss"]
+def test_sft_lora_recipe_end_to_end(base_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "lora"
+    argv = ["--model_name_or_path", str(base_model), "--output_dir", str(out), "--learning_rate", "1e-2", *SHORT]
+    assert recipe_main("sft")(argv) == 0
+    r = results(out)
+    assert r["after"]["eval_loss"] < r["before"]["eval_loss"] and "eval_exact_match" in r["after"]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
+    assert not (out / "model.safetensors").exists()  # the adapter only
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out / "checkpoint-6"))
+    # the adapter loads with peft, the merged model with transformers, and both give the same logits
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tokenizer.encode("<s>45-37=", add_special_tokens=False)])
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_sft_makes_its_base_model_first_when_none_is_given(tmp_path, monkeypatch):
+    small = {**DEFAULT_JOBS["clm"], "num_train_examples": 64, "num_eval_examples": 16, "num_train_epochs": 1,
+             "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    monkeypatch.setitem(DEFAULT_JOBS, "clm", small)
+    out = tmp_path / "job"
+    assert recipe_main("sft")(["--output_dir", str(out), *SHORT, "--num_train_examples", "64"]) == 0
+    assert (out / "base" / "config.json").is_file() and (out / "adapter_config.json").is_file()
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(out / "base")
+
+
+def test_sft_qlora_recipe_runs_on_a_4bit_base(base_model, tmp_path):
+    out = tmp_path / "qlora"
+    argv = [str(ROOT / "recipes" / "sft_qlora.yaml"), "--model_name_or_path", str(base_model),
+            "--output_dir", str(out), *SHORT, "--num_train_examples", "64", "--save_steps", "4"]
+    assert recipe_main("sft")(argv) == 0
+    assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "config.json").is_file()
+    assert results(out)["after"]["eval_loss"] < results(out)["before"]["eval_loss"]
+
+
+def test_classification_recipe_end_to_end(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "cls"
+    argv = ["--output_dir", str(out), *SHORT, "--num_train_examples", "320", "--num_train_epochs", "2",
+            "--learning_rate", "3e-3", "--hidden_size", "32", "--intermediate_size", "64"]
+    assert recipe_main("classification")(argv) == 0
+    r = results(out)
+    assert r["after"]["eval_accuracy"] > r["before"]["eval_accuracy"] + 0.2 and "eval_f1" in r["after"]
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert model.config.id2label[0] == "sports" and model.config.num_labels == 4
+
+
+def test_classification_with_lora_on_a_pretrained_base(base_model, tmp_path):
+    """LoRA on the clm recipe's Llama with a new classification head (trained in full and saved along)."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "cls"
+    argv = ["--model_name_or_path", str(base_model), "--use_peft", "true", "--lora_modules_to_save", "score",
+            "--output_dir", str(out), *SHORT, "--num_train_examples", "320", "--num_train_epochs", "2",
+            "--learning_rate", "3e-3"]
+    assert recipe_main("classification")(argv) == 0
+    r = results(out)
+    assert r["after"]["eval_loss"] < r["before"]["eval_loss"] and "eval_f1" in r["after"]
+    loaded = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=4), out)
+    assert any("score" in n and "modules_to_save" in n for n, _ in loaded.named_parameters())
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "merged")
+    assert merged.config.num_labels == 4
+
+
+# --- bad input ----------------------------------------------------------------------------------------
 
 
 def test_bad_data_files_are_named(tmp_path, capsys):
-    bad = tmp_path / "rows.jsonl"
-    bad.write_text(json.dumps({"body": "no text column"}) + "\n")
-    main = runpy.run_path(str(ROOT / "recipes" / "clm.py"))["main"]
-    assert main(["--train_file", str(tmp_path / "missing.jsonl"), "--validation_file", str(tmp_path / "x.csv"),
-                 "--output_dir", str(tmp_path / "o")]) == 2
+    assert recipe_main("clm")(["--train_file", str(tmp_path / "missing.jsonl"), "--validation_file",
+                               str(tmp_path / "x.csv"), "--output_dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "train_file=" in err and "no such file" in err and "validation_file=" in err and ".jsonl" in err
+
+
+def test_rows_without_the_expected_fields_name_what_they_have(base_model, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"body": "no text column", "id": 1}) + "\n")
+    for recipe, extra in (("clm", TINY), ("sft", ["--model_name_or_path", str(base_model)]),
+                          ("classification", TINY)):
+        assert recipe_main(recipe)(["--train_file", str(rows), "--output_dir", str(tmp_path / recipe), *extra]) == 2
+        assert "found columns ['body', 'id']" in capsys.readouterr().err, recipe
+
+
+def test_sft_without_a_chat_template_is_refused(base_model, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    plain = tmp_path / "plain"
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+    for f in ("config.json", "model.safetensors", "generation_config.json"):
+        if (base_model / f).exists():
+            (plain / f).write_bytes((base_model / f).read_bytes())
+    assert recipe_main("sft")(["--model_name_or_path", str(plain), "--output_dir", str(tmp_path / "o"), *SHORT]) == 2
+    assert "has no chat_template" in capsys.readouterr().err
+
+
+def test_unknown_lora_targets_and_kbit_problems_are_named(base_model, monkeypatch, tmp_path, capsys):
+    assert recipe_main("sft")(["--model_name_or_path", str(base_model), "--output_dir", str(tmp_path / "a"),
+                               "--lora_target_modules", "q_proj", "qkv", *SHORT]) == 2
+    err = capsys.readouterr().err
+    assert "lora_target_modules=['qkv']" in err and "'q_proj'" in err and "'down_proj'" in err
+    with pytest.raises(ConfigError, match="set use_peft=True"):
+        parse_recipe_args(["--load_in_4bit", "true", "--use_peft", "false"], "sft")
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_bnb(name, *a, **k):
+        if name == "bitsandbytes":
+            raise ImportError("no bitsandbytes")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_bnb)
+    from stoker.lora import quantization_config
+
+    with pytest.raises(ConfigError, match="needs bitsandbytes"):
+        quantization_config(load_in_4bit=True)
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="does not run on Apple MPS"):
+        quantization_config(load_in_4bit=True, quant_type="int4")
 
 
 def test_readme_documents_every_training_argument():

@@ -1,0 +1,20 @@
+"""The sft recipe, HF-style: model, data and training arguments from flags or a YAML/JSON file.
+
+    python recipes/sft.py                                  # its embedded default (offline)
+    python recipes/sft.py recipes/sft.yaml --learning_rate 1e-3
+    torchrun --nproc_per_node 2 recipes/sft.py recipes/sft.yaml
+
+Everything it does lives in stoker.recipes, which `stoker train --recipe sft` runs too.
+"""
+
+import sys
+
+from stoker.recipes import main as run_recipe
+
+
+def main(argv=None) -> int:
+    return run_recipe(argv, recipe="sft")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
