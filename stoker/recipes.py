@@ -396,6 +396,7 @@ def run_classification(m: ModelArguments, d: DataArguments, args: TrainingArgume
         pairs = topic_sentences(d.num_train_examples + d.num_eval_examples, seed=args.seed)
         train_pairs, held_pairs = pairs[: d.num_train_examples], pairs[d.num_train_examples:]
         texts, names = [t for t, _ in train_pairs], list(TOPICS)
+    torch.manual_seed(args.seed)  # a new classification head is initialised from the seed
     if m.model_name_or_path:
         tokenizer = AutoTokenizer.from_pretrained(m.model_name_or_path)
         model = AutoModelForSequenceClassification.from_pretrained(
@@ -403,7 +404,6 @@ def run_classification(m: ModelArguments, d: DataArguments, args: TrainingArgume
             label2id={n: i for i, n in enumerate(names)})
     else:
         tokenizer = train_word_tokenizer(texts, max_length=d.max_length)
-        torch.manual_seed(args.seed)
         model = BertForSequenceClassification(BertConfig(
             vocab_size=len(tokenizer), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
             num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
