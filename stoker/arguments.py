@@ -40,7 +40,7 @@ ACCELERATOR_CONFIG_KEYS = (
 )
 # Fields that are parsed and validated but whose feature is not built yet: setting them is an error rather
 # than a silent no-op. Each maps to the value that means "off".
-NOT_YET_SUPPORTED = {"fsdp": None, "fsdp_config": None, "deepspeed": None}
+NOT_YET_SUPPORTED: dict[str, Any] = {}
 NONFINITE_POLICIES = ("skip", "stop")
 RESUME_MISMATCH = ("error", "warn")
 # Dict-valued fields that may arrive as a JSON string from the command line.
@@ -134,6 +134,10 @@ class TrainingArguments:
         "torch.compile backend (default 'inductor'); setting it implies torch_compile.", "memory"))
     torch_compile_mode: str | None = field(default=None, metadata=_help(
         "torch.compile mode, e.g. 'reduce-overhead' or 'max-autotune'; setting it implies torch_compile.", "memory"))
+    chunked_loss: bool = field(default=False, metadata=_help(
+        "Compute a causal LM's loss from its final hidden states a chunk of tokens at a time, never holding the "
+        "[batch, seq, vocab] logits (same loss and gradients; stoker.loss). Evaluation still computes logits when "
+        "compute_metrics needs predictions.", "memory"))
 
     # --- data -----------------------------------------------------------------------------------
     dataloader_num_workers: int = field(default=0, metadata=_help(
@@ -173,6 +177,12 @@ class TrainingArguments:
     include_num_input_tokens_seen: str = field(default="no", metadata=_help(
         "Count input tokens into state.num_input_tokens_seen: 'no', 'all' (padding included) or 'non_padding'; "
         "True means 'all' (as transformers).", "logging"))
+    peak_tflops: float | None = field(default=None, metadata=_help(
+        "Peak dense TFLOPS of one device at the training precision, for the 'mfu' log on GPUs (default: looked up "
+        "by GPU name and precision in stoker.diagnostics.PEAK_TFLOPS; no MFU for an unknown device).", "logging"))
+    training_report: bool = field(default=False, metadata=_help(
+        "At the end of train(), write output_dir/report.html: loss, evaluation metrics, learning rate, gradient norm "
+        "and throughput curves, and the configuration (needs matplotlib).", "logging"))
 
     # --- evaluation -----------------------------------------------------------------------------
     eval_strategy: str = field(default="no", metadata=_help(
@@ -203,7 +213,8 @@ class TrainingArguments:
         "Load the best checkpoint's weights when training ends (needs matching eval and save strategies).",
         "saving"))
     resume_from_checkpoint: str | None = field(default=None, metadata=_help(
-        "Checkpoint folder to resume from (used by the recipes and `stoker train`).", "saving"))
+        "Checkpoint folder to resume from, or 'true' for the newest complete checkpoint in output_dir (used by the "
+        "recipes and `stoker train`).", "saving"))
 
     # --- faults -----------------------------------------------------------------------------------
     nonfinite_policy: str = field(default="skip", metadata=_help(
@@ -228,11 +239,19 @@ class TrainingArguments:
     accelerator_config: dict | str | None = field(default=None, metadata=_help(
         f"Accelerate dataloader options as a dict or JSON: {', '.join(ACCELERATOR_CONFIG_KEYS)}.", "distributed"))
     fsdp: str | None = field(default=None, metadata=_help(
-        "FSDP options, e.g. 'full_shard auto_wrap' (not yet supported).", "distributed"))
+        "FSDP through Accelerate: true, or transformers' options 'full_shard' / 'shard_grad_op' (FSDP2: reshard "
+        "parameters after forward or not), 'offload' (parameters and gradients on the CPU), 'auto_wrap'. Needs GPUs "
+        "and a launcher (torchrun, accelerate launch).", "distributed"))
     fsdp_config: dict | str | None = field(default=None, metadata=_help(
-        "FSDP configuration as a dict, JSON string or file (not yet supported).", "distributed"))
+        "FSDP settings as a dict, a JSON string or a JSON file, with transformers' keys: version (2, or 1), "
+        "transformer_layer_cls_to_wrap (default: the model's _no_split_modules), min_num_params (wrap by size), "
+        "auto_wrap_policy, reshard_after_forward, cpu_offload, cpu_ram_efficient_loading, activation_checkpointing, "
+        "state_dict_type.", "distributed"))
     deepspeed: dict | str | None = field(default=None, metadata=_help(
-        "DeepSpeed configuration as a dict or JSON file (not yet supported).", "distributed"))
+        "DeepSpeed config as a dict, a JSON string or a JSON file (ZeRO stage 0-3, offload); \"auto\" values are "
+        "filled from these arguments as transformers fills them, and values that disagree with them are errors. "
+        "Checked, but stoker does not train with DeepSpeed yet: a Trainer given one refuses to start.",
+        "distributed"))
     ddp_backend: str | None = field(default=None, metadata=_help(
         "torch.distributed backend: 'nccl', 'gloo', ... (default: chosen by torch).", "distributed"))
     ddp_find_unused_parameters: bool | None = field(default=None, metadata=_help(
@@ -378,6 +397,8 @@ class TrainingArguments:
             bad("max_nonfinite_steps", "must be >= 1")
         if self.resume_mismatch not in RESUME_MISMATCH:
             bad("resume_mismatch", f"accepted: {', '.join(RESUME_MISMATCH)}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            bad("peak_tflops", "must be a positive number of TFLOPS, or None to look it up")
         if self.include_num_input_tokens_seen not in TOKEN_COUNTS:
             bad("include_num_input_tokens_seen", f"accepted: {', '.join(TOKEN_COUNTS)} (or a bool)")
         bad_reports = [r for r in self.report_to if r not in REPORT_TO]
@@ -388,6 +409,9 @@ class TrainingArguments:
         for name, off in NOT_YET_SUPPORTED.items():
             if getattr(self, name) not in (off, "", [], {}):
                 bad(name, "not yet supported by stoker; leave it unset")
+        from .distributed import argument_problems  # fsdp, fsdp_config, deepspeed
+
+        p += argument_problems(self)
         return p
 
     def _hardware_problems(self) -> list[str]:

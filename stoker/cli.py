@@ -2,6 +2,8 @@
 
     stoker train [CONFIG.yaml|json] [--field value ...]     run a recipe (clm, sft, classification)
     stoker merge --base DIR --adapter DIR --out DIR           fold a LoRA adapter into its base model
+    stoker plan [CONFIG.yaml|json] [--budget_gb N] [--world_size N] [--field value ...]
+                                                              peak memory per device, and settings that fit
 
 With no config file, `stoker train` runs the embedded default job: LoRA fine-tuning of a tiny Llama
 (pre-trained on addition by the clm recipe, first, if it is not there yet) on subtraction, offline, in a

@@ -45,7 +45,10 @@ class PaddingCollator:
                 batch[key] = self._pad(key, values)
             else:
                 batch[key] = torch.stack(values)
-        if "input_ids" in batch and "attention_mask" not in batch and any(
+        # packed rows (stoker.packing) carry position_ids and must stay mask-free: with an attention_mask,
+        # transformers stops deriving the block-diagonal mask from position_ids and sequences see each other
+        # (their padding gets position 0, a one-token sequence of its own)
+        if "input_ids" in batch and "attention_mask" not in batch and "position_ids" not in batch and any(
                 len(f["input_ids"]) != batch["input_ids"].shape[1] for f in features):
             batch["attention_mask"] = self._pad("attention_mask", [torch.ones(len(f["input_ids"]), dtype=torch.long)
                                                                    for f in features])

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
+from . import diagnostics
 from .arguments import ConfigError, TrainingArguments
 from .callbacks import (
     CallbackHandler,
@@ -43,6 +44,19 @@ from .data import (
     count_targets,
     forward_columns,
 )
+from .diagnostics import DATA_WAIT_WARNING, Stopwatch, data_wait_advice
+from .distributed import (
+    check_sharding_active,
+    check_world_size,
+    full_tensor,
+    load_model_weights,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+    parameters_finite,
+    sharding_plugins,
+    wants_cpu,
+)
+from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head
 
 # transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
 # (transformers.loss.loss_utils); other models return a mean over their micro-batch and are rescaled.
@@ -105,9 +119,9 @@ class Trainer:
         if peft_config is not None:
             if ckpt.is_peft_model(model):
                 raise ConfigError(["peft_config: the model is already a PeftModel; pass one or the other"], "Trainer")
-            from peft import get_peft_model
+            from .lora import wrap
 
-            model = get_peft_model(model, peft_config)
+            model = wrap(model, peft_config, self.args.gradient_checkpointing)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.compute_metrics = compute_metrics
         self.compute_loss_func = compute_loss_func
@@ -116,6 +130,11 @@ class Trainer:
         base = _unwrap_peft(model)
         self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
         self._causal = self._loss_type == "ForCausalLM"
+        # a KV cache is wasted memory in a loss forward, and while one exists transformers ignores the
+        # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
+        self._forward_kwargs = {"use_cache": False} if "use_cache" in forward_columns(base) else {}
+        self._chunked_head = output_head(model) if self.args.chunked_loss else None
+        self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
         self.label_names = self.args.label_names or ["labels"]
         self.data_collator = data_collator or PaddingCollator(self._pad_token_id())
         if self.args.remove_unused_columns and hasattr(base, "config"):
@@ -137,6 +156,10 @@ class Trainer:
         defaults = [DefaultFlowCallback(), ProgressCallback(), JsonlLoggerCallback()]
         if "tensorboard" in self.args.report_to:
             defaults.append(TensorBoardCallback())
+        if self.args.training_report:
+            from .report import ReportCallback
+
+            defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
         self._fire("on_init_end")
 
@@ -169,6 +192,14 @@ class Trainer:
                      "implement it (e.g. with torch.utils.checkpoint) or turn gradient checkpointing off")
         if optimizers[1] is not None and optimizers[0] is None:
             p.append("optimizers: a scheduler was given without its optimizer")
+        if a.chunked_loss and isinstance(model, torch.nn.Module):
+            p += chunked_loss_problems(model)
+            if self.compute_loss_func is not None:
+                p.append("chunked_loss=True: replaces the model's own loss and cannot feed compute_loss_func, "
+                         "which needs the logits; use one or the other")
+        if getattr(model, "hf_quantizer", None) is not None and not ckpt.is_peft_model(model):
+            p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
+                     "(LoRA) to train an adapter on it (QLoRA)")
         if isinstance(model, torch.nn.Module):
             for name in ("train_dataset", "eval_dataset"):
                 p += self._probe_rows(model, name)
@@ -234,9 +265,10 @@ class Trainer:
         if a.ddp_broadcast_buffers is not None:
             ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
         config = {"use_seedable_sampler": True, **(a.accelerator_config or {})}
-        return Accelerator(
+        sharding = sharding_plugins(a, model)  # {} or an FSDP plugin; refuses what cannot run here
+        accelerator = Accelerator(
             mixed_precision=a.mixed_precision,
-            cpu=a.use_cpu,
+            cpu=wants_cpu(a.use_cpu),  # under torchrun without a GPU: gloo, not N lone processes
             # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss
             gradient_accumulation_steps=1,
             dataloader_config=DataLoaderConfiguration(data_seed=a.data_seed, **config),
@@ -245,7 +277,11 @@ class Trainer:
             dynamo_plugin=TorchDynamoPlugin(backend=a.torch_compile_backend, mode=a.torch_compile_mode)
             if a.torch_compile else None,
             step_scheduler_with_optimizer=False,
+            **sharding,
         )
+        check_world_size(accelerator.num_processes)
+        check_sharding_active(a, accelerator.distributed_type)
+        return accelerator
 
     def _apply_precision_switches(self) -> None:
         if self.args.tf32 is not None and torch.cuda.is_available():
@@ -288,8 +324,15 @@ class Trainer:
         transformers models with a token loss receive num_items_in_batch and do the division themselves;
         other models return a mean over their own items, which is rescaled by local items / window items,
         so that B x A micro-batches give exactly the update of one batch of B*A.
+        With chunked_loss, a causal LM's loss comes from its hidden states (stoker.loss) unless the caller
+        needs the logits (an evaluation whose metrics want predictions).
         """
-        if self.compute_loss_func is not None:
+        inputs = {**inputs, **self._forward_kwargs}
+        labels = inputs.get(self.label_names[0])
+        if self._chunked_head is not None and labels is not None and not (return_outputs and self._logits_wanted):
+            del inputs[self.label_names[0]]
+            loss, outputs = chunked_causal_lm_loss(model, self._chunked_head, inputs, labels, num_items_in_batch)
+        elif self.compute_loss_func is not None:
             labels = inputs.pop(self.label_names[0], None)
             outputs = model(**inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
@@ -381,11 +424,12 @@ class Trainer:
         loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
         if loop is not None:  # may adopt the micro-batch that auto_find_batch_size settled on
             self._check_resume_settings(loop, resume_dir)
-        train_dataloader = self.get_train_dataloader()
-        max_steps, per_epoch = self._plan_steps(train_dataloader)
+        # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
+        # what the number of steps (and so the schedule) must be planned from
+        self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
+        max_steps, per_epoch = self._plan_steps(self._train_dataloader)
         self.create_optimizer_and_scheduler(max_steps)
-        self.model_wrapped, self.optimizer, self._train_dataloader = self.accelerator.prepare(
-            self.model, self.optimizer, train_dataloader)
+        self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         self._loader_micro_batch = self._micro_batch
 
         s.max_steps, s.train_batch_size = max_steps, self._micro_batch
@@ -397,7 +441,21 @@ class Trainer:
         if resume_dir is not None:
             self._load_checkpoint(resume_dir)
             start_epoch, skip = loop["epoch"], self._resume_skip(loop)
+            if per_epoch:  # resumed with another world size or batch (resume_mismatch='warn'): epochs hold another
+                # number of steps, so count the epochs still needed from here; training stops at max_steps
+                s.num_train_epochs = max(s.num_train_epochs,
+                                         start_epoch + 1 + math.ceil((max_steps - s.global_step) / per_epoch))
         if s.is_world_process_zero:
+            from .lora import trainable_parameters
+
+            trainable, total = trainable_parameters(self.model)
+            print(f"[stoker] {type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
+                  f"({100 * trainable / max(total, 1):.2f}%)", file=sys.stderr)
+            if self._causal:  # what memory this run should take (stoker.plan), before it takes it
+                from .plan import start_of_training_line
+
+                plan = start_of_training_line(self.model, a, self.train_dataset, self.accelerator.num_processes)
+                print(f"[stoker] {plan}", file=sys.stderr)
             os.makedirs(a.output_dir, exist_ok=True)
             for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
                 shutil.rmtree(stale, ignore_errors=True)
@@ -443,7 +501,7 @@ class Trainer:
                 window_loss, window = self._accumulate(model, window)
                 self._batches_in_epoch += len(window)
                 # with max_grad_norm=0 this only measures the norm (the non-finite guard needs it)
-                grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf)
+                grad_norm = full_tensor(acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf))
                 if self._check_step(window_loss, grad_norm):  # one host sync per step
                     self._fire("on_pre_optimizer_step")
                     optimizer.step()
@@ -486,7 +544,7 @@ class Trainer:
         while True:
             loader = self._train_loader_at(epoch, self._batches_in_epoch)
             size, window = self._micro_batch, []
-            for batch in loader:
+            for batch in self._data_clock.timed(loader):  # sums the time spent waiting for batches
                 window.append(batch)
                 if len(window) == self._accumulation:
                     yield window
@@ -570,6 +628,7 @@ class Trainer:
         bad = ~torch.isfinite(window_loss)
         if acc.scaler is None:  # with fp16 loss scaling, inf gradients are the scaler's business
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
+        mine = bad
         if acc.num_processes > 1:  # every rank must take the same decision
             flags = torch.stack([bad.float(), torch.tensor(float(self._signal is not None), device=acc.device)])
             flags = acc.reduce(flags, reduction="sum")
@@ -585,6 +644,8 @@ class Trainer:
         self._nonfinite_total += 1
         step = self.state.global_step + 1
         what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
+        if not mine.item():  # this process's numbers are finite: another one's are not
+            what += f" on another process (this is process {acc.process_index})"
         if self.args.nonfinite_policy == "stop":
             raise NonFiniteError(f"{what}; stopping (nonfinite_policy='stop')")
         if self._nonfinite_run >= self.args.max_nonfinite_steps:
@@ -621,6 +682,8 @@ class Trainer:
         self._tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
         self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
         self._nonfinite_run, self._nonfinite_total = 0, 0
+        # timing only, never saved: a resumed run measures its own waits
+        self._data_clock, self._warned_data_wait, self._flops_shape = Stopwatch(), False, None
 
     def _pending_log(self) -> dict[str, Any]:
         return {"loss": self._log_loss, "steps": self._log_steps, "tokens": self._tokens,
@@ -675,6 +738,8 @@ class Trainer:
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
             logs["tokens_per_second"] = round(tokens / elapsed, 2)
             logs["samples_per_second"] = round((self._samples_seen - self._samples_at_log) / elapsed, 3)
+            logs.update(self._throughput_diagnostics(tokens, all_tokens, self._samples_seen - self._samples_at_log,
+                                                     elapsed))
             self._samples_at_log = self._samples_seen
             self.log(logs)
             self._window_started, self._excluded = time.perf_counter(), 0.0
@@ -697,6 +762,28 @@ class Trainer:
         record = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
         self.state.log_history.append(record)
         self._fire("on_log", logs=logs)
+
+    def _throughput_diagnostics(self, tokens: int, all_tokens: int, samples: int, elapsed: float) -> dict:
+        """Where the window's time went (stoker.diagnostics): the fraction spent waiting for data (warned
+        about once above DATA_WAIT_WARNING) and, on a GPU, MFU and the peak of allocated memory so far."""
+        a, acc = self.args, self.accelerator
+        on_gpu = acc.device.type == "cuda"
+        wait = min(self._data_clock.take() / elapsed, 1.0)
+        out = {"data_wait_fraction": round(wait, 4)}
+        if wait > DATA_WAIT_WARNING and not self._warned_data_wait:
+            self._warned_data_wait = True
+            print(f"stoker: warning: {data_wait_advice(wait, a, on_gpu)}", file=sys.stderr)
+        if not on_gpu:
+            return out
+        out["peak_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(acc.device) / 2**30, 3)
+        peak = a.peak_tflops or diagnostics.peak_tflops(torch.cuda.get_device_name(acc.device),
+                                                        diagnostics.matmul_precision(a.mixed_precision))
+        if peak and samples:
+            if self._flops_shape is None:  # parameter counts: computed once per run
+                self._flops_shape = diagnostics.model_flops_shape(acc.unwrap_model(self.model_wrapped))
+            per_token = diagnostics.flops_per_token(*self._flops_shape, seq_len=round(all_tokens / samples))
+            out["mfu"] = round(diagnostics.mfu(tokens / elapsed, per_token, peak, acc.num_processes), 4)
+        return out
 
     def _memory_metrics(self) -> dict[str, float]:
         if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
@@ -768,6 +855,7 @@ class Trainer:
 
         acc = self.accelerator
         want_predictions = self.compute_metrics is not None or prefix != "eval"
+        self._logits_wanted = want_predictions  # otherwise chunked_loss never computes the logits
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         preds, labels, pending_preds, pending_labels = [], [], [], []
@@ -776,15 +864,21 @@ class Trainer:
             label = batch.get(self.label_names[0])
             with torch.no_grad():
                 if label is None and (self._loss_type or self.compute_loss_func):
-                    outputs = model(**batch)  # no labels, so no loss: predictions only
+                    outputs = model(**batch, **self._forward_kwargs)  # no labels, so no loss: predictions only
                 else:
                     # each batch's loss is normalised over its own items, then re-weighted by them: the
                     # result is the exact mean over every target token of the eval set
                     items = count_targets(batch, self.label_names[0], self._causal)
                     loss, outputs = self.compute_loss(model, dict(batch), return_outputs=True,
                                                       num_items_in_batch=items)
-                    loss_sum += loss.double() * items
-                    items_sum += items
+                    genuine = self._genuine_rows(batch)
+                    if genuine is not None and genuine > 0:  # score only this process's real rows: one
+                        batch_part = _split_batch(batch, genuine)[0]  # extra forward, once per pass at most
+                        items = count_targets(batch_part, self.label_names[0], self._causal)
+                        loss = self.compute_loss(model, dict(batch_part), num_items_in_batch=max(items, 1))
+                    if genuine is None or genuine > 0:
+                        loss_sum += loss.double() * items
+                        items_sum += items
             if want_predictions:
                 logits = self._logits_of(outputs)
                 if logits is not None and self.preprocess_logits_for_metrics is not None:
@@ -816,6 +910,22 @@ class Trainer:
         metrics[f"{prefix}_samples_per_second"] = round(len(dataloader.dataset) / runtime, 3)
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
+    def _genuine_rows(self, batch: dict) -> int | None:
+        """How many rows of this process's evaluation batch are real samples; None if all of them are.
+
+        With several processes Accelerate fills every process's last batch up to the same size with samples
+        from the start of the dataset (even_batches), and gather_for_metrics cuts those from the gathered
+        predictions: the first `remainder` gathered rows, in process order, are real. The loss makes the same
+        cut, so that every sample counts exactly once and eval_loss equals the single-process value.
+        """
+        acc = self.accelerator
+        state = acc.gradient_state
+        if acc.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
+            return None
+        rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+        genuine = min(max(state.remainder - acc.process_index * rows, 0), rows)
+        return None if genuine == rows else genuine
+
     @staticmethod
     def _logits_of(outputs):
         if isinstance(outputs, torch.Tensor):
@@ -835,7 +945,7 @@ class Trainer:
         (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json."""
         output_dir = output_dir or self.args.output_dir
         acc = self.accelerator
-        state_dict = acc.get_state_dict(self.model_wrapped)  # gathers shards; every rank must call it
+        state_dict = self._state_dict_for_saving()
         if acc.is_main_process:
             os.makedirs(output_dir, exist_ok=True)
             ckpt.save_weights(acc.unwrap_model(self.model_wrapped), output_dir, state_dict=state_dict)
@@ -843,6 +953,13 @@ class Trainer:
                 self.processing_class.save_pretrained(output_dir)
             ckpt.write_json(output_dir, "training_args.json", self.args.to_dict())
         acc.wait_for_everyone()
+
+    def _state_dict_for_saving(self) -> dict | None:
+        """The full state dict, gathered across shards (every rank must call it); None for a peft model, whose
+        save_pretrained takes the adapter weights itself (a 4-bit base is never written)."""
+        if ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped)):
+            return None
+        return self.accelerator.get_state_dict(self.model_wrapped)
 
     def _save_checkpoint(self) -> str:
         a, s, acc = self.args, self.state, self.accelerator
@@ -852,9 +969,10 @@ class Trainer:
             s.best_model_checkpoint = final
         s.stateful_callbacks = {type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks
                                 if callable(getattr(cb, "state", None))}
-        if not all(torch.isfinite(p).all() for p in self.model_wrapped.parameters()):
+        if not parameters_finite(acc, self.model_wrapped):  # decided by every rank together
             raise NonFiniteError(f"refusing to save {os.path.basename(final)}: the model has non-finite parameters")
-        state_dict = acc.get_state_dict(self.model_wrapped)
+        state_dict = self._state_dict_for_saving()
+        optimizer_state = optimizer_state_dict(acc, self.model_wrapped, self.optimizer)  # gathered if sharded
         try:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -862,7 +980,7 @@ class Trainer:
             acc.wait_for_everyone()
             if acc.is_main_process:
                 ckpt.save_weights(acc.unwrap_model(self.model_wrapped), tmp, state_dict=state_dict)
-                ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
+                ckpt.save_state(tmp, "optimizer", optimizer_state)
                 ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
                 if acc.scaler is not None:
                     ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
@@ -925,6 +1043,8 @@ class Trainer:
         a = self.args
         if resume is None or resume is False:
             resume = a.resume_from_checkpoint
+        if isinstance(resume, str) and resume.lower() in ("true", "false"):  # from a flag or a config file
+            resume = resume.lower() == "true"
         if resume is None or resume is False:
             existing = ckpt.list_checkpoints(a.output_dir)
             if existing and not a.overwrite_output_dir:
@@ -949,8 +1069,8 @@ class Trainer:
     def _load_checkpoint(self, folder: str) -> None:
         """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
         acc = self.accelerator
-        ckpt.load_weights(acc.unwrap_model(self.model_wrapped), folder)
-        self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
+        load_model_weights(acc, self.model_wrapped, folder)
+        load_optimizer_state_dict(acc, self.model_wrapped, self.optimizer, ckpt.load_state(folder, "optimizer"))
         self.lr_scheduler.load_state_dict(ckpt.load_state(folder, "scheduler"))
         if acc.scaler is not None and os.path.exists(os.path.join(folder, "scaler.json")):
             acc.scaler.load_state_dict(ckpt.load_state(folder, "scaler"))

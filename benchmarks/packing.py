@@ -1,0 +1,217 @@
+"""Trained target tokens per second: packing and length grouping against dynamic padding.
+
+The same tiny Llama (built from a LlamaConfig: nothing is downloaded) trains one epoch over the same SFT-like
+rows, four ways:
+
+    transformers.Trainer, dynamic padding   batches of 8 rows padded to the longest row of each batch
+    stoker.Trainer, dynamic padding         the same batches through stoker
+    stoker.Trainer, group_by_length         batches of 8 rows of similar length (stoker.data.LengthGroupedSampler)
+    stoker.Trainer, packing                 rows packed best-fit-decreasing into rows of 512 tokens
+                                            (stoker.packing.pack_rows), batches of 8 packed rows, padding-free
+                                            attention (position_ids, no attention_mask)
+
+Row lengths follow real instruction data: log-normal with median 100 tokens and sigma 0.8, clipped to
+[16, 512]; for that distribution padding to the longest of 8 wastes about 59% of the computed tokens, so the
+ideal gain of packing is about 2.4x. The first 30% of each row is a prompt (labels -100). Every way trains
+on exactly the same target tokens (packing masks the first label of each sequence, which the causal shift
+drops anyway), so "target tokens per second" is target tokens / seconds of the train call. All ways use
+the same weights, batch size 8, non-fused AdamW, learning rate and seed; each runs once untimed on 16 rows
+as a warm-up (imports, allocator), then --repeats times interleaved; medians are reported. Both wall-clock
+and process CPU seconds are measured: with one torch thread, CPU seconds are the work done and hardly move
+when other processes load the machine, while wall-clock seconds then stretch.
+
+It is a measurement, not a test: it prints and exits 0. About four minutes on 2 idle CPU cores:
+
+    python benchmarks/packing.py [--rows 96] [--repeats 2] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import stoker
+from stoker.data import IGNORE_INDEX, PaddingCollator
+from stoker.packing import PackingCollator, pack_rows, padding_fraction
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import quiet, reset_accelerate_state  # noqa: E402  (the shared measuring helpers)
+
+MAX_LENGTH = 512
+PROMPT_SHARE = 0.3
+
+
+@dataclass(frozen=True)
+class Job:
+    rows: int                   # SFT rows in the epoch every way trains on
+    batch_size: int = 8         # rows per optimizer step (packed rows for packing)
+    vocab_size: int = 32000     # a Llama-2-sized vocabulary: the output layer is most of the compute
+    hidden_size: int = 256
+    layers: int = 2
+    learning_rate: float = 1e-3
+    seed: int = 0
+
+
+def sft_rows(job: Job) -> list[dict]:
+    """Rows of random tokens whose lengths are log-normal (median 100, sigma 0.8) clipped to [16, 512]."""
+    rng = random.Random(job.seed)
+    rows = []
+    for _ in range(job.rows):
+        n = min(MAX_LENGTH, max(16, round(rng.lognormvariate(math.log(100), 0.8))))
+        ids = [rng.randrange(1, job.vocab_size) for _ in range(n)]
+        prompt = int(PROMPT_SHARE * n)
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
+    return rows
+
+
+def target_tokens(rows: list[dict]) -> int:
+    return sum(sum(y != IGNORE_INDEX for y in r["labels"][1:]) for r in rows)
+
+
+def build_model(job: Job) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=job.vocab_size, hidden_size=job.hidden_size, intermediate_size=4 * job.hidden_size,
+                         num_hidden_layers=job.layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=MAX_LENGTH, pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(job.seed)
+    return LlamaForCausalLM(config)
+
+
+def trainer_arguments(job: Job, output_dir: str) -> dict:
+    """Keyword arguments that stoker.TrainingArguments and transformers.TrainingArguments read alike."""
+    return dict(output_dir=output_dir, num_train_epochs=1, per_device_train_batch_size=job.batch_size,
+                learning_rate=job.learning_rate, optim="adamw_torch", lr_scheduler_type="constant", seed=job.seed,
+                data_seed=job.seed, logging_steps=10**6, save_strategy="no", eval_strategy="no", report_to="none",
+                disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+
+
+# Each builder makes everything a user makes before calling train (untimed) and returns the train call and
+# the rows of one padded batch as computed (for the padding column).
+
+
+def build_transformers(job: Job, rows: list[dict], output_dir: str) -> Callable[[], None]:
+    import transformers
+
+    reset_accelerate_state()
+    args = transformers.TrainingArguments(**trainer_arguments(job, output_dir))
+    trainer = transformers.Trainer(model=build_model(job), args=args, train_dataset=rows,
+                                   data_collator=PaddingCollator(0))
+    return trainer.train
+
+
+def build_stoker(job: Job, rows: list[dict], output_dir: str, **extra) -> Callable[[], None]:
+    args = stoker.TrainingArguments(**trainer_arguments(job, output_dir), **extra)
+    return stoker.Trainer(build_model(job), args, train_dataset=rows, data_collator=PaddingCollator(0)).train
+
+
+def build_stoker_grouped(job: Job, rows: list[dict], output_dir: str) -> Callable[[], None]:
+    return build_stoker(job, rows, output_dir, group_by_length=True)
+
+
+def build_stoker_packed(job: Job, rows: list[dict], output_dir: str) -> Callable[[], None]:
+    # packing is done once, before training, as a recipe does it; it is not timed (about 10 ms here)
+    packed = pack_rows(rows, MAX_LENGTH)
+    args = stoker.TrainingArguments(**trainer_arguments(job, output_dir))
+    return stoker.Trainer(build_model(job), args, train_dataset=packed, data_collator=PackingCollator(0)).train
+
+
+WAYS = {
+    "transformers.Trainer, dynamic padding": build_transformers,
+    "stoker.Trainer, dynamic padding": build_stoker,
+    "stoker.Trainer, group_by_length": build_stoker_grouped,
+    "stoker.Trainer, packing": build_stoker_packed,
+}
+TARGETS = {"stoker.Trainer, packing": "(target >= 2.0)"}
+
+
+def computed_padding(job: Job, rows: list[dict]) -> dict[str, float]:
+    """Share of computed tokens that are padding, for each way (from the batches each one forms)."""
+    from stoker.data import LengthGroupedSampler
+
+    lengths = [len(r["input_ids"]) for r in rows]
+    shuffled = [lengths[i] for i in torch.randperm(len(lengths), generator=torch.Generator().manual_seed(job.seed))]
+    grouped = [lengths[i] for i in LengthGroupedSampler(lengths, job.batch_size, job.seed)]
+    packed = [len(r["input_ids"]) for r in pack_rows(rows, MAX_LENGTH)]
+    return {
+        "transformers.Trainer, dynamic padding": padding_fraction(shuffled, batch_size=job.batch_size),
+        "stoker.Trainer, dynamic padding": padding_fraction(shuffled, batch_size=job.batch_size),
+        "stoker.Trainer, group_by_length": padding_fraction(grouped, batch_size=job.batch_size),
+        "stoker.Trainer, packing": padding_fraction(packed, batch_size=job.batch_size),
+    }
+
+
+def time_ways(job: Job, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per way: wall-clock and process CPU seconds of each timed train call."""
+    rows = sft_rows(job)
+    wall, cpu = {name: [] for name in WAYS}, {name: [] for name in WAYS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(repeats + 1):  # round 0 is the untimed warm-up, on a few rows
+            for name, build in WAYS.items():
+                with quiet():
+                    train = build(job, rows if round_ else rows[:16], os.path.join(tmp, build.__name__))
+                    gc.collect()
+                    started, started_cpu = time.perf_counter(), time.process_time()
+                    train()
+                    elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
+                if round_:
+                    wall[name].append(elapsed)
+                    cpu[name].append(elapsed_cpu)
+    return wall, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=96, help="SFT rows per epoch (one epoch per run)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each way, after one warm-up")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every run")
+    a = parser.parse_args(argv)
+    if a.rows < 8 or a.repeats < 1 or a.threads < 1:
+        parser.error("--rows must be >= 8, --repeats and --threads positive")
+    torch.set_num_threads(a.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    job = Job(rows=a.rows)
+    rows = sft_rows(job)
+    targets = target_tokens(rows)
+    load_before = os.getloadavg()[0]
+    wall, cpu = time_ways(job, a.repeats)
+    load_after = os.getloadavg()[0]
+    padding = computed_padding(job, rows)
+
+    wall_median = {name: statistics.median(runs) for name, runs in wall.items()}
+    cpu_median = {name: statistics.median(runs) for name, runs in cpu.items()}
+    base_wall, base_cpu = next(iter(wall_median.values())), next(iter(cpu_median.values()))
+    lengths = [len(r["input_ids"]) for r in rows]
+    lines = [f"{job.rows} SFT rows ({sum(lengths)} tokens, median length {statistics.median(lengths):.0f}, "
+             f"{targets} target tokens), Llama hidden {job.hidden_size} x {job.layers} layers, vocab "
+             f"{job.vocab_size}, batch {job.batch_size}, one epoch, median of {a.repeats}",
+             f"{'':<40}{'padding':>8}{'wall s':>9}{'target tok/s':>14}{'CPU s':>9}{'target tok/CPU s':>18}"
+             "   ratio vs transformers (wall, CPU)"]
+    for name in WAYS:
+        w, c = wall_median[name], cpu_median[name]
+        lines.append(f"{name:<40}{100 * padding[name]:>7.1f}%{w:>9.2f}{targets / w:>14.1f}{c:>9.2f}"
+                     f"{targets / c:>18.1f}   {base_wall / w:>5.2f}  {base_cpu / c:>5.2f}   "
+                     f"{TARGETS.get(name, '')}".rstrip())
+    lines += ["", f"timed runs (wall seconds / CPU seconds; torch threads = {a.threads}; 1-minute load average "
+                  f"{load_before:.2f} before, {load_after:.2f} after on {os.cpu_count()} cores):"]
+    lines += [f"  {name}: " + ", ".join(f"{w:.2f}/{c:.2f}" for w, c in zip(wall[name], cpu[name], strict=True))
+              for name in WAYS]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Where the time goes: data waiting, model FLOPs utilisation (MFU) and peak memory, for the training logs.
+
+Every logging window reports `data_wait_fraction`, the share of its step time spent waiting for the next
+batch (the dataloader's `next()`: loading, collating, worker start-up, the host-to-device copy). Above
+DATA_WAIT_WARNING it warns once with advice. On a GPU the window also reports `mfu` (model FLOPs per
+second over the device's peak; needs the peak, from PEAK_TFLOPS or `peak_tflops`) and
+`peak_memory_allocated_gb` (torch's peak of allocated memory so far in the run).
+
+MFU counts model FLOPs only, as PaLM (Chowdhery et al. 2022, appendix B) defines it: recomputation by
+gradient checkpointing and padding tokens are not useful work, so they lower MFU rather than raise it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+DATA_WAIT_WARNING = 0.10  # fraction of a window's step time
+
+# Dense (no sparsity) peak TFLOPS per device by matmul precision, from the vendors' data sheets. Matched in
+# order against torch.cuda.get_device_name(); the first pattern that matches wins (so "H100 PCIe" before
+# "H100"). A device not listed gets no MFU unless TrainingArguments.peak_tflops is set.
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"\bB200\b", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1125.0, "fp32": 75.0}),
+    (r"\bH200\b", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"\bH100\b.*\bPCIe\b", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (r"\bH100\b.*\bNVL\b", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.8, "fp32": 60.0}),
+    (r"\bH100\b", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"\bA100\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"\bL40S\b", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bV100\b", {"fp16": 125.0, "fp32": 15.7}),
+    (r"\bT4\b", {"fp16": 65.0, "fp32": 8.1}),
+    (r"RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    (r"RTX 3090", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
+    (r"\bMI300X\b", {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
+]
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """Peak dense TFLOPS of `device_name` at `precision` ('bf16', 'fp16', 'tf32', 'fp32'), or None if unknown."""
+    for pattern, table in PEAK_TFLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return table.get(precision)
+    return None
+
+
+def matmul_precision(mixed_precision: str) -> str:
+    """The precision the model's matmuls run in: the autocast dtype, else TF32 if torch allows it, else fp32."""
+    if mixed_precision in ("bf16", "fp16"):
+        return mixed_precision
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def flops_per_token(params: int, trainable: int, layers: int = 0, attention_width: int = 0, seq_len: int = 0) -> float:
+    """Training FLOPs per token (forward and backward) of a transformer.
+
+    Each parameter that a token goes through costs 2 FLOPs in the forward pass (a multiply and an add) and
+    2 in the backward pass for the gradient of the activations; a trainable one costs 2 more for its own
+    gradient: 6 per parameter when all train (PaLM's 6N), 4 for frozen ones (LoRA). Attention adds
+    QK^T and attention x V, 2 * 2 * seq_len * width FLOPs per layer forward and twice that backward:
+    12 * layers * width * seq_len. `params` excludes the input embedding, a lookup rather than a matmul
+    (unless it is tied to the output layer, which is a matmul).
+    """
+    return 4 * params + 2 * trainable + 12 * layers * attention_width * seq_len
+
+
+def model_flops_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
+    """(matmul parameters, trainable ones, layers, attention width) of a model, for flops_per_token.
+    A model without a transformers config gets no attention term."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    get_in, get_out = getattr(base, "get_input_embeddings", None), getattr(base, "get_output_embeddings", None)
+    embedding = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if embedding is not None and getattr(embedding, "weight", None) is not None:
+        tied = head is not None and getattr(head, "weight", None) is embedding.weight
+        if not tied:
+            params -= embedding.weight.numel()
+            trainable -= embedding.weight.numel() if embedding.weight.requires_grad else 0
+    config = getattr(base, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    hidden = getattr(config, "hidden_size", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    return params, trainable, layers, heads * head_dim
+
+
+def mfu(tokens_per_second: float, flops_per_token_: float, peak_tflops_per_device: float, devices: int) -> float:
+    """Model FLOPs utilisation: achieved model FLOPs per second over the peak of all devices together."""
+    return tokens_per_second * flops_per_token_ / (peak_tflops_per_device * 1e12 * devices)
+
+
+class Stopwatch:
+    """Sums the seconds spent inside an iterator's next(): how long the loop waited for each batch."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def timed(self, iterable: Iterable) -> Iterator:
+        started = time.perf_counter()
+        iterator = iter(iterable)  # starting dataloader workers is waiting too
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                self.seconds += time.perf_counter() - started
+                return
+            self.seconds += time.perf_counter() - started
+            yield item
+            started = time.perf_counter()
+
+    def take(self) -> float:
+        """Seconds since the last take(), and start again from zero."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def data_wait_advice(fraction: float, args, on_gpu: bool) -> str:
+    """The warning for a window that spent `fraction` of its step time waiting for data."""
+    tips = []
+    workers = args.dataloader_num_workers
+    if workers == 0:
+        tips.append(f"dataloader_num_workers={min(4, os.cpu_count() or 1)} to load batches in parallel "
+                    "worker processes (now 0: the loop loads them itself)")
+    else:
+        tips.append(f"more dataloader_num_workers (now {workers}) or a larger dataloader_prefetch_factor")
+    if on_gpu and not args.dataloader_pin_memory:
+        tips.append("dataloader_pin_memory=True for faster, asynchronous copies to the GPU")
+    tips.append("tokenise once before training (datasets' map) rather than in __getitem__ or the collator")
+    tips.append("pack short rows (stoker.packing.pack_rows) so each step fetches fewer, fuller rows")
+    return (f"{100 * fraction:.1f}% of the step time in the last logging window was spent waiting for data "
+            f"(over {100 * DATA_WAIT_WARNING:.0f}%); try: " + "; ".join(tips))

@@ -1,0 +1,186 @@
+"""Chunked cross-entropy for causal LMs: the loss from the final hidden states and the lm_head weight, a
+chunk of tokens at a time, so the [batch, seq, vocab] logits never exist (in float32 or at all).
+
+At vocab 32k and 4k tokens a micro-batch, transformers' loss holds the float32 logits, their log-softmax
+and, in backward, their gradient: three tensors of 0.5 GiB each, usually the largest allocation of a small
+model's step. Here each chunk's logits (CHUNK_ELEMENTS floats, 32 MiB) are computed, turned into the
+chunk's loss and, when gradients are wanted, straight into the gradients of the hidden states and of the
+weight, and dropped: the same three matmuls as the full loss, and none of its [tokens, vocab] tensors.
+Only target tokens (labels != -100 after the causal shift) are computed at all, so prompt tokens and
+padding cost nothing here.
+
+Written by hand because the fused linear-cross-entropy kernels that exist (Liger's, Apple's
+cut-cross-entropy) are Triton, GPU-only; this is plain torch and runs wherever the model does.
+
+The Trainer uses it with `chunked_loss=True`: `chunked_causal_lm_loss` runs the whole (possibly DDP-wrapped,
+compiled, peft) model with its lm_head short-circuited, so every wrapper still sees its forward, then
+applies the chunked loss to the hidden states the lm_head would have received.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 2**23  # logits per chunk: 32 MiB in float32 (262 tokens at vocab 32k, 65 at 128k)
+
+
+def _accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # float32, or float64 for float64 inputs
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Sum over rows of cross_entropy(hidden @ weight.T + bias, targets); every target is valid.
+
+    The gradients are computed in the forward pass, from the same chunk of logits as the loss, and kept
+    (their sizes are those of hidden, weight and bias); backward only scales them by the incoming gradient.
+    Recomputing each chunk's logits in backward instead would cost a fourth matmul of the output layer
+    (about a quarter more work there) for no memory saved: the weight's gradient has to exist at the start
+    of backward either way, while every activation is still alive.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, want_grads):
+        n, acc = hidden.shape[0], _accumulation_dtype(hidden)
+        need_h, need_w = want_grads and ctx.needs_input_grad[0], want_grads and ctx.needs_input_grad[1]
+        need_b = want_grads and bias is not None and ctx.needs_input_grad[2]
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # summed over chunks in (at least) float32: a bfloat16 running sum would lose what one matmul keeps
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        for s in range(0, n, chunk):
+            h, t = hidden[s:s + chunk], targets[s:s + chunk]
+            logits = nn.functional.linear(h, weight, bias).to(acc)
+            # one [chunk, vocab] buffer throughout: log-sum-exp, softmax and its gradient are made in place
+            picked = logits.gather(1, t[:, None]).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(top).exp_()
+            norm = probs.sum(dim=-1, keepdim=True)
+            total += (top + norm.log()).sum() - picked.sum()
+            if not (need_h or need_w or need_b):
+                continue
+            # d(lse - logit[target]) / d logits = softmax - one_hot(target)
+            probs.div_(norm)
+            probs[torch.arange(h.shape[0], device=h.device), t] -= 1
+            if need_b:
+                grad_b += probs.sum(0)
+            probs = probs.to(hidden.dtype)
+            if need_h:
+                grad_h[s:s + chunk] = probs @ weight
+            if need_w:
+                grad_w += (probs.t() @ h).to(acc)
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if need_w else None,
+                              grad_b.to(bias.dtype) if need_b else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        # scaled in place: a scaled copy would hold a second weight-sized gradient for a moment
+        if getattr(ctx, "done", False):
+            raise RuntimeError("chunked cross-entropy: backward ran twice through the same loss (retain_graph=True "
+                               "is not supported); compute the loss again")
+        ctx.done = True
+        scaled = [g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in ctx.saved_tensors]
+        return (*scaled, None, None, None)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          num_items_in_batch=None, bias: torch.Tensor | None = None, shift: bool = True,
+                          chunk_tokens: int | None = None, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Causal-LM cross-entropy of `hidden @ weight.T + bias` against labels, without materialising logits.
+
+    hidden [..., T, H], labels [..., T] with -100 for ignored positions; shift=True predicts token t+1 from
+    position t (as transformers' ForCausalLMLoss). Returns sum of token losses / num_items_in_batch, or the
+    mean over target tokens when num_items_in_batch is None, like transformers. compute_dtype is the
+    precision of the lm_head matmul (an autocast dtype); the reduction is always float32.
+    """
+    if shift:
+        labels = nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    labels = labels.reshape(-1).to(hidden.device)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    keep = labels != IGNORE_INDEX
+    hidden, targets = hidden[keep], labels[keep]  # only target tokens are worth a row of logits
+    if compute_dtype is not None:
+        hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
+        bias = bias.to(compute_dtype) if bias is not None else None
+    chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
+    if num_items_in_batch is None:
+        return total / targets.numel()  # NaN for no targets, as torch's mean
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+class _Captured:
+    hidden: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
+
+
+@contextlib.contextmanager
+def lm_head_bypassed(lm_head: nn.Module):
+    """While active, lm_head records its input (the final hidden states, still in the autograd graph) and
+    the autocast dtype it runs under, and is handed an empty slice of it, so the model's logits come out as
+    [batch, 0, vocab]: no logits are computed, and every wrapper around the model still runs its forward."""
+    captured = _Captured()
+
+    def hook(module, args):
+        hidden = args[0]
+        captured.hidden = hidden
+        device = hidden.device.type
+        captured.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return (hidden.narrow(-2, 0, 0), *args[1:])
+
+    handle = lm_head.register_forward_pre_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The lm_head of a transformers causal LM (through a peft wrapper), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get = getattr(base, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+# config attributes of models that transform the logits after lm_head (the chunked loss would skip it)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def chunked_loss_problems(model: nn.Module) -> list[str]:
+    """Why chunked_loss=True cannot be used with this model (empty if it can)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "loss_type", None) != "ForCausalLM" or not hasattr(base, "config"):
+        return [f"chunked_loss=True: {type(base).__name__} is not a transformers causal LM (loss_type "
+                "'ForCausalLM'); the chunked loss replaces that loss only"]
+    head = output_head(model)
+    if not isinstance(head, nn.Linear) or not head.weight.is_floating_point():
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
+        return [f"chunked_loss=True: the output layer of {type(base).__name__} is {kind}, not a "
+                "plain floating-point nn.Linear (a LoRA or quantized lm_head); turn chunked_loss off"]
+    config = base.config
+    transforms = [f"{k}={getattr(config, k)!r}" for k in _LOGIT_TRANSFORMS
+                  if getattr(config, k, None) not in (None, 1, 1.0, 0, 0.0)]
+    if transforms:
+        return [f"chunked_loss=True: {type(base).__name__} transforms its logits after lm_head "
+                f"({', '.join(transforms)}), which the chunked loss does not reproduce; turn chunked_loss off"]
+    return []
+
+
+def chunked_causal_lm_loss(model: nn.Module, lm_head: nn.Linear, inputs: dict, labels: torch.Tensor,
+                           num_items_in_batch=None):
+    """Run `model(**inputs)` (labels removed) with lm_head bypassed, then the chunked loss on its input.
+    Returns (loss, the model's outputs, whose logits are empty)."""
+    with lm_head_bypassed(lm_head) as captured:
+        outputs = model(**inputs)
+    if captured.hidden is None:
+        raise RuntimeError(f"chunked_loss: {type(lm_head).__name__} was never called during the forward pass")
+    loss = chunked_cross_entropy(captured.hidden, lm_head.weight, labels, num_items_in_batch, bias=lm_head.bias,
+                                 compute_dtype=captured.dtype)
+    return loss, outputs

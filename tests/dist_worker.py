@@ -1,0 +1,321 @@
+"""One rank of the multi-process tests in tests/test_distributed.py, started by torchrun (CPU, gloo, float32):
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT SCENARIO [SCENARIO ...]
+
+Every scenario trains the tiny Llama of tests/test_trainer.py and writes what the test compares under
+OUT/<scenario>/: rank_<r>.json (what that rank saw: steps, logs, metrics, a digest of its parameters and RNG)
+and, from rank 0 only, safetensors files of final parameters and predictions. The single-process references
+are computed by the test itself with the same settings (see `training_args` and the data below).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from stoker.trainer import TrainingPreempted  # noqa: E402
+from tests.test_trainer import llama, rows  # noqa: E402
+
+# 24 training rows = 3 optimizer steps of a global batch of 8; 7 and 3 held-out rows do not divide evenly
+# over 2 processes, so Accelerate pads the last evaluation batch with duplicates.
+TRAIN = rows(24, seed=5)
+EVAL7 = rows(7, seed=6)
+EVAL3 = rows(3, seed=7)
+
+
+def training_args(out: str, **kw) -> TrainingArguments:
+    """The settings every equivalence run shares (the test builds its single-process runs from this too). The
+    linear schedule makes the update depend on the number of steps planned, which must count per process."""
+    base = dict(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim="sgd",
+                learning_rate=0.5, lr_scheduler_type="linear", max_grad_norm=1.0, seed=7, save_strategy="no",
+                per_device_eval_batch_size=2)
+    return TrainingArguments(**{**base, **kw})
+
+
+def token_metrics(p) -> dict:
+    """Accuracy of next-token argmax over target positions, and the row count compute_metrics received."""
+    preds, labels = torch.as_tensor(p.predictions), torch.as_tensor(p.label_ids)
+    hit = (preds[:, :-1].argmax(-1) == labels[:, 1:]) & (labels[:, 1:] != -100)
+    return {"rows": int(labels.shape[0]), "token_accuracy": hit.sum().item() / (labels[:, 1:] != -100).sum().item()}
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def param_digest(model) -> str:
+    return digest(p for _, p in sorted(model.named_parameters()))
+
+
+def final_params(trainer) -> dict:
+    return {n: p.detach().clone().contiguous() for n, p in trainer.accelerator.unwrap_model(
+        trainer.model_wrapped).named_parameters()}
+
+
+class Report:
+    """Collects what this rank saw and writes OUT/<scenario>/rank_<r>.json."""
+
+    def __init__(self, out: str, scenario: str):
+        self.folder = os.path.join(out, scenario)
+        os.makedirs(self.folder, exist_ok=True)
+        self.rank = int(os.environ["RANK"])
+        self.values = {"world_size": int(os.environ["WORLD_SIZE"])}
+
+    def save_tensors(self, name: str, tensors: dict) -> None:
+        if self.rank == 0:
+            save_file(tensors, os.path.join(self.folder, f"{name}.safetensors"))
+
+    def write(self) -> None:
+        with open(os.path.join(self.folder, f"rank_{self.rank}.json"), "w") as f:
+            json.dump(self.values, f, indent=1)
+
+
+def losses(trainer) -> list:
+    return [[r["step"], r["loss"]] for r in trainer.state.log_history if "loss" in r]
+
+
+# ---------------------------------------------------------------------------------------------------
+# scenarios
+
+
+def equivalence(out: str, per_device: int = 4, accumulation: int = 1, scenario: str = "equivalence") -> None:
+    """2 x batch 4 (or 2 x batch 2 x accumulation 2): compared by the test with 1 x 8 and 1 x 2 x 4."""
+    r = Report(out, scenario)
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=per_device,
+                         gradient_accumulation_steps=accumulation, num_train_epochs=1, save_strategy="steps",
+                         save_steps=2)
+    trainer = Trainer(llama(), args, train_dataset=TRAIN)
+    trainer.train()
+    r.values.update(global_step=trainer.state.global_step, max_steps=trainer.state.max_steps,
+                    losses=losses(trainer), params=param_digest(trainer.model),
+                    log_records=len(trainer.state.log_history))
+    r.save_tensors("final", final_params(trainer))
+    r.write()
+
+
+def equivalence_accumulation(out: str) -> None:
+    equivalence(out, per_device=2, accumulation=2, scenario="equivalence_accumulation")
+
+
+def evaluation(out: str) -> None:
+    """evaluate() and predict() on 7 rows (the last batch of rank 1 is half padding) and 3 rows (all of
+    rank 1's only batch is padding), with compute_metrics."""
+    r = Report(out, "evaluation")
+    trainer = Trainer(llama(), training_args(os.path.join(r.folder, "out")), eval_dataset=EVAL7,
+                      compute_metrics=token_metrics)
+    r.values["eval7"] = trainer.evaluate()
+    r.values["eval3"] = trainer.evaluate(EVAL3)
+    pred = trainer.predict(EVAL7)
+    r.values["predict7"] = pred.metrics
+    r.save_tensors("predict7", {"predictions": torch.as_tensor(pred.predictions),
+                                "label_ids": torch.as_tensor(pred.label_ids)})
+    for v in r.values.values():  # runtimes differ between ranks; the test compares everything else
+        if isinstance(v, dict):
+            for k in [k for k in v if k.endswith(("_runtime", "_per_second"))]:
+                del v[k]
+    r.write()
+
+
+class NanOnRankOne(Trainer):
+    """Makes the loss of rank 1 (only) non-finite during step 2, without touching its gradients (a constant
+    NaN added to the loss has no gradient): only rank 1's own check can see it."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and self.state.global_step == 1 and self.accelerator.process_index == 1:
+            nan = torch.tensor(float("nan"))
+            result = (result[0] + nan, result[1]) if return_outputs else result + nan
+        return result
+
+
+def guards(out: str) -> None:
+    """The non-finite guard and early stopping must decide the same on every rank."""
+    r = Report(out, "guards")
+    # greater_is_better on a falling eval_loss: every evaluation after the first is worse, except the one
+    # after the skipped step 2, which equals it; patience 2 stops training at step 3
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=6,
+                         eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss",
+                         greater_is_better=True)
+    trainer = NanOnRankOne(llama(), args, train_dataset=TRAIN, eval_dataset=EVAL7,
+                           callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer.train()
+    evals = [x["eval_loss"] for x in trainer.state.log_history if "eval_loss" in x]
+    skipped = [x.get("nonfinite_steps_skipped", 0) for x in trainer.state.log_history if "learning_rate" in x]
+    r.values.update(global_step=trainer.state.global_step, params=param_digest(trainer.model), eval_losses=evals,
+                    nonfinite_steps_skipped=max(skipped), best_metric=trainer.state.best_metric)
+    r.write()
+
+
+class RankRng(TrainerCallback):
+    """Draws rank+1 random numbers before the first step, so that every rank's RNG stream (and dropout mask)
+    differs from the others; records each rank's torch RNG digest at every step; and, with `pause_at`, holds
+    rank 1 after that step until the test has delivered a SIGTERM to it (and only to it)."""
+
+    def __init__(self, report: Report, pause_at: int | None = None):
+        self.report, self.pause_at = report, pause_at
+        self.rng = {}
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step == 0:
+            torch.rand(self.report.rank + 1)
+
+    def on_step_end(self, args, state, control, **kw):
+        self.rng[state.global_step] = digest([torch.get_rng_state()])
+        if self.pause_at == state.global_step and self.report.rank == 1:
+            with open(os.path.join(self.report.folder, "pid_1"), "w") as f:
+                f.write(str(os.getpid()))
+            flag = os.path.join(self.report.folder, "signal_sent")
+            deadline = time.monotonic() + 120
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def rng_args(out: str, **kw) -> TrainingArguments:
+    # 24 rows / (2 per device x 2 processes x accumulation 2) = 3 steps per epoch; 6 steps = 2 epochs
+    return training_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+                         save_strategy="steps", save_steps=2, optim="adamw_torch", learning_rate=1e-2, **kw)
+
+
+def dropout_llama():
+    model = llama()
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    return model
+
+
+def rng_resume(out: str) -> None:
+    """A run with dropout and per-rank RNG streams, then a second one resumed from its checkpoint-2."""
+    r = Report(out, "rng_resume")
+    rng = RankRng(r)
+    full = Trainer(dropout_llama(), rng_args(os.path.join(r.folder, "out")), train_dataset=TRAIN, callbacks=[rng])
+    full.train()
+    resumed = Trainer(dropout_llama(), rng_args(os.path.join(r.folder, "resumed")), train_dataset=TRAIN,
+                      callbacks=[RankRng(r)])
+    resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
+    r.values.update(rng_at_step=rng.rng, losses=losses(full), resumed_losses=losses(resumed),
+                    params=param_digest(full.model), resumed_params=param_digest(resumed.model))
+    r.save_tensors("final", final_params(full))
+    r.save_tensors("resumed", final_params(resumed))
+    r.write()
+
+
+def preempt(out: str) -> None:
+    """The rng_resume run, with rank 1 held after step 2 until the test has sent it SIGTERM."""
+    r = Report(out, "preempt")
+    trainer = Trainer(dropout_llama(), rng_args(os.path.join(r.folder, "out")), train_dataset=TRAIN,
+                      callbacks=[RankRng(r, pause_at=2)])
+    try:
+        trainer.train()
+    except TrainingPreempted as e:
+        r.values.update(exit_code=e.code, step=e.step, signal=e.signum)
+        r.write()
+        # torchrun's agent sends SIGTERM to the other workers as soon as one exits non-zero; the checkpoint is
+        # committed by now, and ignoring that signal lets this rank, too, exit with its own code
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
+    r.values["exit_code"] = 0
+    r.write()
+
+
+def preempt_resume(out: str) -> None:
+    """Resume the preempted run (resume_from_checkpoint=True) to its end."""
+    r = Report(out, "preempt_resume")
+    trainer = Trainer(dropout_llama(), rng_args(os.path.join(out, "preempt", "out")), train_dataset=TRAIN,
+                      callbacks=[RankRng(r)])
+    trainer.train(resume_from_checkpoint=True)
+    r.values.update(global_step=trainer.state.global_step, max_steps=trainer.state.max_steps,
+                    losses=losses(trainer), params=param_digest(trainer.model))
+    r.save_tensors("final", final_params(trainer))
+    r.write()
+
+
+def fsdp2_on_cpu(trainer) -> None:
+    """Test-only fixture: the FSDP2 state Accelerate sets up on GPUs, set up here on the CPU (gloo). Accelerate
+    enables FSDP only on accelerators (on the CPU it silently keeps DDP, and stoker refuses fsdp there), but
+    its FSDP2 path (fully_shard over the process group) runs on gloo. The plugin comes from stoker's own
+    translation of fsdp='full_shard' with fsdp_config version 2, as a GPU run would build it."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from stoker import distributed as dist
+
+    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"version": 2}, model=trainer.model)
+    assert not problems, problems
+    state = trainer.accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ does
+    state.fsdp_plugin = dist.fsdp_plugin(kwargs)
+    assert trainer.accelerator.is_fsdp2
+
+
+def fsdp_args(out: str, **kw) -> TrainingArguments:
+    return training_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
+                         optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, **kw)
+
+
+def fsdp2(out: str) -> None:
+    """The ddp_adamw run (2 processes x batch 2 x accumulation 2: the non-final micro-batches skip FSDP's
+    gradient reduce-scatter) sharded with FSDP2 and compared by the test with it, saved with save_model, resumed
+    from its checkpoint-2: the sharded state is gathered into the checkpoint and sharded again on load. It must
+    be the launch's last scenario: the fixture leaves the process's Accelerate state set to FSDP."""
+    r = Report(out, "fsdp2")
+    args = fsdp_args(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2)
+    full = Trainer(llama(), args, train_dataset=TRAIN)
+    fsdp2_on_cpu(full)
+    full.train()
+    params = list(full.model_wrapped.parameters())
+    r.values.update(
+        dtensors=all(type(p).__name__ == "DTensor" for p in params),
+        local_numel=sum(p.to_local().numel() for p in params), total_numel=sum(p.numel() for p in params),
+        losses=losses(full), global_step=full.state.global_step)
+    gathered = full._state_dict_for_saving()  # the full model, on rank 0
+    full.save_model(os.path.join(r.folder, "saved"))  # one full safetensors model, for transformers
+    resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed")), train_dataset=TRAIN)
+    fsdp2_on_cpu(resumed)
+    resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
+    gathered_resumed = resumed._state_dict_for_saving()
+    r.values["resumed_losses"] = losses(resumed)
+    if r.rank == 0:
+        r.save_tensors("final", {k: v.contiguous() for k, v in gathered.items()})
+        r.save_tensors("resumed", {k: v.contiguous() for k, v in gathered_resumed.items()})
+    r.write()
+
+
+def ddp_adamw(out: str) -> None:
+    """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
+    parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
+    r = Report(out, "ddp_adamw")
+    args = fsdp_args(os.path.join(r.folder, "out"))
+    trainer = Trainer(llama(), args, train_dataset=TRAIN)
+    trainer.train()
+    r.values["losses"] = losses(trainer)
+    r.save_tensors("final", final_params(trainer))
+    r.write()
+
+
+SCENARIOS = {f.__name__: f for f in (equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
+                                     preempt_resume, fsdp2, ddp_adamw)}
+
+
+def main() -> None:
+    out, names = sys.argv[1], sys.argv[2:]
+    for name in names:
+        SCENARIOS[name](out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""Data-parallel training with real processes: torchrun starts 2 ranks (CPU, gloo, float32) that run the
+scenarios of tests/dist_worker.py, and the test compares what they wrote with single-process runs of the same
+settings made here. One launch runs several scenarios, because each start of torchrun costs seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stoker import Trainer
+from stoker import checkpoint as ckpt
+from stoker.trainer import PREEMPTED_EXIT_CODE
+from tests import dist_worker as w
+from tests.test_trainer import llama
+
+WORKER = str(Path(__file__).with_name("dist_worker.py"))
+TIMEOUT = 600
+
+
+def torchrun_command(out: Path, *scenarios: str, launcher: list[str] | None = None) -> list[str]:
+    launcher = launcher or ["--standalone", "--nproc_per_node", "2"]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, WORKER, str(out), *scenarios]
+
+
+def launch(out: Path, *scenarios: str) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_command(out, *scenarios), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                                  f"{proc.stderr[-8000:]}")
+
+
+def ranks(out: Path, scenario: str) -> list[dict]:
+    found = [json.loads((out / scenario / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert [f["world_size"] for f in found] == [2, 2]
+    return found
+
+
+def assert_params_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def params_of(trainer) -> dict:
+    return {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "ddp_adamw",
+                 "fsdp2"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """The single-process runs the 2-rank runs must match: 1 x batch 8, and 1 x batch 2 x accumulation 4."""
+    out = tmp_path_factory.mktemp("one_process")
+    runs = {}
+    for name, batch, accumulation in (("batch8", 8, 1), ("batch2x4", 2, 4)):
+        t = Trainer(llama(), w.training_args(str(out / name), per_device_train_batch_size=batch,
+                                             gradient_accumulation_steps=accumulation, num_train_epochs=1),
+                    train_dataset=w.TRAIN)
+        t.train()
+        runs[name] = t
+    return runs
+
+
+# --- invariant 1 across processes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", ["equivalence", "equivalence_accumulation"])
+def test_two_processes_update_like_one_big_batch_and_like_accumulation(two_ranks, one_process, scenario):
+    """2 x 4 (and 2 x 2 x accumulation 2) == 1 x 8 == 1 x 2 x accumulation 4, over 3 steps of padded rows of
+    very different lengths: the loss is normalised by the target tokens of all processes."""
+    final = load_file(str(two_ranks / scenario / "final.safetensors"))
+    for ref in one_process.values():
+        assert_params_close(final, params_of(ref), atol=1e-6)
+    r0, r1 = ranks(two_ranks, scenario)
+    assert r0["global_step"] == r1["global_step"] == r0["max_steps"] == 3  # planned from one process's share
+    assert r0["params"] == r1["params"]  # the replicas never drift apart
+    ref_losses = [[r["step"], r["loss"]] for r in one_process["batch8"].state.log_history if "loss" in r]
+    assert [s for s, _ in r0["losses"]] == [s for s, _ in ref_losses] == [1, 2, 3]
+    # logged losses are rounded to 6 decimals: two values 1e-7 apart may round 1e-6 apart
+    assert [x for _, x in r0["losses"]] == pytest.approx([x for _, x in ref_losses], abs=2e-6)
+    assert r0["losses"] == r1["losses"]  # every rank logs the global loss
+
+
+def test_only_rank_zero_writes_logs_and_checkpoints_but_every_rank_its_rng(two_ranks):
+    out = two_ranks / "equivalence" / "out"
+    r0, _ = ranks(two_ranks, "equivalence")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == r0["log_records"]  # one writer: a second rank would double every line
+    assert [json.loads(x)["step"] for x in lines if "loss" in json.loads(x)] == [1, 2, 3]
+    # save_steps=2, and the last step, as transformers does
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(out))] == ["checkpoint-2", "checkpoint-3"]
+    assert not ckpt.stale_temp_dirs(str(out))
+    for folder in ckpt.list_checkpoints(str(out)):
+        assert ckpt.verify(folder) is None
+        files = set(os.listdir(folder))
+        assert {"process_0.json", "process_0.safetensors", "process_1.json", "process_1.safetensors"} <= files
+        assert not any(f.startswith("process_2") for f in files)
+    # each rank's own RNG: the worker made the streams differ per rank before step 1
+    rng_run = two_ranks / "rng_resume" / "out" / "checkpoint-2"
+    states = [ckpt.load_state(str(rng_run), f"process_{r}")["rng"]["torch"] for r in range(2)]
+    assert not torch.equal(states[0], states[1])
+    for r, rank in enumerate(ranks(two_ranks, "rng_resume")):
+        assert w.digest([states[r]]) == rank["rng_at_step"]["2"]
+
+
+# --- evaluation and prediction --------------------------------------------------------------------
+
+
+def test_evaluate_and_predict_count_every_row_once_in_dataset_order(two_ranks, tmp_path):
+    """7 rows over 2 ranks x batch 2: rank 1's last batch holds one duplicated row (3 rows: all of rank 1's
+    batch is duplicates). Gathered predictions, metrics and eval_loss equal those of one process."""
+    t = Trainer(llama(), w.training_args(str(tmp_path / "one")), eval_dataset=w.EVAL7,
+                compute_metrics=w.token_metrics)
+    ref = {"eval7": t.evaluate(), "eval3": t.evaluate(w.EVAL3)}
+    ref_pred = t.predict(w.EVAL7)
+    r0, r1 = ranks(two_ranks, "evaluation")
+    assert r0 == r1  # every rank holds the same metrics: decisions taken on them agree
+    for name in ("eval7", "eval3"):
+        assert r0[name]["eval_rows"] == len(getattr(w, name.upper()))
+        assert r0[name]["eval_loss"] == pytest.approx(ref[name]["eval_loss"], abs=1e-6)
+        assert r0[name]["eval_token_accuracy"] == ref[name]["eval_token_accuracy"]
+    assert r0["predict7"]["test_rows"] == 7
+    assert r0["predict7"]["test_loss"] == pytest.approx(ref_pred.metrics["test_loss"], abs=1e-6)
+    pred = load_file(str(two_ranks / "evaluation" / "predict7.safetensors"))
+    labels = torch.as_tensor(ref_pred.label_ids)
+    assert torch.equal(pred["label_ids"], labels)  # same rows, same order, no duplicate
+    real = labels != -100  # logits at padded positions depend on how rows were batched
+    torch.testing.assert_close(pred["predictions"][real], torch.as_tensor(ref_pred.predictions)[real],
+                               atol=1e-5, rtol=0)
+
+
+# --- decisions every rank must take together -------------------------------------------------------
+
+
+def test_nonfinite_guard_and_early_stopping_decide_the_same_on_every_rank(two_ranks):
+    """Rank 1 alone sees a NaN loss in step 2 (its gradients stay finite): both ranks skip that update. With
+    greater_is_better on a falling eval_loss and patience 2, both stop after the evaluation of step 3."""
+    r0, r1 = ranks(two_ranks, "guards")
+    assert r0["nonfinite_steps_skipped"] == r1["nonfinite_steps_skipped"] == 1
+    assert r0["params"] == r1["params"]  # had rank 0 applied step 2, the replicas would differ
+    assert r0["eval_losses"] == r1["eval_losses"]
+    assert r0["eval_losses"][1] == r0["eval_losses"][0]  # step 2 was skipped on both ranks
+    assert r0["global_step"] == r1["global_step"] == 3
+    assert r0["best_metric"] == r1["best_metric"] == r0["eval_losses"][0]
+
+
+# --- resume ------------------------------------------------------------------------------------------
+
+
+def test_resume_with_two_processes_is_exact(two_ranks):
+    """Dropout, a different RNG stream per rank, AdamW: resumed from checkpoint-2, the run ends bit for bit
+    where the uninterrupted one ended, with the same logged losses."""
+    folder = two_ranks / "rng_resume"
+    full, resumed = load_file(str(folder / "final.safetensors")), load_file(str(folder / "resumed.safetensors"))
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+    for r in ranks(two_ranks, "rng_resume"):
+        assert r["params"] == r["resumed_params"]
+        assert r["resumed_losses"] == r["losses"]  # the log history up to step 2 comes with the checkpoint
+
+
+def test_resume_with_another_world_size_is_refused_unless_warned(two_ranks, tmp_path, capsys):
+    folder = str(two_ranks / "rng_resume" / "out" / "checkpoint-2")
+    t = Trainer(w.dropout_llama(), w.rng_args(str(tmp_path / "a")), train_dataset=w.TRAIN)
+    with pytest.raises(ckpt.CheckpointError, match=r"world_size=2 \(now 1\)"):
+        t.train(resume_from_checkpoint=folder)
+    t = Trainer(w.dropout_llama(), w.rng_args(str(tmp_path / "b"), resume_mismatch="warn"), train_dataset=w.TRAIN)
+    t.train(resume_from_checkpoint=folder)
+    assert t.state.global_step == 6
+    assert "world_size=2 (now 1)" in capsys.readouterr().err
+
+
+# --- FSDP2 -----------------------------------------------------------------------------------------------
+
+
+def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_ranks):
+    """FSDP2 on 2 CPU processes (the test-only fixture dist_worker.fsdp2_on_cpu sets up what Accelerate sets up
+    on GPUs, from stoker's translation of fsdp='full_shard'): each rank holds half of the parameters; training
+    matches DDP; checkpoint-2 holds the gathered model and optimizer state (safetensors + JSON, verified),
+    from which a resumed run ends bit for bit where the uninterrupted one ended; save_model writes one full
+    model that transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    r0, r1 = ranks(two_ranks, "fsdp2")
+    for r in (r0, r1):
+        assert r["dtensors"] and r["local_numel"] == r["total_numel"] // 2  # the tiny Llama's tensors split evenly
+        assert r["global_step"] == 3
+    ddp = ranks(two_ranks, "ddp_adamw")[0]
+    assert [s for s, _ in r0["losses"]] == [1, 2, 3]
+    assert [x for _, x in r0["losses"]] == pytest.approx([x for _, x in ddp["losses"]], abs=2e-6)
+    final = load_file(str(two_ranks / "fsdp2" / "final.safetensors"))
+    assert_params_close(final, load_file(str(two_ranks / "ddp_adamw" / "final.safetensors")), atol=1e-6)
+    folder = two_ranks / "fsdp2" / "out" / "checkpoint-2"
+    assert ckpt.verify(str(folder)) is None
+    optimizer = ckpt.load_state(str(folder), "optimizer")
+    assert len(optimizer["state"]) == len(final)  # every parameter's moments, gathered, not rank 0's shard
+    assert all(v["exp_avg"].shape == final[k].shape for k, v in optimizer["state"].items())
+    resumed = load_file(str(two_ranks / "fsdp2" / "resumed.safetensors"))
+    for name in final:
+        assert torch.equal(final[name], resumed[name]), name
+    assert r0["resumed_losses"] == r0["losses"]
+    saved = AutoModelForCausalLM.from_pretrained(str(two_ranks / "fsdp2" / "saved"))
+    for name, p in saved.named_parameters():
+        assert torch.equal(p.detach(), final[name]), name
+
+
+# --- preemption ----------------------------------------------------------------------------------------
+
+
+def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly(two_ranks, tmp_path):
+    """Rank 1 is held after step 2 and sent SIGTERM (rank 0 gets nothing). Both ranks finish step 3, write
+    checkpoint-3 together and exit with 75; resuming with resume_from_checkpoint=True ends where the
+    uninterrupted run (rng_resume) ended, bit for bit."""
+    proc = subprocess.Popen(torchrun_command(tmp_path, "preempt"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    pid_file, deadline = tmp_path / "preempt" / "pid_1", time.monotonic() + TIMEOUT
+    while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_file.exists(), f"rank 1 never reached step 2:\n{proc.communicate()[0][-8000:]}"
+    time.sleep(0.2)  # the pid file may be visible before its content is
+    os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    (tmp_path / "preempt" / "signal_sent").write_text("")
+    output = proc.communicate(timeout=TIMEOUT)[0]
+    assert proc.returncode != 0  # torchrun reports failed workers with its own code (1)
+    # torchrun's failure report: one entry per rank with the exit code of its process
+    exits = set(re.findall(r"rank\s*:\s*(\d) \(local_rank: \d\)\s*\n\s*exitcode\s*:\s*(-?\d+)", output))
+    assert exits == {("0", str(PREEMPTED_EXIT_CODE)), ("1", str(PREEMPTED_EXIT_CODE))}, output[-8000:]
+    r0, r1 = ranks(tmp_path, "preempt")
+    assert r0["exit_code"] == r1["exit_code"] == PREEMPTED_EXIT_CODE
+    assert r0["step"] == r1["step"] == 3
+    assert r0["signal"] == r1["signal"] == signal.SIGTERM  # rank 0 learned of rank 1's signal
+    out = tmp_path / "preempt" / "out"
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(out))] == ["checkpoint-2", "checkpoint-3"]
+    assert ckpt.verify(str(out / "checkpoint-3")) is None
+    assert {"process_0.json", "process_1.json"} <= set(os.listdir(out / "checkpoint-3"))
+
+    check(launch(tmp_path, "preempt_resume"))
+    reference = load_file(str(two_ranks / "rng_resume" / "final.safetensors"))
+    resumed = load_file(str(tmp_path / "preempt_resume" / "final.safetensors"))
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
+    uninterrupted = ranks(two_ranks, "rng_resume")[0]
+    r = ranks(tmp_path, "preempt_resume")[0]
+    assert r["global_step"] == 6
+    assert r["losses"] == uninterrupted["losses"]  # steps 1-3 come with the checkpoint, 4-6 are logged anew
+
+
+# --- many nodes ----------------------------------------------------------------------------------------
+
+
+def test_two_nodes_with_a_c10d_rendezvous_update_like_one_process(tmp_path, one_process):
+    """Two node agents on this machine (torchrun --nnodes 2 --nproc_per_node 1, c10d rendezvous on
+    127.0.0.1), one rank each: the same update as one process with batch 8."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    launcher = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+                "--rdzv_id", "stoker-test"]
+    agents = [subprocess.Popen(torchrun_command(tmp_path, "equivalence", launcher=launcher), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [a.communicate(timeout=TIMEOUT)[0] for a in agents]
+    for a, output in zip(agents, outputs, strict=True):
+        assert a.returncode == 0, output[-8000:]
+    final = load_file(str(tmp_path / "equivalence" / "final.safetensors"))
+    assert_params_close(final, params_of(one_process["batch8"]), atol=1e-6)
+    r0, r1 = ranks(tmp_path, "equivalence")
+    assert r0["params"] == r1["params"] and r0["global_step"] == 3
+
+
+# --- SLURM ---------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# Stand-ins for SLURM's commands: srun starts SLURM_NTASKS copies of the command with SLURM_PROCID and
+# SLURM_LOCALID set, notes their pids and returns the highest exit code (as srun does); scontrol names the
+# node and records requeue requests.
+SRUN = """import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):
+    args.pop(0)
+procs = [subprocess.Popen(args, env={**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
+         for i in range(int(os.environ["SLURM_NTASKS"]))]
+with open(os.environ["STUB_PIDS"], "w") as f:
+    f.write(" ".join(str(p.pid) for p in procs))
+sys.exit(max(p.wait() for p in procs))
+"""
+SCONTROL = """import os, sys
+if sys.argv[1:3] == ["show", "hostnames"]:
+    print("localhost")
+elif sys.argv[1] == "requeue":
+    with open(os.environ["STUB_REQUEUED"], "a") as f:
+        f.write(sys.argv[2] + "\\n")
+"""
+
+
+def test_slurm_script_checkpoints_on_usr1_requeues_and_the_requeued_job_resumes(tmp_path):
+    """recipes/slurm_requeue.sbatch with 2 tasks on this machine: SIGUSR1 to every task (as --signal sends it)
+    makes both checkpoint the same step and exit 75, the script requeues the job, and the job's next run
+    resumes from that checkpoint and finishes: every step is trained and logged exactly once."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, code in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (stubs / name).write_text(f"#!{sys.executable}\n{code}")
+        (stubs / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1",
+           "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "STUB_PIDS": str(tmp_path / "pids"),
+           "STUB_REQUEUED": str(tmp_path / "requeued")}
+    out = tmp_path / "run"
+    job = ["bash", str(ROOT / "recipes" / "slurm_requeue.sbatch"), "--output_dir", str(out), "--hidden_size", "32",
+           "--num_hidden_layers", "1", "--intermediate_size", "64", "--num_train_examples", "256",
+           "--num_eval_examples", "16", "--per_device_train_batch_size", "8", "--max_steps", "200",
+           "--logging_steps", "1", "--save_steps", "1000", "--eval_strategy", "no", "--disable_tqdm", "true"]
+    first = subprocess.Popen(job, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + TIMEOUT
+    while first.poll() is None and time.monotonic() < deadline and not (
+            metrics.exists() and '"loss"' in metrics.read_text()):
+        time.sleep(0.02)
+    for pid in (tmp_path / "pids").read_text().split():
+        os.kill(int(pid), signal.SIGUSR1)
+    output = first.communicate(timeout=TIMEOUT)[0]
+    assert first.returncode == PREEMPTED_EXIT_CODE, output[-8000:]
+    assert (tmp_path / "requeued").read_text() == "4242\n"
+    (saved,) = ckpt.list_checkpoints(str(out))
+    assert ckpt.verify(saved) is None and {"process_0.json", "process_1.json"} <= set(os.listdir(saved))
+    stopped_at = ckpt.checkpoint_step(saved)
+    assert 1 <= stopped_at < 200
+
+    second = subprocess.run(job, cwd=ROOT, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-8000:]
+    assert (tmp_path / "requeued").read_text() == "4242\n"  # not requeued again
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert steps == list(range(1, 201))  # the first run logged 1..stopped_at, the second the rest
+    assert os.path.basename(ckpt.list_checkpoints(str(out))[-1]) == "checkpoint-200"
