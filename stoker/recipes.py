@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"stoker: {e}", file=sys.stderr)
         return 2
+    from accelerate.state import PartialState
+
+    # under a launcher, leave the process group before the interpreter exits: a gloo group torn down by
+    # interpreter shutdown can abort the process after a successful run
+    PartialState().destroy_process_group()
     return 0
 
 

@@ -312,9 +312,15 @@ SCENARIOS = {f.__name__: f for f in (equivalence, equivalence_accumulation, eval
 
 
 def main() -> None:
+    from accelerate.state import PartialState
+
     out, names = sys.argv[1], sys.argv[2:]
     for name in names:
         SCENARIOS[name](out)
+    # leave the process group before the interpreter exits: a gloo group torn down by interpreter shutdown
+    # can abort the process ("terminate called without an active exception")
+    PartialState().wait_for_everyone()
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":
