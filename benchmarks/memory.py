@@ -37,12 +37,12 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+from fresh_process import run_child
 
 SEQ_LEN = 512
 VOCAB = 32000
@@ -141,15 +141,8 @@ def child(label: str, steps: int, batch: int, threads: int) -> dict:
 
 
 def measure(label: str, steps: int, batch: int, threads: int, default_malloc: bool) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--child", label, "--steps", str(steps), "--batch",
-               str(batch), "--threads", str(threads)]
-    env = dict(os.environ) if default_malloc else {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if done.returncode != 0:
-        sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
-        raise SystemExit(f"{label}: the child process failed ({done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, label, ["--steps", str(steps), "--batch", str(batch), "--threads", str(threads)],
+                     fixed_malloc=not default_malloc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,9 +25,10 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
+
+from fresh_process import run_child
 
 # name -> (model sizes, rows per micro-batch, tokens per row, TrainingArguments extras, LoRA rank/dropout)
 SMALL_32K = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2, "vocab_size": 32000}
@@ -95,13 +96,7 @@ def child(name: str, steps: int) -> dict:
 
 
 def measure(name: str, steps: int) -> dict:
-    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True,
-                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
-    if done.returncode != 0:
-        sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
-        raise SystemExit(f"{name}: the child process failed ({done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(__file__, name, ["--steps", str(steps)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay, seen = [], [], set()
-    for module_name, module in model.named_modules():
+    for _, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or id(param) in seen:  # tied weights appear twice
                 continue

@@ -382,7 +382,12 @@ def generate_sample(trainer, tokenizer, row: dict) -> dict:
 def run_classification(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     """Sequence classification with accuracy and macro F1."""
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+    )
 
     from .tasks import TOPICS, classification_metrics, topic_sentences, train_word_tokenizer
     from .trainer import Trainer

@@ -246,10 +246,11 @@ class Trainer:
         return p
 
     def _build_accelerator(self, model):
+        from datetime import timedelta
+
         from accelerate import Accelerator, DataLoaderConfiguration
         from accelerate.state import AcceleratorState, GradientState
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
-        from datetime import timedelta
 
         a = self.args
         # AcceleratorState is a process-wide singleton that refuses a second configuration. A new Trainer
@@ -883,10 +884,12 @@ class Trainer:
                 logits = self._logits_of(outputs)
                 if logits is not None and self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, label)
+                # sequence lengths differ between processes: pad to a common length before gathering
+                gather = lambda t: acc.gather_for_metrics(acc.pad_across_processes(t, dim=1, pad_index=-100))
                 if logits is not None:
-                    pending_preds.append(acc.gather_for_metrics(acc.pad_across_processes(logits, dim=1, pad_index=-100)))
+                    pending_preds.append(gather(logits))
                 if label is not None:
-                    pending_labels.append(acc.gather_for_metrics(acc.pad_across_processes(label, dim=1, pad_index=-100)))
+                    pending_labels.append(gather(label))
                 if self.args.eval_accumulation_steps and n % self.args.eval_accumulation_steps == 0:
                     preds += [t.cpu() for t in pending_preds]
                     labels += [t.cpu() for t in pending_labels]

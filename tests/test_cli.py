@@ -139,7 +139,8 @@ def test_train_help_lists_groups_and_field_help(capsys):
         main(["train", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for heading in ("model (recipe):", "dataset (recipe):", "batch:", "optimizer:", "precision:", "evaluation:", "saving:", "distributed:"):
+    for heading in ("model (recipe):", "dataset (recipe):", "batch:", "optimizer:", "precision:", "evaluation:",
+                    "saving:", "distributed:"):
         assert f"\n{heading}\n" in out, heading
     assert "Peak learning rate." in out
     assert "Samples per micro-batch on each process." in out

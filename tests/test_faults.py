@@ -33,7 +33,7 @@ def params(model) -> dict[str, torch.Tensor]:
 
 def assert_same(a: dict, b: dict, atol: float = 0.0):
     for name, p in a.items():
-        torch.testing.assert_close(b[name], p, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b[name], p, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 class At(TrainerCallback):

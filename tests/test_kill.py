@@ -3,7 +3,6 @@ uninterrupted run ends, bit for bit."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess

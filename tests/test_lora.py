@@ -131,4 +131,5 @@ def test_merge_function_and_command_give_the_same_logits(base_dir, tmp_path):
             merged = AutoModelForCausalLM.from_pretrained(tmp_path / folder).eval()
             assert not any("lora" in n for n, _ in merged.named_parameters())
             torch.testing.assert_close(merged(ids).logits, reference, atol=1e-5, rtol=0)  # float32 merge
-    assert cli(["merge", "--base", str(tmp_path / "nope"), "--adapter", str(base_dir), "--out", str(tmp_path / "x")]) == 2
+    missing_base = ["merge", "--base", str(tmp_path / "nope"), "--adapter", str(base_dir), "--out", str(tmp_path / "x")]
+    assert cli(missing_base) == 2

@@ -150,7 +150,8 @@ def test_classification_with_lora_on_a_pretrained_base(base_model, tmp_path):
     assert recipe_main("classification")(argv) == 0
     r = results(out)
     assert {"eval_loss", "eval_accuracy", "eval_f1"} <= set(r["after"]) and r["after"] != r["before"]
-    loaded = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=4), out)
+    base = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=4)
+    loaded = PeftModel.from_pretrained(base, out)
     trained_head = [p for n, p in loaded.named_parameters() if "score.modules_to_save" in n]
     torch.manual_seed(42)  # the recipe initialises the new head from the run's seed (42 by default)
     initial_head = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=4).score.weight

@@ -58,7 +58,7 @@ def train(model, tmp_path, data, **kw):
 
 def assert_close_params(a: nn.Module, b: nn.Module, atol: float):
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def losses(trainer) -> list[float]:
@@ -141,7 +141,7 @@ def test_plain_module_loss_is_exact_under_accumulation(tmp_path, as_dict):
                  gradient_accumulation_steps=3, max_steps=1, learning_rate=0.1)
     assert_close_params(a.model, b.model, atol=1e-6)
     before = Regressor()
-    assert any((p - q).abs().max() > 1e-4 for p, q in zip(a.model.parameters(), before.parameters()))
+    assert any((p - q).abs().max() > 1e-4 for p, q in zip(a.model.parameters(), before.parameters(), strict=True))
 
 
 class LogitsOnly(nn.Module):
