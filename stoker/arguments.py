@@ -246,7 +246,8 @@ class TrainingArguments:
         "FSDP settings as a dict, a JSON string or a JSON file, with transformers' keys: version (2, or 1), "
         "transformer_layer_cls_to_wrap (default: the model's _no_split_modules), min_num_params (wrap by size), "
         "auto_wrap_policy, reshard_after_forward, cpu_offload, cpu_ram_efficient_loading, activation_checkpointing, "
-        "state_dict_type.", "distributed"))
+        "state_dict_type (checkpoints always hold every process's shards; FULL_STATE_DICT, the default, adds the "
+        "full model).", "distributed"))
     deepspeed: dict | str | None = field(default=None, metadata=_help(
         "DeepSpeed config as a dict, a JSON string or a JSON file (ZeRO stage 0-3, offload); \"auto\" values are "
         "filled from these arguments as transformers fills them, and values that disagree with them are errors. "

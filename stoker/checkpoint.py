@@ -37,10 +37,11 @@ class CheckpointError(RuntimeError):
 
 
 def flatten(obj: Any, path: str = "", tensors: dict[str, torch.Tensor] | None = None):
-    """Split `obj` into a JSON-able tree and a dict of tensors; tensors are replaced by {"__tensor__": key}."""
+    """Split `obj` into a JSON-able tree and a dict of tensors (left where they are: on their device, DTensors
+    sharded); tensors are replaced by {"__tensor__": key}."""
     tensors = {} if tensors is None else tensors
     if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().cpu()
+        tensors[path] = obj.detach()
         return {"__tensor__": path}, tensors
     if isinstance(obj, np.ndarray):
         tensors[path] = torch.from_numpy(obj.copy())
@@ -88,7 +89,7 @@ def save_state(folder: str, name: str, obj: Any) -> None:
     if tensors:
         seen, unique = set(), {}
         for key, t in tensors.items():  # safetensors refuses tensors that share memory
-            t = t.contiguous()
+            t = t.cpu().contiguous()
             ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
             unique[key] = t.clone() if ptr in seen else t
             seen.add(ptr)

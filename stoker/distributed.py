@@ -497,12 +497,22 @@ def full_tensor(value):
 
 
 # ---------------------------------------------------------------------------------------------------
-# checkpoint state of a sharded model (FSDP): gathered whole for the main process to save, loaded whole by
-# every rank and sharded again, through torch.distributed.checkpoint.state_dict (never its pickling writer)
+# checkpoints of a sharded model (FSDP): every rank writes its own shards of the model and optimizer state.
+# torch.distributed.checkpoint plans and reshards them; its HuggingFace storage writer and reader keep them in
+# safetensors files whose headers hold each shard's offsets as JSON (its default writer stores a pickled
+# `.metadata` and its reader unpickles it, so it is never used).
+
+MODEL_SHARDS, OPTIMIZER_SHARDS = "model_shards", "optimizer_shards"
 
 
 def is_sharded(accelerator) -> bool:
     return str(accelerator.distributed_type).rsplit(".", 1)[-1] == "FSDP"
+
+
+def gathers_full_model(accelerator) -> bool:
+    """Whether checkpoints also hold the full model (fsdp_config state_dict_type FULL_STATE_DICT, the default,
+    as in transformers): gathered on the main process and saved as save_pretrained saves it."""
+    return str(accelerator.state.fsdp_plugin.state_dict_type).rsplit(".", 1)[-1] == "FULL_STATE_DICT"
 
 
 def parameters_finite(accelerator, model) -> bool:
@@ -516,47 +526,73 @@ def parameters_finite(accelerator, model) -> bool:
     return accelerator.reduce(flag, reduction="sum").item() == 0
 
 
-def optimizer_state_dict(accelerator, model, optimizer) -> dict:
-    """The optimizer state to checkpoint. For a sharded model it is gathered whole and keyed by parameter
-    name, on the main process only (every rank must call this; the others get {})."""
-    if not is_sharded(accelerator):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def _optimizer_tensors(model, optimizer):
+    """The optimizer state keyed by parameter name, split into its JSON structure and its (sharded) tensors."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from .checkpoint import flatten
+
+    return flatten(get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer)))
 
 
-def load_optimizer_state_dict(accelerator, model, optimizer, state: dict) -> None:
-    if not is_sharded(accelerator):
-        optimizer.load_state_dict(state)
+def save_shards(folder: str, model, optimizer, is_main: bool) -> None:
+    """Every rank writes its shards of the model and optimizer state into `folder` (a collective); the main
+    process writes the optimizer state's structure (optimizer.json)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from .checkpoint import write_json
+
+    tree, tensors = _optimizer_tensors(model, optimizer)
+    for name, state in ((MODEL_SHARDS, get_model_state_dict(model)), (OPTIMIZER_SHARDS, tensors)):
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, name), save_distributed=True))
+    if is_main:
+        write_json(folder, "optimizer.json", tree)
+
+
+def load_shards(folder: str, model, optimizer=None) -> None:
+    """Every rank reads its shards of the model (and the optimizer) state from `folder` (a collective). The shards
+    are matched by name and offsets, so they load under any number of ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from .checkpoint import CheckpointError, read_json, unflatten
+
+    if not os.path.isdir(os.path.join(folder, MODEL_SHARDS)):
+        raise CheckpointError(f"{folder} was written by an unsharded run (no {MODEL_SHARDS}/); resume it without fsdp")
+
+    def read(name: str, targets: dict) -> None:
+        try:
+            dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(folder, name)))
+        except Exception as e:  # torch raises CheckpointException and others, naming the keys
+            raise CheckpointError(f"{folder}/{name} does not fit this model: {e}") from e
+
+    state = get_model_state_dict(model)
+    read(MODEL_SHARDS, state)
+    set_model_state_dict(model, state)
+    if optimizer is None:
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    saved_tree = read_json(folder, "optimizer.json")
+    tensors = _optimizer_tensors(model, optimizer)[1]
+    differ = sorted(set(tensors) ^ _tensor_keys(saved_tree))
+    if differ:
+        raise CheckpointError(f"{folder}/optimizer.json does not fit this optimizer: state tensors {differ[:5]} are "
+                              "in only one of the two")
+    read(OPTIMIZER_SHARDS, tensors)
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), unflatten(saved_tree, tensors))
 
-    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), optim_state_dict=state,
-                             options=StateDictOptions(full_state_dict=True))
 
-
-def load_model_weights(accelerator, model, folder: str) -> None:
-    """Load a checkpoint's weights: into the model, or for a sharded model every rank reads them whole and
-    keeps its shards."""
-    from . import checkpoint as ckpt
-
-    if not is_sharded(accelerator):
-        ckpt.load_weights(accelerator.unwrap_model(model), folder)
-        return
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if ckpt.is_peft_model(accelerator.unwrap_model(model)):
-        raise ckpt.CheckpointError(f"{folder}: resuming a peft model trained with FSDP is not supported yet")
-    state = {}
-    for f in ckpt._weight_files(folder, ("model.safetensors",)):
-        state.update(load_file(f))
-    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    # tied copies (lm_head.weight of tied embeddings) are left out by save_pretrained
-    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, p in model.named_parameters()}
-    missing = [k for k in result.missing_keys if k not in tied]
-    if result.unexpected_keys or missing:
-        raise ckpt.CheckpointError(f"{folder} does not fit this model: unexpected {list(result.unexpected_keys)[:5]}, "
-                                   f"missing {missing[:5]}")
+def _tensor_keys(tree) -> set[str]:
+    if isinstance(tree, list):
+        return set().union(*map(_tensor_keys, tree)) if tree else set()
+    if not isinstance(tree, dict):
+        return set()
+    if "__tensor__" in tree:
+        return {tree["__tensor__"]}
+    return set().union(*map(_tensor_keys, tree.values())) if tree else set()

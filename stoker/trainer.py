@@ -46,13 +46,15 @@ from .data import (
 )
 from .diagnostics import DATA_WAIT_WARNING, Stopwatch, data_wait_advice
 from .distributed import (
+    MODEL_SHARDS,
     check_sharding_active,
     check_world_size,
     full_tensor,
-    load_model_weights,
-    load_optimizer_state_dict,
-    optimizer_state_dict,
+    gathers_full_model,
+    is_sharded,
+    load_shards,
     parameters_finite,
+    save_shards,
     sharding_plugins,
     wants_cpu,
 )
@@ -482,7 +484,7 @@ class Trainer:
             **self._memory_metrics(),
         }
         if a.load_best_model_at_end and s.best_model_checkpoint:
-            ckpt.load_weights(self.accelerator.unwrap_model(self.model_wrapped), s.best_model_checkpoint)
+            self._load_model_weights(s.best_model_checkpoint)
         self.log(metrics)
         self._fire("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
@@ -974,16 +976,25 @@ class Trainer:
                                 if callable(getattr(cb, "state", None))}
         if not parameters_finite(acc, self.model_wrapped):  # decided by every rank together
             raise NonFiniteError(f"refusing to save {os.path.basename(final)}: the model has non-finite parameters")
-        state_dict = self._state_dict_for_saving()
-        optimizer_state = optimizer_state_dict(acc, self.model_wrapped, self.optimizer)  # gathered if sharded
+        # a sharded model's checkpoint holds every rank's shards, and the full model only if asked for
+        sharded = is_sharded(acc)
+        full = not sharded or gathers_full_model(acc)
+        state_dict = self._state_dict_for_saving() if full else None
         try:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             acc.wait_for_everyone()
+            if sharded:
+                save_shards(tmp, self.model_wrapped, self.optimizer, acc.is_main_process)
             if acc.is_main_process:
-                ckpt.save_weights(acc.unwrap_model(self.model_wrapped), tmp, state_dict=state_dict)
-                ckpt.save_state(tmp, "optimizer", optimizer_state)
+                model = acc.unwrap_model(self.model_wrapped)
+                if full:
+                    ckpt.save_weights(model, tmp, state_dict=state_dict)
+                elif hasattr(model, "config"):  # what the shards are the weights of
+                    model.config.save_pretrained(tmp)
+                if not sharded:
+                    ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
                 ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
                 if acc.scaler is not None:
                     ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
@@ -1005,6 +1016,15 @@ class Trainer:
         acc.wait_for_everyone()
         self._fire("on_save")
         return final
+
+    def _load_model_weights(self, folder: str) -> None:
+        if is_sharded(self.accelerator):
+            load_shards(folder, self.model_wrapped)
+        elif os.path.isdir(os.path.join(folder, MODEL_SHARDS)):
+            raise ckpt.CheckpointError(f"{folder} holds the per-process shards of an FSDP run; resume it with the "
+                                       "same fsdp settings")
+        else:
+            ckpt.load_weights(self.accelerator.unwrap_model(self.model_wrapped), folder)
 
     def _loop_state(self) -> dict[str, Any]:
         """Where the data stream stands, and the settings that must not change for an exact resume."""
@@ -1072,8 +1092,11 @@ class Trainer:
     def _load_checkpoint(self, folder: str) -> None:
         """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
         acc = self.accelerator
-        load_model_weights(acc, self.model_wrapped, folder)
-        load_optimizer_state_dict(acc, self.model_wrapped, self.optimizer, ckpt.load_state(folder, "optimizer"))
+        if is_sharded(acc):
+            load_shards(folder, self.model_wrapped, self.optimizer)
+        else:
+            self._load_model_weights(folder)
+            self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
         self.lr_scheduler.load_state_dict(ckpt.load_state(folder, "scheduler"))
         if acc.scaler is not None and os.path.exists(os.path.join(folder, "scaler.json")):
             acc.scaler.load_state_dict(ckpt.load_state(folder, "scaler"))

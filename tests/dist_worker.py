@@ -243,17 +243,17 @@ def preempt_resume(out: str) -> None:
     r.write()
 
 
-def fsdp2_on_cpu(trainer) -> None:
+def fsdp2_on_cpu(trainer, **fsdp_config) -> None:
     """Test-only fixture: the FSDP2 state Accelerate sets up on GPUs, set up here on the CPU (gloo). Accelerate
     enables FSDP only on accelerators (on the CPU it silently keeps DDP, and stoker refuses fsdp there), but
     its FSDP2 path (fully_shard over the process group) runs on gloo. The plugin comes from stoker's own
-    translation of fsdp='full_shard' with fsdp_config version 2, as a GPU run would build it."""
+    translation of fsdp='full_shard' with fsdp_config version 2 (and `fsdp_config`), as a GPU run would build it."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     from stoker import distributed as dist
 
-    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"version": 2}, model=trainer.model)
+    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"version": 2, **fsdp_config}, model=trainer.model)
     assert not problems, problems
     state = trainer.accelerator.state
     state.distributed_type = DistributedType.FSDP
@@ -269,9 +269,11 @@ def fsdp_args(out: str, **kw) -> TrainingArguments:
 
 def fsdp2(out: str) -> None:
     """The ddp_adamw run (2 processes x batch 2 x accumulation 2: the non-final micro-batches skip FSDP's
-    gradient reduce-scatter) sharded with FSDP2 and compared by the test with it, saved with save_model, resumed
-    from its checkpoint-2: the sharded state is gathered into the checkpoint and sharded again on load. It must
-    be the launch's last scenario: the fixture leaves the process's Accelerate state set to FSDP."""
+    gradient reduce-scatter) sharded with FSDP2 and compared by the test with it, saved with save_model. Its
+    checkpoint-2 (state_dict_type FULL_STATE_DICT, the default: shards and the full model) is resumed by a run
+    with SHARDED_STATE_DICT, whose checkpoint-3 holds shards only; that run then loads checkpoint-2's model
+    weights alone (as load_best_model_at_end does). It must be the launch's last scenario: the fixture leaves the
+    process's Accelerate state set to FSDP."""
     r = Report(out, "fsdp2")
     args = fsdp_args(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2)
     full = Trainer(llama(), args, train_dataset=TRAIN)
@@ -284,14 +286,18 @@ def fsdp2(out: str) -> None:
         losses=losses(full), global_step=full.state.global_step)
     gathered = full._state_dict_for_saving()  # the full model, on rank 0
     full.save_model(os.path.join(r.folder, "saved"))  # one full safetensors model, for transformers
-    resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed")), train_dataset=TRAIN)
-    fsdp2_on_cpu(resumed)
-    resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
+    checkpoint_2 = os.path.join(r.folder, "out", "checkpoint-2")
+    resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed"), save_strategy="steps", save_steps=3),
+                      train_dataset=TRAIN)
+    fsdp2_on_cpu(resumed, state_dict_type="SHARDED_STATE_DICT")
+    resumed.train(resume_from_checkpoint=checkpoint_2)
     gathered_resumed = resumed._state_dict_for_saving()
     r.values["resumed_losses"] = losses(resumed)
+    resumed._load_model_weights(checkpoint_2)
+    gathered_step_2 = resumed._state_dict_for_saving()
     if r.rank == 0:
-        r.save_tensors("final", {k: v.contiguous() for k, v in gathered.items()})
-        r.save_tensors("resumed", {k: v.contiguous() for k, v in gathered_resumed.items()})
+        for name, tensors in (("final", gathered), ("resumed", gathered_resumed), ("step_2", gathered_step_2)):
+            r.save_tensors(name, {k: v.contiguous() for k, v in tensors.items()})
     r.write()
 
 

@@ -203,8 +203,7 @@ def test_resume_with_another_world_size_is_refused_unless_warned(two_ranks, tmp_
 def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_ranks):
     """FSDP2 on 2 CPU processes (the test-only fixture dist_worker.fsdp2_on_cpu sets up what Accelerate sets up
     on GPUs, from stoker's translation of fsdp='full_shard'): each rank holds half of the parameters; training
-    matches DDP; checkpoint-2 holds the gathered model and optimizer state (safetensors + JSON, verified),
-    from which a resumed run ends bit for bit where the uninterrupted one ended; save_model writes one full
+    matches DDP; a resumed run ends bit for bit where the uninterrupted one ended; save_model writes one full
     model that transformers loads."""
     from transformers import AutoModelForCausalLM
 
@@ -217,11 +216,6 @@ def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_
     assert [x for _, x in r0["losses"]] == pytest.approx([x for _, x in ddp["losses"]], abs=2e-6)
     final = load_file(str(two_ranks / "fsdp2" / "final.safetensors"))
     assert_params_close(final, load_file(str(two_ranks / "ddp_adamw" / "final.safetensors")), atol=1e-6)
-    folder = two_ranks / "fsdp2" / "out" / "checkpoint-2"
-    assert ckpt.verify(str(folder)) is None
-    optimizer = ckpt.load_state(str(folder), "optimizer")
-    assert len(optimizer["state"]) == len(final)  # every parameter's moments, gathered, not rank 0's shard
-    assert all(v["exp_avg"].shape == final[k].shape for k, v in optimizer["state"].items())
     resumed = load_file(str(two_ranks / "fsdp2" / "resumed.safetensors"))
     for name in final:
         assert torch.equal(final[name], resumed[name]), name
@@ -229,6 +223,57 @@ def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_
     saved = AutoModelForCausalLM.from_pretrained(str(two_ranks / "fsdp2" / "saved"))
     for name, p in saved.named_parameters():
         assert torch.equal(p.detach(), final[name]), name
+
+
+def shard_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def test_fsdp2_checkpoints_hold_one_shard_file_per_rank_in_the_same_atomic_commit(two_ranks):
+    """Every rank writes its own half of the model and of the AdamW state (safetensors; offsets as JSON in the
+    header) into the checkpoint the main process commits, and the manifest covers them. With state_dict_type
+    FULL_STATE_DICT (the default) the checkpoint also holds the full model, which transformers loads; with
+    SHARDED_STATE_DICT only the shards and config.json. Model weights alone load from the shards (what
+    load_best_model_at_end does). No file is a pickle (checkpoint.verify refuses those)."""
+    import json as json_
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    final = load_file(str(two_ranks / "fsdp2" / "final.safetensors"))
+    numel = sum(t.numel() for t in final.values())
+    with_full = two_ranks / "fsdp2" / "out" / "checkpoint-2"
+    shards_only = two_ranks / "fsdp2" / "resumed" / "checkpoint-3"
+    for folder in (with_full, shards_only):
+        assert ckpt.verify(str(folder)) is None
+        manifest = ckpt.read_json(str(folder), "manifest.json")["files"]
+        for name, per_parameter in (("model_shards", 1), ("optimizer_shards", 2)):  # AdamW: exp_avg, exp_avg_sq
+            files = shard_files(folder / name)
+            assert len(files) == 2 and all(f"{name}/{f.name}" in manifest for f in files)
+            for f in files:
+                with safe_open(str(f), "pt") as shard:
+                    local = sum(torch.Size(shard.get_slice(k).get_shape()).numel() for k in shard.keys()
+                                if not k.endswith(".step"))
+                assert local == pytest.approx(per_parameter * numel / 2, rel=0.05), f  # about half on each rank
+        optimizer = json_.loads((folder / "optimizer.json").read_text())
+        decay, no_decay = optimizer["param_groups"]  # the groups survive, keyed by parameter name
+        assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+        assert sorted(decay["params"] + no_decay["params"]) == sorted(final)
+        assert all("norm" in n for n in no_decay["params"]) and not any("norm" in n for n in decay["params"])
+        assert not (folder / "optimizer.safetensors").exists()
+    step_2 = load_file(str(two_ranks / "fsdp2" / "step_2.safetensors"))  # read back from the shards
+    full = AutoModelForCausalLM.from_pretrained(str(with_full))
+    for name, p in full.named_parameters():
+        assert torch.equal(p.detach(), step_2[name]), name
+    assert not any(torch.equal(step_2[name], final[name]) for name in final if "norm" not in name)
+    assert not (shards_only / "model.safetensors").exists() and (shards_only / "config.json").exists()
+
+
+def test_checkpoints_of_a_sharded_run_are_refused_by_an_unsharded_one(two_ranks, tmp_path):
+    folder = str(two_ranks / "fsdp2" / "out" / "checkpoint-2")
+    t = Trainer(llama(), w.fsdp_args(str(tmp_path), resume_mismatch="warn"), train_dataset=w.TRAIN)
+    with pytest.raises(ckpt.CheckpointError, match="per-process shards of an FSDP run; resume it with the same fsdp"):
+        t.train(resume_from_checkpoint=folder)
 
 
 # --- preemption ----------------------------------------------------------------------------------------
