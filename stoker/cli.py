@@ -2,6 +2,7 @@
 
     stoker train [CONFIG.yaml|json] [--field value ...]     run a recipe (clm, sft, classification)
     stoker merge --base DIR --adapter DIR --out DIR           fold a LoRA adapter into its base model
+    stoker consolidate CHECKPOINT --out DIR                 the full model of an FSDP run's sharded checkpoint
     stoker plan [CONFIG.yaml|json] [--budget_gb N] [--world_size N] [--field value ...]
                                                               peak memory per device, and settings that fit
 
@@ -23,6 +24,7 @@ USAGE = """usage: stoker <command> [args]
 commands:
   train [CONFIG.yaml|json] [--field value ...]   run a recipe; with no config, the embedded LoRA job
   merge --base DIR --adapter DIR --out DIR        merge a LoRA adapter into its base and save the result
+  consolidate CHECKPOINT --out DIR                save the full model of a sharded (FSDP) checkpoint
   plan [CONFIG.yaml|json] [--budget_gb N] [--world_size N] [--field value ...]
                                                   estimate peak memory per device; propose settings that fit
 """
@@ -51,13 +53,29 @@ def merge(argv: list[str]) -> int:
     return 0
 
 
+def consolidate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="stoker consolidate",
+                                     description="Save the full model of a sharded (FSDP) checkpoint for transformers.")
+    parser.add_argument("checkpoint", help="a checkpoint-<step> folder holding model_shards/")
+    parser.add_argument("--out", required=True, help="where to save the model")
+    a = parser.parse_args(argv)
+    from .distributed import consolidate as run
+
+    try:
+        print(f"model saved to {run(a.checkpoint, a.out)}")
+    except ConfigError as e:
+        print(f"stoker: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def plan(argv: list[str]) -> int:
     from .plan import main as run_plan
 
     return run_plan(argv)
 
 
-COMMANDS = {"train": train, "merge": merge, "plan": plan}
+COMMANDS = {"train": train, "merge": merge, "consolidate": consolidate, "plan": plan}
 
 
 def main(argv: list[str] | None = None) -> int:

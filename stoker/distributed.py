@@ -8,6 +8,7 @@ It must stay cheap to import: torch and accelerate are imported where they are u
 from __future__ import annotations
 
 import os
+import warnings
 
 # Environment variables in which launchers state the number of processes: torchrun and `accelerate launch`
 # set WORLD_SIZE, MPI launchers the others (the same list Accelerate reads).
@@ -515,6 +516,13 @@ def gathers_full_model(accelerator) -> bool:
     return str(accelerator.state.fsdp_plugin.state_dict_type).rsplit(".", 1)[-1] == "FULL_STATE_DICT"
 
 
+def model_class_name(model) -> str:
+    """The model's own class name (FSDP2 replaces a sharded module's class by a subclass, FSDP<name>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def parameters_finite(accelerator, model) -> bool:
     """Whether every parameter is finite, decided together by all ranks (each checks its own shards)."""
     import torch
@@ -596,3 +604,39 @@ def _tensor_keys(tree) -> set[str]:
     if "__tensor__" in tree:
         return {tree["__tensor__"]}
     return set().union(*map(_tensor_keys, tree.values())) if tree else set()
+
+
+def consolidate(checkpoint: str, out: str) -> str:
+    """Save the full model of a sharded checkpoint in `out` with save_pretrained, for transformers: one process
+    reads every rank's shards (no process group, no GPU). The model class comes from the checkpoint's
+    config.json (`architectures`)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from .arguments import ConfigError
+
+    shards = os.path.join(checkpoint, MODEL_SHARDS)
+    if not os.path.isdir(shards):
+        raise ConfigError([f"checkpoint={checkpoint!r}: no {MODEL_SHARDS}/ folder; give the checkpoint-<step> folder "
+                           "of a run with fsdp"], "consolidate")
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        raise ConfigError([f"checkpoint={checkpoint!r}: no config.json: the model class is unknown"], "consolidate")
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    name = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, name or "", None)
+    if model_class is None:
+        raise ConfigError([f"{checkpoint}/config.json: architectures={config.architectures!r}: not a transformers "
+                           "model class"], "consolidate")
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device="cpu")
+    state = get_model_state_dict(model)
+    with warnings.catch_warnings():  # that it reads in one process, which is the point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(shards), no_dist=True)
+    set_model_state_dict(model, state)
+    model.save_pretrained(out)
+    return out

@@ -53,6 +53,7 @@ from .distributed import (
     gathers_full_model,
     is_sharded,
     load_shards,
+    model_class_name,
     parameters_finite,
     save_shards,
     sharding_plugins,
@@ -991,7 +992,8 @@ class Trainer:
                 model = acc.unwrap_model(self.model_wrapped)
                 if full:
                     ckpt.save_weights(model, tmp, state_dict=state_dict)
-                elif hasattr(model, "config"):  # what the shards are the weights of
+                elif hasattr(model, "config"):  # what the shards are the weights of, for `stoker consolidate`
+                    model.config.architectures = [model_class_name(model)]  # as save_pretrained records it
                     model.config.save_pretrained(tmp)
                 if not sharded:
                     ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())

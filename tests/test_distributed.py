@@ -269,6 +269,25 @@ def test_fsdp2_checkpoints_hold_one_shard_file_per_rank_in_the_same_atomic_commi
     assert not (shards_only / "model.safetensors").exists() and (shards_only / "config.json").exists()
 
 
+def test_consolidate_saves_the_full_model_of_a_shards_only_checkpoint(two_ranks, tmp_path, capsys):
+    """`stoker consolidate` reads both ranks' shards in one process and saves a model transformers loads, equal to
+    the one the run gathered at that step; a folder without shards gets a clear error."""
+    from transformers import AutoModelForCausalLM
+
+    from stoker.cli import main as cli
+
+    shards_only = two_ranks / "fsdp2" / "resumed" / "checkpoint-3"
+    assert cli(["consolidate", str(shards_only), "--out", str(tmp_path / "m")]) == 0
+    resumed = load_file(str(two_ranks / "fsdp2" / "resumed.safetensors"))  # the run's model at step 3
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), resumed[name]), name
+    unsharded = two_ranks / "equivalence" / "out" / "checkpoint-2"
+    assert cli(["consolidate", str(unsharded), "--out", str(tmp_path / "x")]) == 2
+    assert f"checkpoint={str(unsharded)!r}: no model_shards/ folder" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_checkpoints_of_a_sharded_run_are_refused_by_an_unsharded_one(two_ranks, tmp_path):
     folder = str(two_ranks / "fsdp2" / "out" / "checkpoint-2")
     t = Trainer(llama(), w.fsdp_args(str(tmp_path), resume_mismatch="warn"), train_dataset=w.TRAIN)
