@@ -106,6 +106,22 @@ def equivalence(out: str, per_device: int = 4, accumulation: int = 1, scenario: 
     r.write()
 
 
+def ddp_settings(out: str) -> None:
+    """The ddp_* arguments as DDP and the process group received them. It must be a launch's first scenario:
+    the process group (and its timeout) is set up by the first Trainer."""
+    r = Report(out, "ddp_settings")
+    args = training_args(os.path.join(r.folder, "out"), max_steps=1, ddp_find_unused_parameters=False,
+                         ddp_bucket_cap_mb=5, ddp_broadcast_buffers=False, ddp_timeout=123)
+    trainer = Trainer(llama(), args, train_dataset=TRAIN)
+    trainer.train()
+    ddp = trainer.model_wrapped
+    backend = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    r.values.update(wrapper=type(ddp).__name__, find_unused_parameters=ddp.find_unused_parameters,
+                    bucket_bytes_cap=ddp.bucket_bytes_cap, broadcast_buffers=ddp.broadcast_buffers,
+                    timeout_s=backend.options._timeout.total_seconds(), backend=torch.distributed.get_backend())
+    r.write()
+
+
 def equivalence_accumulation(out: str) -> None:
     equivalence(out, per_device=2, accumulation=2, scenario="equivalence_accumulation")
 
@@ -313,8 +329,8 @@ def ddp_adamw(out: str) -> None:
     r.write()
 
 
-SCENARIOS = {f.__name__: f for f in (equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
-                                     preempt_resume, fsdp2, ddp_adamw)}
+SCENARIOS = {f.__name__: f for f in (ddp_settings, equivalence, equivalence_accumulation, evaluation, guards,
+                                     rng_resume, preempt, preempt_resume, fsdp2, ddp_adamw)}
 
 
 def main() -> None:

@@ -356,6 +356,43 @@ def test_two_nodes_with_a_c10d_rendezvous_update_like_one_process(tmp_path, one_
     assert r0["params"] == r1["params"] and r0["global_step"] == 3
 
 
+# --- accelerate launch ----------------------------------------------------------------------------------
+
+# what `accelerate config` writes for 2 processes on one machine (accelerate's MULTI_CPU type needs mpirun;
+# its multi-GPU launch is torchrun, which stoker turns into a gloo group on a machine without GPUs)
+ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+gpu_ids: all
+main_training_function: main
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+def test_accelerate_launch_with_a_config_file_updates_like_one_process_and_maps_the_ddp_arguments(
+        tmp_path, one_process):
+    """`accelerate launch --config_file` (a file as `accelerate config` writes it) gives the same update as one
+    process with batch 8; ddp_find_unused_parameters, ddp_bucket_cap_mb, ddp_broadcast_buffers and ddp_timeout
+    reach DDP and the process group."""
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(ACCELERATE_CONFIG)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), WORKER, str(tmp_path), "ddp_settings", "equivalence"]
+    check(subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT))
+    final = load_file(str(tmp_path / "equivalence" / "final.safetensors"))
+    assert_params_close(final, params_of(one_process["batch8"]), atol=1e-6)
+    for r in ranks(tmp_path, "ddp_settings"):
+        assert r["wrapper"] == "DistributedDataParallel" and r["backend"] == "gloo"
+        assert (r["find_unused_parameters"], r["broadcast_buffers"]) == (False, False)
+        assert r["bucket_bytes_cap"] == 5 * 1024 * 1024
+        assert r["timeout_s"] == 123
+
+
 # --- SLURM ---------------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
