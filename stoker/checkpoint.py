@@ -81,19 +81,27 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return {k: unflatten(v, tensors) for k, v in tree.items()}
 
 
+def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with a copy of each one that shares memory with an earlier one (safetensors refuses those;
+    optimizers share e.g. one `step` tensor between parameters). Sharded tensors (DTensor, ShardedTensor) are
+    left alone."""
+    seen, out = set(), {}
+    for key, t in tensors.items():
+        plain = type(t) is torch.Tensor and t.numel()
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if plain else None
+        out[key] = t.clone() if ptr is not None and ptr in seen else t
+        seen.add(ptr)
+    return out
+
+
 def save_state(folder: str, name: str, obj: Any) -> None:
     """Write `obj` as <name>.json (+ <name>.safetensors when it holds tensors)."""
     from safetensors.torch import save_file
 
     tree, tensors = flatten(obj)
     if tensors:
-        seen, unique = set(), {}
-        for key, t in tensors.items():  # safetensors refuses tensors that share memory
-            t = t.cpu().contiguous()
-            ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
-            unique[key] = t.clone() if ptr in seen else t
-            seen.add(ptr)
-        save_file(unique, os.path.join(folder, f"{name}.safetensors"))
+        save_file(unshared({k: t.cpu().contiguous() for k, t in tensors.items()}),
+                  os.path.join(folder, f"{name}.safetensors"))
     with open(os.path.join(folder, f"{name}.json"), "w") as f:
         json.dump(tree, f)
 

@@ -516,6 +516,16 @@ def gathers_full_model(accelerator) -> bool:
     return str(accelerator.state.fsdp_plugin.state_dict_type).rsplit(".", 1)[-1] == "FULL_STATE_DICT"
 
 
+def gather_full_model(model) -> dict:
+    """The full state dict of a sharded model (FSDP1 or 2) on the main process, in CPU memory ({} on the others;
+    a collective). torch's API for both versions (Accelerate's FSDP1 gather, like an offload to the CPU of a
+    model already there, crashes FSDP1 on the CPU)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu))
+
+
 def model_class_name(model) -> str:
     """The model's own class name (FSDP2 replaces a sharded module's class by a subclass, FSDP<name>)."""
     from torch.distributed.fsdp import FSDPModule
@@ -538,9 +548,10 @@ def _optimizer_tensors(model, optimizer):
     """The optimizer state keyed by parameter name, split into its JSON structure and its (sharded) tensors."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from .checkpoint import flatten
+    from .checkpoint import flatten, unshared
 
-    return flatten(get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer)))
+    tree, tensors = flatten(get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer)))
+    return tree, unshared(tensors)
 
 
 def save_shards(folder: str, model, optimizer, is_main: bool) -> None:

@@ -50,6 +50,7 @@ from .distributed import (
     check_sharding_active,
     check_world_size,
     full_tensor,
+    gather_full_model,
     gathers_full_model,
     is_sharded,
     load_shards,
@@ -59,6 +60,7 @@ from .distributed import (
     sharding_plugins,
     wants_cpu,
 )
+from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head
 
 # transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
@@ -385,11 +387,11 @@ class Trainer:
         loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
         return self.accelerator.prepare(loader)
 
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+    def create_optimizer_and_scheduler(self, num_training_steps: int, model=None) -> None:
         from .optim import create_optimizer, create_scheduler
 
         if self.optimizer is None:
-            self.optimizer = create_optimizer(self.model, self.args)
+            self.optimizer = create_optimizer(model or self.model, self.args)
         if self.lr_scheduler is None:
             self.lr_scheduler = create_scheduler(self.optimizer, self.args, num_training_steps)
 
@@ -432,8 +434,15 @@ class Trainer:
         # what the number of steps (and so the schedule) must be planned from
         self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
         max_steps, per_epoch = self._plan_steps(self._train_dataloader)
-        self.create_optimizer_and_scheduler(max_steps)
-        self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
+        acc = self.accelerator
+        if is_sharded(acc) and not acc.is_fsdp2:  # FSDP1 flattens the parameters into its own, which the
+            self.model_wrapped = acc.prepare(self.model)  # optimizer must be built on
+            self.create_optimizer_and_scheduler(max_steps, self.model_wrapped)
+            self.optimizer = acc.prepare(self.optimizer)
+        else:  # FSDP2 shards the parameters in place, and Accelerate moves the optimizer onto the shards
+            self.create_optimizer_and_scheduler(max_steps)
+            self.model_wrapped, self.optimizer = acc.prepare(self.model, self.optimizer)
         self._loader_micro_batch = self._micro_batch
 
         s.max_steps, s.train_batch_size = max_steps, self._micro_batch
@@ -450,9 +459,6 @@ class Trainer:
                 s.num_train_epochs = max(s.num_train_epochs,
                                          start_epoch + 1 + math.ceil((max_steps - s.global_step) / per_epoch))
         if s.is_world_process_zero:
-            from .lora import trainable_parameters
-
-            trainable, total = trainable_parameters(self.model)
             print(f"[stoker] {type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / max(total, 1):.2f}%)", file=sys.stderr)
             if self._causal:  # what memory this run should take (stoker.plan), before it takes it
@@ -965,6 +971,8 @@ class Trainer:
         save_pretrained takes the adapter weights itself (a 4-bit base is never written)."""
         if ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped)):
             return None
+        if is_sharded(self.accelerator):
+            return gather_full_model(self.model_wrapped)
         return self.accelerator.get_state_dict(self.model_wrapped)
 
     def _save_checkpoint(self) -> str:

@@ -259,28 +259,32 @@ def preempt_resume(out: str) -> None:
     r.write()
 
 
-def fsdp2_on_cpu(trainer, **fsdp_config) -> None:
-    """Test-only fixture: the FSDP2 state Accelerate sets up on GPUs, set up here on the CPU (gloo). Accelerate
+def fsdp_on_cpu(trainer, version: int = 2, **fsdp_config) -> None:
+    """Test-only fixture: the FSDP state Accelerate sets up on GPUs, set up here on the CPU (gloo). Accelerate
     enables FSDP only on accelerators (on the CPU it silently keeps DDP, and stoker refuses fsdp there), but
-    its FSDP2 path (fully_shard over the process group) runs on gloo. The plugin comes from stoker's own
-    translation of fsdp='full_shard' with fsdp_config version 2 (and `fsdp_config`), as a GPU run would build it."""
+    its FSDP paths (fully_shard, or FullyShardedDataParallel, over the process group) run on gloo. The plugin
+    comes from stoker's own translation of fsdp='full_shard' with fsdp_config version 2 or 1 (and
+    `fsdp_config`), as a GPU run would build it."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     from stoker import distributed as dist
 
-    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"version": 2, **fsdp_config}, model=trainer.model)
+    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"version": version, **fsdp_config}, model=trainer.model)
     assert not problems, problems
     state = trainer.accelerator.state
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ does
     state.fsdp_plugin = dist.fsdp_plugin(kwargs)
-    assert trainer.accelerator.is_fsdp2
+    if version == 1:  # FullyShardedDataParallel's CPU compute device is "cpu"; Accelerate's gloo device "cpu:0"
+        PartialState._shared_state["device"] = state.device = torch.device("cpu")
+    assert trainer.accelerator.is_fsdp2 == (version == 2)
 
 
 def fsdp_args(out: str, **kw) -> TrainingArguments:
-    return training_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
-                         optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, **kw)
+    return training_args(out, **{**dict(per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                        num_train_epochs=1, optim="adamw_torch", learning_rate=1e-2,
+                                        weight_decay=0.1), **kw})
 
 
 def fsdp2(out: str) -> None:
@@ -293,7 +297,7 @@ def fsdp2(out: str) -> None:
     r = Report(out, "fsdp2")
     args = fsdp_args(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2)
     full = Trainer(llama(), args, train_dataset=TRAIN)
-    fsdp2_on_cpu(full)
+    fsdp_on_cpu(full)
     full.train()
     params = list(full.model_wrapped.parameters())
     r.values.update(
@@ -305,7 +309,7 @@ def fsdp2(out: str) -> None:
     checkpoint_2 = os.path.join(r.folder, "out", "checkpoint-2")
     resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed"), save_strategy="steps", save_steps=3),
                       train_dataset=TRAIN)
-    fsdp2_on_cpu(resumed, state_dict_type="SHARDED_STATE_DICT")
+    fsdp_on_cpu(resumed, state_dict_type="SHARDED_STATE_DICT")
     resumed.train(resume_from_checkpoint=checkpoint_2)
     gathered_resumed = resumed._state_dict_for_saving()
     r.values["resumed_losses"] = losses(resumed)
@@ -313,6 +317,39 @@ def fsdp2(out: str) -> None:
     gathered_step_2 = resumed._state_dict_for_saving()
     if r.rank == 0:
         for name, tensors in (("final", gathered), ("resumed", gathered_resumed), ("step_2", gathered_step_2)):
+            r.save_tensors(name, {k: v.contiguous() for k, v in tensors.items()})
+    r.write()
+
+
+def fsdp1(out: str) -> None:
+    """FSDP1 (FullyShardedDataParallel) with use_orig_params=False: the parameters become flat shards, and the
+    optimizer must be built on those. A DDP run of the same settings first (without weight decay: FSDP1's flat
+    parameters mix norms and weights, so they form one group), then the FSDP1 run, then a run resumed from
+    its sharded checkpoint-2. It must come after every DDP scenario (see fsdp2)."""
+    r = Report(out, "fsdp1")
+    settings = dict(weight_decay=0.0, save_strategy="steps", save_steps=2)
+    ddp = Trainer(llama(), fsdp_args(os.path.join(r.folder, "ddp"), **settings), train_dataset=TRAIN)
+    ddp.train()
+    fsdp_config = dict(use_orig_params=False, sync_module_states=False)  # Accelerate's sync needs a GPU; the
+    # ranks build the same model anyway
+    full = Trainer(llama(), fsdp_args(os.path.join(r.folder, "out"), **settings), train_dataset=TRAIN)
+    fsdp_on_cpu(full, version=1, **fsdp_config)
+    full.train()
+    flat = list(full.model_wrapped.parameters())
+    r.values.update(ddp_losses=losses(ddp), losses=losses(full), wrapper=type(full.model_wrapped).__name__,
+                    local_numel=sum(p.numel() for p in flat),
+                    total_numel=sum(p.numel() for p in llama().parameters()),
+                    optimizer_on_flat=sorted(id(p) for g in full.optimizer.param_groups for p in g["params"])
+                    == sorted(map(id, flat)))
+    gathered = full._state_dict_for_saving()
+    resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed"), **settings), train_dataset=TRAIN)
+    fsdp_on_cpu(resumed, version=1, **fsdp_config)
+    resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
+    r.values["resumed_losses"] = losses(resumed)
+    gathered_resumed = resumed._state_dict_for_saving()
+    if r.rank == 0:
+        r.save_tensors("ddp", final_params(ddp))
+        for name, tensors in (("final", gathered), ("resumed", gathered_resumed)):
             r.save_tensors(name, {k: v.contiguous() for k, v in tensors.items()})
     r.write()
 
@@ -330,7 +367,7 @@ def ddp_adamw(out: str) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (ddp_settings, equivalence, equivalence_accumulation, evaluation, guards,
-                                     rng_resume, preempt, preempt_resume, fsdp2, ddp_adamw)}
+                                     rng_resume, preempt, preempt_resume, fsdp2, fsdp1, ddp_adamw)}
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "ddp_adamw",
-                 "fsdp2"))
+                 "fsdp1", "fsdp2"))
     return out
 
 
@@ -201,7 +201,7 @@ def test_resume_with_another_world_size_is_refused_unless_warned(two_ranks, tmp_
 
 
 def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_ranks):
-    """FSDP2 on 2 CPU processes (the test-only fixture dist_worker.fsdp2_on_cpu sets up what Accelerate sets up
+    """FSDP2 on 2 CPU processes (the test-only fixture dist_worker.fsdp_on_cpu sets up what Accelerate sets up
     on GPUs, from stoker's translation of fsdp='full_shard'): each rank holds half of the parameters; training
     matches DDP; a resumed run ends bit for bit where the uninterrupted one ended; save_model writes one full
     model that transformers loads."""
@@ -223,6 +223,25 @@ def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_
     saved = AutoModelForCausalLM.from_pretrained(str(two_ranks / "fsdp2" / "saved"))
     for name, p in saved.named_parameters():
         assert torch.equal(p.detach(), final[name]), name
+
+
+def test_fsdp1_builds_the_optimizer_on_its_flat_shards_trains_like_ddp_and_resumes_exactly(two_ranks):
+    """FSDP1 with use_orig_params=False: each rank's flat parameters hold half of the model and are what the
+    optimizer updates (built after wrapping; an optimizer built on the original parameters would train nothing);
+    training matches DDP; the run resumed from its sharded checkpoint-2 ends bit for bit where it ended."""
+    r0, r1 = ranks(two_ranks, "fsdp1")
+    for r in (r0, r1):
+        assert r["wrapper"] == "FullyShardedDataParallel" and r["optimizer_on_flat"]
+        assert r["local_numel"] == r["total_numel"] // 2
+    assert [x for _, x in r0["losses"]] == pytest.approx([x for _, x in r0["ddp_losses"]], abs=2e-6)
+    final = load_file(str(two_ranks / "fsdp1" / "final.safetensors"))
+    assert_params_close(final, load_file(str(two_ranks / "fsdp1" / "ddp.safetensors")), atol=1e-6)
+    folder = two_ranks / "fsdp1" / "out" / "checkpoint-2"
+    assert ckpt.verify(str(folder)) is None and len(shard_files(folder / "model_shards")) == 2
+    resumed = load_file(str(two_ranks / "fsdp1" / "resumed.safetensors"))
+    for name in final:
+        assert torch.equal(final[name], resumed[name]), name
+    assert r0["resumed_losses"] == r0["losses"]
 
 
 def shard_files(folder: Path) -> list[Path]:
