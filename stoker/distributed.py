@@ -516,14 +516,15 @@ def gathers_full_model(accelerator) -> bool:
     return str(accelerator.state.fsdp_plugin.state_dict_type).rsplit(".", 1)[-1] == "FULL_STATE_DICT"
 
 
-def gather_full_model(model) -> dict:
+def gather_full_model(model, trainable_only: bool = False) -> dict:
     """The full state dict of a sharded model (FSDP1 or 2) on the main process, in CPU memory ({} on the others;
-    a collective). torch's API for both versions (Accelerate's FSDP1 gather, like an offload to the CPU of a
-    model already there, crashes FSDP1 on the CPU)."""
+    a collective), or only its trainable parameters. torch's API for both versions (Accelerate's FSDP1 gather,
+    like an offload to the CPU of a model already there, crashes FSDP1 on the CPU)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     on_cpu = next(model.parameters()).device.type == "cpu"
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu,
+                                                                ignore_frozen_params=trainable_only))
 
 
 def model_class_name(model) -> str:
@@ -554,29 +555,36 @@ def _optimizer_tensors(model, optimizer):
     return tree, unshared(tensors)
 
 
-def save_shards(folder: str, model, optimizer, is_main: bool) -> None:
-    """Every rank writes its shards of the model and optimizer state into `folder` (a collective); the main
-    process writes the optimizer state's structure (optimizer.json)."""
+def _model_state(model, trainable_only: bool) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+
+
+def save_shards(folder: str, model, optimizer, is_main: bool, trainable_only: bool = False) -> None:
+    """Every rank writes its shards of the model (or of its trainable parameters: a peft adapter) and of the
+    optimizer state into `folder` (a collective); the main process writes the optimizer state's structure
+    (optimizer.json)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from .checkpoint import write_json
 
     tree, tensors = _optimizer_tensors(model, optimizer)
-    for name, state in ((MODEL_SHARDS, get_model_state_dict(model)), (OPTIMIZER_SHARDS, tensors)):
+    for name, state in ((MODEL_SHARDS, _model_state(model, trainable_only)), (OPTIMIZER_SHARDS, tensors)):
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, name), save_distributed=True))
     if is_main:
         write_json(folder, "optimizer.json", tree)
 
 
-def load_shards(folder: str, model, optimizer=None) -> None:
-    """Every rank reads its shards of the model (and the optimizer) state from `folder` (a collective). The shards
-    are matched by name and offsets, so they load under any number of ranks."""
+def load_shards(folder: str, model, optimizer=None, trainable_only: bool = False) -> None:
+    """Every rank reads its shards of the model (or of its trainable parameters), and of the optimizer state,
+    from `folder` (a collective). The shards are matched by name and offsets, so they load under any number of
+    ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
@@ -592,9 +600,9 @@ def load_shards(folder: str, model, optimizer=None) -> None:
         except Exception as e:  # torch raises CheckpointException and others, naming the keys
             raise CheckpointError(f"{folder}/{name} does not fit this model: {e}") from e
 
-    state = get_model_state_dict(model)
+    state = _model_state(model, trainable_only)
     read(MODEL_SHARDS, state)
-    set_model_state_dict(model, state)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=not trainable_only))
     if optimizer is None:
         return
     saved_tree = read_json(folder, "optimizer.json")

@@ -967,13 +967,15 @@ class Trainer:
         acc.wait_for_everyone()
 
     def _state_dict_for_saving(self) -> dict | None:
-        """The full state dict, gathered across shards (every rank must call it); None for a peft model, whose
-        save_pretrained takes the adapter weights itself (a 4-bit base is never written)."""
-        if ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped)):
-            return None
+        """The full state dict, gathered across shards (every rank must call it). A peft model's save_pretrained
+        picks the adapter weights from it (a frozen, maybe 4-bit, base is never gathered nor written), or from
+        the model itself when it is not sharded (None)."""
         if is_sharded(self.accelerator):
-            return gather_full_model(self.model_wrapped)
-        return self.accelerator.get_state_dict(self.model_wrapped)
+            return gather_full_model(self.model_wrapped, trainable_only=self._is_peft())
+        return None if self._is_peft() else self.accelerator.get_state_dict(self.model_wrapped)
+
+    def _is_peft(self) -> bool:
+        return ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped))
 
     def _save_checkpoint(self) -> str:
         a, s, acc = self.args, self.state, self.accelerator
@@ -995,7 +997,7 @@ class Trainer:
                 os.makedirs(tmp)
             acc.wait_for_everyone()
             if sharded:
-                save_shards(tmp, self.model_wrapped, self.optimizer, acc.is_main_process)
+                save_shards(tmp, self.model_wrapped, self.optimizer, acc.is_main_process, self._is_peft())
             if acc.is_main_process:
                 model = acc.unwrap_model(self.model_wrapped)
                 if full:
@@ -1029,7 +1031,7 @@ class Trainer:
 
     def _load_model_weights(self, folder: str) -> None:
         if is_sharded(self.accelerator):
-            load_shards(folder, self.model_wrapped)
+            load_shards(folder, self.model_wrapped, trainable_only=self._is_peft())
         elif os.path.isdir(os.path.join(folder, MODEL_SHARDS)):
             raise ckpt.CheckpointError(f"{folder} holds the per-process shards of an FSDP run; resume it with the "
                                        "same fsdp settings")
@@ -1103,7 +1105,7 @@ class Trainer:
         """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
         acc = self.accelerator
         if is_sharded(acc):
-            load_shards(folder, self.model_wrapped, self.optimizer)
+            load_shards(folder, self.model_wrapped, self.optimizer, self._is_peft())
         else:
             self._load_model_weights(folder)
             self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))

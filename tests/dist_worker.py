@@ -354,6 +354,35 @@ def fsdp1(out: str) -> None:
     r.write()
 
 
+def lora_fsdp2(out: str) -> None:
+    """A LoRA adapter on the FSDP2-sharded tiny Llama: checkpoint-2 holds the adapter (for peft) and the shards of
+    its trainable parameters only; a run resumed from it ends where the uninterrupted one ended; save_model
+    writes the adapter. It must follow every DDP scenario (see fsdp2)."""
+    from peft import LoraConfig
+
+    r = Report(out, "lora_fsdp2")
+
+    def trainer(folder: str, **kw) -> Trainer:
+        t = Trainer(llama(), fsdp_args(os.path.join(r.folder, folder), **kw), train_dataset=TRAIN,
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        fsdp_on_cpu(t)
+        return t
+
+    full = trainer("out", save_strategy="steps", save_steps=2)
+    full.train()
+    adapter = full._state_dict_for_saving()  # the trainable parameters, gathered on rank 0
+    full.save_model(os.path.join(r.folder, "saved"))
+    resumed = trainer("resumed")
+    resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
+    r.values.update(losses=losses(full), resumed_losses=losses(resumed))
+    if r.rank == 0:
+        r.save_tensors("final", {k: v.contiguous() for k, v in adapter.items()})
+        r.save_tensors("resumed", {k: v.contiguous() for k, v in resumed._state_dict_for_saving().items()})
+    else:
+        resumed._state_dict_for_saving()
+    r.write()
+
+
 def ddp_adamw(out: str) -> None:
     """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
     parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
@@ -367,7 +396,8 @@ def ddp_adamw(out: str) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (ddp_settings, equivalence, equivalence_accumulation, evaluation, guards,
-                                     rng_resume, preempt, preempt_resume, fsdp2, fsdp1, ddp_adamw)}
+                                     rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
+                                     ddp_adamw)}
 
 
 def main() -> None:

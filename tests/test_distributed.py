@@ -70,7 +70,7 @@ def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "ddp_adamw",
-                 "fsdp1", "fsdp2"))
+                 "fsdp1", "lora_fsdp2", "fsdp2"))
     return out
 
 
@@ -242,6 +242,33 @@ def test_fsdp1_builds_the_optimizer_on_its_flat_shards_trains_like_ddp_and_resum
     for name in final:
         assert torch.equal(final[name], resumed[name]), name
     assert r0["resumed_losses"] == r0["losses"]
+
+
+def test_lora_on_fsdp2_checkpoints_the_adapter_and_resumes_exactly(two_ranks):
+    """With a peft adapter on a sharded model, checkpoints hold the adapter (which peft loads) and the shards of
+    the trainable parameters only, never the frozen base; the resumed run ends bit for bit where the
+    uninterrupted one ended; save_model writes the adapter."""
+    from peft import PeftModel
+
+    r0, _ = ranks(two_ranks, "lora_fsdp2")
+    assert r0["resumed_losses"] == r0["losses"] and len(r0["losses"]) == 3
+    final = load_file(str(two_ranks / "lora_fsdp2" / "final.safetensors"))
+    assert final and all("lora_" in k for k in final)
+    resumed = load_file(str(two_ranks / "lora_fsdp2" / "resumed.safetensors"))
+    for name in final:
+        assert torch.equal(final[name], resumed[name]), name
+    folder = two_ranks / "lora_fsdp2" / "out" / "checkpoint-2"
+    assert ckpt.verify(str(folder)) is None
+    from safetensors import safe_open
+
+    for f in shard_files(folder / "model_shards"):
+        with safe_open(str(f), "pt") as shard:
+            assert all("lora_" in k for k in shard.keys()), f
+    model = PeftModel.from_pretrained(llama(), str(two_ranks / "lora_fsdp2" / "saved"))
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(p.detach(), final[name]), name
+    assert model.peft_config["default"].r == 4
 
 
 def shard_files(folder: Path) -> list[Path]:
