@@ -249,9 +249,9 @@ class TrainingArguments:
         "state_dict_type (checkpoints always hold every process's shards; FULL_STATE_DICT, the default, adds the "
         "full model).", "distributed"))
     deepspeed: dict | str | None = field(default=None, metadata=_help(
-        "DeepSpeed config as a dict, a JSON string or a JSON file (ZeRO stage 0-3, offload); \"auto\" values are "
-        "filled from these arguments as transformers fills them, and values that disagree with them are errors. "
-        "Checked, but stoker does not train with DeepSpeed yet: a Trainer given one refuses to start.",
+        "DeepSpeed config as a dict, a JSON string or a JSON file (ZeRO stage 1-3, offload), for a run under a "
+        "launcher; \"auto\" values are filled from these arguments as transformers fills them, and values that "
+        "disagree with them are errors.",
         "distributed"))
     ddp_backend: str | None = field(default=None, metadata=_help(
         "torch.distributed backend: 'nccl', 'gloo', ... (default: chosen by torch).", "distributed"))

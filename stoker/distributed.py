@@ -15,6 +15,10 @@ import warnings
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
+# what torchrun, `accelerate launch` and the deepspeed launcher set for every process
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launcher_world_size() -> int:
     """Processes the launcher started for this job (1 when the script runs without a launcher)."""
     for name in _WORLD_SIZE_VARIABLES:
@@ -279,11 +283,11 @@ def fsdp_plugin(kwargs: dict):
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-# config keys whose "auto" needs the model's hidden size or the number of training steps: filled by
-# fill_deepspeed_config when those are known (at train time), and left alone by the argument checks
-_LATE_AUTO_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-                   "zero_optimization.stage3_param_persistence_threshold", "scheduler.params.total_num_steps",
-                   "scheduler.params.warmup_num_steps")
+# config keys whose "auto" needs the model's hidden size (filled from model.config, by stoker or else by
+# Accelerate) or the number of training steps (filled when training starts)
+_HIDDEN_SIZE_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                     "zero_optimization.stage3_param_persistence_threshold")
+_STEP_KEYS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps")
 
 
 def _node(config: dict, path: str):
@@ -353,7 +357,7 @@ def fill_deepspeed_config(config: dict, args, world_size: int, num_training_step
         # deepspeed rejects warmup_num_steps <= 0 (transformers keeps it positive too)
         fill("scheduler.params.warmup_num_steps", max(1, args.warmup_for(num_training_steps)), "warmup_steps")
     problems += [f"deepspeed[{path!r}]=\"auto\": stoker cannot fill it; give a value" for path in _autos(config)
-                 if path not in _LATE_AUTO_KEYS or (num_training_steps is not None and hidden_size is not None)]
+                 if path not in _HIDDEN_SIZE_KEYS and (path not in _STEP_KEYS or num_training_steps is not None)]
     return config, problems
 
 
@@ -414,6 +418,42 @@ def deepspeed_config(args, world_size: int | None = None, num_training_steps: in
     return config, problems + more
 
 
+def _deepspeed_trainer_problems(config: dict, args) -> list[str]:
+    """What the Trainer cannot do with this DeepSpeed config. Sets ZeRO-3's gathering of the full model on save
+    when the config leaves it out (save_model and checkpoints write the full model)."""
+    p, zero = [], config["zero_optimization"]
+    stage = zero.get("stage", 0)
+    if stage == 0:
+        p.append("deepspeed['zero_optimization.stage']=0: that is plain data parallelism, which stoker does without "
+                 "DeepSpeed; leave deepspeed unset, or use stage 1, 2 or 3")
+    if stage == 3:
+        key = "stage3_gather_16bit_weights_on_model_save"
+        if zero.setdefault(key, True) is not True:
+            p.append(f"deepspeed['zero_optimization.{key}']={zero[key]!r}: save_model and checkpoints write the full "
+                     "model, which ZeRO-3 gathers only with it; set it to true")
+        if args.chunked_loss:
+            p.append("chunked_loss=True with ZeRO-3: the chunked loss reads the output layer's weight outside the "
+                     "forward pass, where ZeRO-3 holds only this process's partition of it; turn one off")
+    if args.auto_find_batch_size:
+        p.append("auto_find_batch_size=True with deepspeed: DeepSpeed fixes the micro-batch "
+                 "(train_micro_batch_size_per_gpu) when it starts; set per_device_train_batch_size instead")
+    return p
+
+
+def finish_deepspeed_config(accelerator, args, num_training_steps: int) -> None:
+    """Fill the "auto" values known only when training starts (the schedule's steps) into the DeepSpeed
+    config of the Accelerator's plugin, before the model is prepared."""
+    from .arguments import ConfigError
+
+    plugin = accelerator.state.deepspeed_plugin
+    filled, problems = fill_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes,
+                                             num_training_steps)
+    if problems:
+        raise ConfigError(problems, "distributed configuration")
+    plugin.deepspeed_config.clear()
+    plugin.deepspeed_config.update(filled)
+
+
 def deepspeed_plugin(config: dict):
     """The Accelerate plugin for a filled DeepSpeed config (built without the deepspeed package)."""
     from accelerate.utils import DeepSpeedPlugin
@@ -442,8 +482,6 @@ def runtime_problems(args) -> list[str]:
     them (DDP, or one process) rather than fail, so stoker refuses before any work."""
     import importlib.util
 
-    import torch
-
     p = []
     on_accelerator = accelerator_available() and not args.use_cpu
     if fsdp_enabled(args.fsdp) and not on_accelerator:
@@ -453,9 +491,14 @@ def runtime_problems(args) -> list[str]:
     if args.deepspeed not in (None, "", {}):
         if importlib.util.find_spec("deepspeed") is None:
             p.append(f"deepspeed={args.deepspeed!r}: the deepspeed package is not installed (pip install deepspeed)")
-        if not torch.cuda.is_available() or args.use_cpu:
-            p.append(f"deepspeed={args.deepspeed!r}: DeepSpeed needs a CUDA GPU; "
-                     + ("use_cpu=True" if args.use_cpu else "this machine has none"))
+        if args.use_cpu:
+            p.append(f"deepspeed={args.deepspeed!r} and use_cpu=True: Accelerate turns DeepSpeed off with use_cpu "
+                     "(DeepSpeed runs on the CPU by itself where there is no GPU); remove use_cpu")
+        missing = [v for v in _LAUNCHER_VARIABLES if v not in os.environ]
+        if missing:  # DeepSpeed would look for MPI instead
+            p.append(f"deepspeed={args.deepspeed!r}: DeepSpeed runs under a launcher, which sets "
+                     f"{', '.join(_LAUNCHER_VARIABLES)} (missing: {', '.join(missing)}); start the script with "
+                     "torchrun --nproc_per_node N (1 for one device), accelerate launch or deepspeed")
     return p
 
 
@@ -465,12 +508,13 @@ def sharding_plugins(args, model) -> dict:
     from .arguments import ConfigError
 
     problems = runtime_problems(args)
-    if args.deepspeed not in (None, "", {}):
-        problems.append(f"deepspeed={args.deepspeed!r}: stoker checks and fills DeepSpeed configs "
-                        "(stoker.distributed.deepspeed_config) but does not train with DeepSpeed yet: ZeRO optimizer "
-                        "state is saved by DeepSpeed with torch.save (pickle), which stoker's checkpoints never write "
-                        "or load. Use fsdp (sharded like ZeRO-3) or plain data parallelism")
     kwargs = {}
+    if args.deepspeed not in (None, "", {}):
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config, more = deepspeed_config(args, hidden_size=hidden)
+        problems += more + (_deepspeed_trainer_problems(config, args) if config else [])
+        if not problems:
+            kwargs["deepspeed_plugin"] = deepspeed_plugin(config)
     if fsdp_enabled(args.fsdp):
         plugin_kwargs, more = fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing, model)
         problems += more
@@ -591,9 +635,6 @@ def load_shards(folder: str, model, optimizer=None, trainable_only: bool = False
 
     from .checkpoint import CheckpointError, read_json, unflatten
 
-    if not os.path.isdir(os.path.join(folder, MODEL_SHARDS)):
-        raise CheckpointError(f"{folder} was written by an unsharded run (no {MODEL_SHARDS}/); resume it without fsdp")
-
     def read(name: str, targets: dict) -> None:
         try:
             dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(folder, name)))
@@ -659,3 +700,41 @@ def consolidate(checkpoint: str, out: str) -> str:
     set_model_state_dict(model, state)
     model.save_pretrained(out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoints of a DeepSpeed run: every rank writes its ZeRO partition of the optimizer state. DeepSpeed's
+# own checkpoints are torch.save pickles; its optimizer state is plain tensors and values but for two Python
+# objects, which are left out: the loss scaler (kept as its plain attributes) and the map from parameters to
+# partition fragments (rebuilt by DeepSpeed when it loads).
+
+
+def is_deepspeed(accelerator) -> bool:
+    return str(accelerator.distributed_type).rsplit(".", 1)[-1] == "DEEPSPEED"
+
+
+def zero_stage(accelerator) -> int:
+    return int(accelerator.state.deepspeed_plugin.zero_stage)
+
+
+def zero_optimizer_state(optimizer) -> dict:
+    """This rank's partition of the ZeRO optimizer's state, as tensors and plain values."""
+    zero = getattr(optimizer, "optimizer", optimizer)
+    state = dict(zero.state_dict())
+    scaler = state.pop("loss_scaler", None)
+    state.pop("param_slice_mappings", None)
+    state["loss_scaler"] = None if scaler is None else {
+        k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+    return state
+
+
+def load_zero_optimizer_state(optimizer, states: list[dict], rank: int) -> None:
+    """Load every rank's partition (DeepSpeed takes them all, in rank order), and the parameters with them."""
+    zero = getattr(optimizer, "optimizer", optimizer)
+    scaler = getattr(zero, "loss_scaler", None)
+    saved_scaler = states[rank].get("loss_scaler")
+    for state in states:
+        state["loss_scaler"] = scaler
+    zero.load_state_dict(states, load_from_fp32_weights=True)
+    for name, value in (saved_scaler or {}).items():
+        setattr(scaler, name, value)

@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -49,16 +50,21 @@ from .distributed import (
     MODEL_SHARDS,
     check_sharding_active,
     check_world_size,
+    finish_deepspeed_config,
     full_tensor,
     gather_full_model,
     gathers_full_model,
+    is_deepspeed,
     is_sharded,
     load_shards,
+    load_zero_optimizer_state,
     model_class_name,
     parameters_finite,
     save_shards,
     sharding_plugins,
     wants_cpu,
+    zero_optimizer_state,
+    zero_stage,
 )
 from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head
@@ -271,15 +277,20 @@ class Trainer:
         if a.ddp_broadcast_buffers is not None:
             ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
         config = {"use_seedable_sampler": True, **(a.accelerator_config or {})}
-        sharding = sharding_plugins(a, model)  # {} or an FSDP plugin; refuses what cannot run here
+        sharding = sharding_plugins(a, model)  # {}, an FSDP or a DeepSpeed plugin; refuses what cannot run here
+        deepspeed = "deepspeed_plugin" in sharding
+        # under torchrun without a GPU: gloo, not N lone processes (Accelerate's cpu flag, which would also turn
+        # DeepSpeed off: DeepSpeed gets the gloo backend asked for instead)
+        cpu = wants_cpu(a.use_cpu)
+        backend = a.ddp_backend or ("gloo" if deepspeed and cpu else None)
         accelerator = Accelerator(
             mixed_precision=a.mixed_precision,
-            cpu=wants_cpu(a.use_cpu),  # under torchrun without a GPU: gloo, not N lone processes
+            cpu=cpu and not deepspeed,
             # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss
             gradient_accumulation_steps=1,
             dataloader_config=DataLoaderConfiguration(data_seed=a.data_seed, **config),
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp),
-                             InitProcessGroupKwargs(backend=a.ddp_backend, timeout=timedelta(seconds=a.ddp_timeout))],
+                             InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=a.ddp_timeout))],
             dynamo_plugin=TorchDynamoPlugin(backend=a.torch_compile_backend, mode=a.torch_compile_mode)
             if a.torch_compile else None,
             step_scheduler_with_optimizer=False,
@@ -395,6 +406,23 @@ class Trainer:
         if self.lr_scheduler is None:
             self.lr_scheduler = create_scheduler(self.optimizer, self.args, num_training_steps)
 
+    def _create_deepspeed_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """An "optimizer" or "scheduler" section of the DeepSpeed config is built by DeepSpeed (Accelerate's
+        placeholders stand for it until then); otherwise stoker's own is handed to DeepSpeed."""
+        from accelerate.utils import DummyOptim, DummyScheduler
+
+        from .optim import create_scheduler, parameter_groups
+
+        a, config = self.args, self.accelerator.state.deepspeed_plugin.deepspeed_config
+        if "optimizer" in config and self.optimizer is None:
+            self.optimizer = DummyOptim(parameter_groups(self.model, a.weight_decay), lr=a.learning_rate,
+                                        weight_decay=a.weight_decay)
+        if isinstance(self.optimizer, DummyOptim) and self.lr_scheduler is None:
+            self.lr_scheduler = DummyScheduler(self.optimizer, total_num_steps=num_training_steps) if (
+                "scheduler" in config) else DummyScheduler(
+                self.optimizer, lr_scheduler_callable=lambda opt: create_scheduler(opt, a, num_training_steps))
+        self.create_optimizer_and_scheduler(num_training_steps)
+
     def _plan_steps(self, train_dataloader) -> tuple[int, int | None]:
         """(max_steps, steps per epoch or None for a dataset without a length)."""
         a = self.args
@@ -440,6 +468,11 @@ class Trainer:
             self.model_wrapped = acc.prepare(self.model)  # optimizer must be built on
             self.create_optimizer_and_scheduler(max_steps, self.model_wrapped)
             self.optimizer = acc.prepare(self.optimizer)
+        elif is_deepspeed(acc):  # DeepSpeed builds one engine of the model, optimizer and schedule
+            finish_deepspeed_config(acc, a, max_steps)
+            self._create_deepspeed_optimizer_and_scheduler(max_steps)
+            self.model_wrapped, self.optimizer, self.lr_scheduler = acc.prepare(self.model, self.optimizer,
+                                                                                self.lr_scheduler)
         else:  # FSDP2 shards the parameters in place, and Accelerate moves the optimizer onto the shards
             self.create_optimizer_and_scheduler(max_steps)
             self.model_wrapped, self.optimizer = acc.prepare(self.model, self.optimizer)
@@ -605,11 +638,13 @@ class Trainer:
         for i, batch in enumerate(window):
             last = i == len(window) - 1
             # gradients are all-reduced only on the window's last micro-batch
+            acc.sync_gradients = last  # DeepSpeed steps (in backward) at the window's end only
             with contextlib.nullcontext() if last else acc.no_sync(model):
                 loss = self.compute_loss(model, dict(batch), num_items_in_batch=num_items)
-                # DDP averages gradients over processes; the loss is already normalised by the global
-                # item count, so scale back up to get the sum over the global window
-                acc.backward(loss * acc.num_processes)
+                # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the
+                # global item count, so scale back up to get the sum over the global window. DeepSpeed would
+                # also divide it by the accumulation steps.
+                acc.backward(loss * acc.num_processes, **({"scale_wrt_gas": False} if is_deepspeed(acc) else {}))
             window_loss += loss.detach()
             if not last:
                 self._fire("on_substep_end")
@@ -636,7 +671,8 @@ class Trainer:
         price of never applying a non-finite update. Also shares a pending preemption signal across ranks."""
         acc = self.accelerator
         bad = ~torch.isfinite(window_loss)
-        if acc.scaler is None:  # with fp16 loss scaling, inf gradients are the scaler's business
+        # with fp16 loss scaling (Accelerate's or DeepSpeed's), inf gradients are the scaler's business
+        if acc.scaler is None and not (is_deepspeed(acc) and acc.optimizer_step_was_skipped):
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
         mine = bad
         if acc.num_processes > 1:  # every rank must take the same decision
@@ -656,6 +692,9 @@ class Trainer:
         what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
         if not mine.item():  # this process's numbers are finite: another one's are not
             what += f" on another process (this is process {acc.process_index})"
+        if is_deepspeed(acc):
+            raise NonFiniteError(f"{what}; DeepSpeed has applied the update inside its engine, where it cannot be "
+                                 "skipped: stopping")
         if self.args.nonfinite_policy == "stop":
             raise NonFiniteError(f"{what}; stopping (nonfinite_policy='stop')")
         if self._nonfinite_run >= self.args.max_nonfinite_steps:
@@ -998,6 +1037,8 @@ class Trainer:
             acc.wait_for_everyone()
             if sharded:
                 save_shards(tmp, self.model_wrapped, self.optimizer, acc.is_main_process, self._is_peft())
+            elif is_deepspeed(acc):  # every rank its partition of the optimizer state
+                ckpt.save_state(tmp, f"optimizer_{acc.process_index}", zero_optimizer_state(self.optimizer))
             if acc.is_main_process:
                 model = acc.unwrap_model(self.model_wrapped)
                 if full:
@@ -1005,7 +1046,7 @@ class Trainer:
                 elif hasattr(model, "config"):  # what the shards are the weights of, for `stoker consolidate`
                     model.config.architectures = [model_class_name(model)]  # as save_pretrained records it
                     model.config.save_pretrained(tmp)
-                if not sharded:
+                if not sharded and not is_deepspeed(acc):
                     ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
                 ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
                 if acc.scaler is not None:
@@ -1030,13 +1071,31 @@ class Trainer:
         return final
 
     def _load_model_weights(self, folder: str) -> None:
-        if is_sharded(self.accelerator):
-            load_shards(folder, self.model_wrapped, trainable_only=self._is_peft())
-        elif os.path.isdir(os.path.join(folder, MODEL_SHARDS)):
-            raise ckpt.CheckpointError(f"{folder} holds the per-process shards of an FSDP run; resume it with the "
-                                       "same fsdp settings")
+        """The weights of a checkpoint, as load_best_model_at_end loads them (the checkpoint's kind checked)."""
+        acc, model = self.accelerator, self.model_wrapped
+        self._check_checkpoint_kind(folder)
+        if is_sharded(acc):
+            load_shards(folder, model, trainable_only=self._is_peft())
+        elif is_deepspeed(acc) and zero_stage(acc) == 3:  # partitioned: gathered, loaded by one rank, partitioned
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                if acc.is_main_process:
+                    ckpt.load_weights(acc.unwrap_model(model), folder)
         else:
-            ckpt.load_weights(self.accelerator.unwrap_model(self.model_wrapped), folder)
+            ckpt.load_weights(acc.unwrap_model(model), folder)
+
+    def _check_checkpoint_kind(self, folder: str) -> None:
+        """Sharded (FSDP), ZeRO-partitioned (DeepSpeed) and whole optimizer states load only into their own kind."""
+        def kind(sharded: bool, deepspeed: bool) -> str:
+            return "an FSDP" if sharded else "a DeepSpeed" if deepspeed else "a data-parallel (or single-process)"
+
+        saved = kind(os.path.isdir(os.path.join(folder, MODEL_SHARDS)),
+                     os.path.exists(os.path.join(folder, "optimizer_0.json")))
+        now = kind(is_sharded(self.accelerator), is_deepspeed(self.accelerator))
+        if saved != now:
+            raise ckpt.CheckpointError(f"{folder} was written by {saved} run and this is {now} run: resume it with "
+                                       "the fsdp / deepspeed settings it was written with")
 
     def _loop_state(self) -> dict[str, Any]:
         """Where the data stream stands, and the settings that must not change for an exact resume."""
@@ -1104,8 +1163,18 @@ class Trainer:
     def _load_checkpoint(self, folder: str) -> None:
         """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
         acc = self.accelerator
+        self._check_checkpoint_kind(folder)
         if is_sharded(acc):
             load_shards(folder, self.model_wrapped, self.optimizer, self._is_peft())
+        elif is_deepspeed(acc):  # every rank's partition, as DeepSpeed wants them all
+            if zero_stage(acc) < 3:  # ZeRO-3 takes the parameters from its partitions
+                self._load_model_weights(folder)
+            written = len([f for f in os.listdir(folder) if re.fullmatch(r"optimizer_\d+\.json", f)])
+            if written != acc.num_processes:
+                raise ckpt.CheckpointError(f"{folder} holds the ZeRO partitions of {written} processes: DeepSpeed "
+                                           f"resumes them with as many, not {acc.num_processes}")
+            states = [ckpt.load_state(folder, f"optimizer_{rank}") for rank in range(acc.num_processes)]
+            load_zero_optimizer_state(self.optimizer, states, acc.process_index)
         else:
             self._load_model_weights(folder)
             self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))

@@ -67,3 +67,22 @@ def make_args(tmp_path):
         return TrainingArguments(**values)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def one_process(tmp_path_factory) -> dict:
+    """The single-process runs the multi-process runs (tests/dist_worker.py) must match: 1 x batch 8, and
+    1 x batch 2 x accumulation 4."""
+    from stoker import Trainer
+    from tests import dist_worker as w
+    from tests.test_trainer import llama
+
+    out = tmp_path_factory.mktemp("one_process")
+    runs = {}
+    for name, batch, accumulation in (("batch8", 8, 1), ("batch2x4", 2, 4)):
+        t = Trainer(llama(), w.training_args(str(out / name), per_device_train_batch_size=batch,
+                                             gradient_accumulation_steps=accumulation, num_train_epochs=1),
+                    train_dataset=w.TRAIN)
+        t.train()
+        runs[name] = t
+    return runs

@@ -383,6 +383,106 @@ def lora_fsdp2(out: str) -> None:
     r.write()
 
 
+def without_deepspeed_shm_build() -> None:
+    """Test-only: DeepSpeed compiles a shared-memory fast path for collectives within a node on first use (C++,
+    about 40 s on 2 cores); the gloo process group serves without it."""
+    import deepspeed.comm.torch  # noqa: F401
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def deepspeed_config(stage: int, **more) -> dict:
+    return {"zero_optimization": {"stage": stage, **more.pop("zero", {})}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto", **more}
+
+
+def resumed_run(r: Report, folder: str, args_of, checkpoint: str = "checkpoint-2") -> Trainer:
+    trainer = Trainer(llama(), args_of(os.path.join(r.folder, folder)), train_dataset=TRAIN)
+    trainer.train(resume_from_checkpoint=os.path.join(r.folder, "out", checkpoint))
+    return trainer
+
+
+def zero2(out: str) -> None:
+    """ZeRO-2 with the equivalence settings (2 processes x batch 2 x accumulation 2, SGD, linear schedule),
+    compared by the test with 1 x batch 8; evaluated; resumed from its checkpoint-2."""
+    without_deepspeed_shm_build()
+    r = Report(out, "zero2")
+
+    def args_of(folder: str, **kw) -> TrainingArguments:
+        return training_args(folder, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
+                             deepspeed=deepspeed_config(2), **kw)
+
+    trainer = Trainer(llama(), args_of(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2),
+                      train_dataset=TRAIN, eval_dataset=EVAL7)
+    trainer.train()
+    r.values.update(distributed_type=str(trainer.accelerator.distributed_type), losses=losses(trainer),
+                    eval=trainer.evaluate(), global_step=trainer.state.global_step)
+    r.save_tensors("final", final_params(trainer))
+    resumed = resumed_run(r, "resumed", args_of)
+    r.values["resumed_losses"] = losses(resumed)
+    r.save_tensors("resumed", final_params(resumed))
+    r.write()
+
+
+def zero3(out: str) -> None:
+    """ZeRO-3 (every parameter partitioned) with the settings of zero2, compared by the test with 1 x batch 8;
+    saved with save_model; resumed from its checkpoint-2; then checkpoint-2's weights loaded alone (as
+    load_best_model_at_end does)."""
+    without_deepspeed_shm_build()
+    r = Report(out, "zero3")
+    config = deepspeed_config(3, zero={"stage3_param_persistence_threshold": 0})
+
+    def args_of(folder: str, **kw) -> TrainingArguments:
+        return training_args(folder, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
+                             deepspeed=config, **kw)
+
+    trainer = Trainer(llama(), args_of(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2),
+                      train_dataset=TRAIN)
+    trainer.train()
+    params = list(trainer.model_wrapped.parameters())
+    r.values.update(losses=losses(trainer), local_numel=sum(p.ds_tensor.numel() for p in params),
+                    total_numel=sum(p.ds_numel for p in params))
+    final = trainer._state_dict_for_saving()  # gathered on rank 0
+    trainer.save_model(os.path.join(r.folder, "saved"))
+    resumed = resumed_run(r, "resumed", args_of)
+    r.values["resumed_losses"] = losses(resumed)
+    resumed_final = resumed._state_dict_for_saving()
+    resumed._load_model_weights(os.path.join(r.folder, "out", "checkpoint-2"))
+    step_2 = resumed._state_dict_for_saving()
+    if r.rank == 0:
+        for name, tensors in (("final", final), ("resumed", resumed_final), ("step_2", step_2)):
+            r.save_tensors(name, {k: v.contiguous() for k, v in tensors.items()})
+    r.write()
+
+
+def zero1_config_sections(out: str) -> None:
+    """ZeRO-1 with the optimizer and schedule of the DeepSpeed config (as recipes/ds_zero2.json has them, with
+    torch's AdamW): built by DeepSpeed, filled from the arguments, stepped by its engine; resumed exactly."""
+    without_deepspeed_shm_build()
+    r = Report(out, "zero1_config_sections")
+    config = deepspeed_config(
+        1, optimizer={"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                 "weight_decay": "auto", "torch_adam": True}},
+        scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}})
+
+    def args_of(folder: str, **kw) -> TrainingArguments:
+        return fsdp_args(folder, deepspeed=config, warmup_steps=2, **kw)
+
+    trainer = Trainer(llama(), args_of(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2),
+                      train_dataset=TRAIN)
+    trainer.train()
+    engine = trainer.model_wrapped
+    r.values.update(losses=losses(trainer), optimizer=type(engine.optimizer.optimizer).__name__,
+                    scheduler=type(engine.lr_scheduler).__name__,
+                    learning_rates=[x["learning_rate"] for x in trainer.state.log_history if "learning_rate" in x])
+    r.save_tensors("final", final_params(trainer))
+    resumed = resumed_run(r, "resumed", args_of)
+    r.values["resumed_losses"] = losses(resumed)
+    r.save_tensors("resumed", final_params(resumed))
+    r.write()
+
+
 def ddp_adamw(out: str) -> None:
     """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
     parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
@@ -397,7 +497,7 @@ def ddp_adamw(out: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (ddp_settings, equivalence, equivalence_accumulation, evaluation, guards,
                                      rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
-                                     ddp_adamw)}
+                                     ddp_adamw, zero2, zero3, zero1_config_sections)}
 
 
 def main() -> None:

@@ -74,20 +74,6 @@ def two_ranks(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict:
-    """The single-process runs the 2-rank runs must match: 1 x batch 8, and 1 x batch 2 x accumulation 4."""
-    out = tmp_path_factory.mktemp("one_process")
-    runs = {}
-    for name, batch, accumulation in (("batch8", 8, 1), ("batch2x4", 2, 4)):
-        t = Trainer(llama(), w.training_args(str(out / name), per_device_train_batch_size=batch,
-                                             gradient_accumulation_steps=accumulation, num_train_epochs=1),
-                    train_dataset=w.TRAIN)
-        t.train()
-        runs[name] = t
-    return runs
-
-
 # --- invariant 1 across processes ------------------------------------------------------------------
 
 
@@ -337,7 +323,8 @@ def test_consolidate_saves_the_full_model_of_a_shards_only_checkpoint(two_ranks,
 def test_checkpoints_of_a_sharded_run_are_refused_by_an_unsharded_one(two_ranks, tmp_path):
     folder = str(two_ranks / "fsdp2" / "out" / "checkpoint-2")
     t = Trainer(llama(), w.fsdp_args(str(tmp_path), resume_mismatch="warn"), train_dataset=w.TRAIN)
-    with pytest.raises(ckpt.CheckpointError, match="per-process shards of an FSDP run; resume it with the same fsdp"):
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            "written by an FSDP run and this is a data-parallel (or single-process) run")):
         t.train(resume_from_checkpoint=folder)
 
 

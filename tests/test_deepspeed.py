@@ -1,0 +1,130 @@
+"""DeepSpeed through Accelerate with real processes: one torchrun launch of 2 ranks (CPU, gloo, float32) runs
+the ZeRO scenarios of tests/dist_worker.py, which the tests compare with single-process and DDP runs of the
+same settings. DeepSpeed runs on the CPU with its CPU accelerator and a gloo process group."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from stoker import Trainer, TrainingArguments
+from stoker import checkpoint as ckpt
+from stoker.arguments import ConfigError
+from tests import dist_worker as w
+from tests.test_distributed import assert_params_close, check, launch, params_of, ranks
+from tests.test_trainer import llama
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="the deepspeed extra is not installed (pip install -e '.[dev]' installs it)")
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero")
+    check(launch(out, "zero2", "zero3", "zero1_config_sections"))
+    return out
+
+
+def assert_same_bits(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_zero2_updates_like_one_process_with_exact_accumulation_evaluates_and_resumes_exactly(zero_runs,
+                                                                                              one_process):
+    """2 processes x batch 2 x accumulation 2 under ZeRO-2 give 1 process x batch 8's update (the loss is
+    normalised by the global target tokens; DeepSpeed steps only at the window's end and does not divide by
+    the accumulation again); eval_loss is the single-process one; the run resumed from checkpoint-2 ends bit
+    for bit where the uninterrupted one ended. Every rank writes its own partition of the optimizer state."""
+    r0, r1 = ranks(zero_runs, "zero2")
+    assert r0["distributed_type"] == "DistributedType.DEEPSPEED" and r0["global_step"] == 3
+    final = load_file(str(zero_runs / "zero2" / "final.safetensors"))
+    assert_params_close(final, params_of(one_process["batch8"]), atol=1e-6)
+    assert_same_bits(final, load_file(str(zero_runs / "zero2" / "resumed.safetensors")))
+    assert r0["resumed_losses"] == r0["losses"] == r1["losses"]
+
+    model = llama()
+    model.load_state_dict(final)
+    single = Trainer(model, w.training_args(str(zero_runs / "single_eval")), eval_dataset=w.EVAL7).evaluate()
+    assert r0["eval"]["eval_loss"] == pytest.approx(single["eval_loss"], abs=1e-6)
+
+    folder = zero_runs / "zero2" / "out" / "checkpoint-2"
+    assert ckpt.verify(str(folder)) is None
+    assert not (folder / "optimizer.json").exists()
+    numel = sum(t.numel() for t in final.values())
+    for rank in (0, 1):
+        with safe_open(str(folder / f"optimizer_{rank}.safetensors"), "pt") as f:
+            partitions = [k for k in f.keys() if k.startswith(".single_partition_of_fp32_groups")]
+            held = sum(f.get_slice(k).get_shape()[0] for k in partitions)
+        assert held == pytest.approx(numel / 2, abs=64)  # this rank's half (DeepSpeed pads partitions)
+
+
+def test_zero3_partitions_parameters_updates_like_one_process_saves_the_full_model_and_resumes_exactly(
+        zero_runs, one_process):
+    """ZeRO-3 with every parameter partitioned: each rank holds half; 2 x batch 2 x accumulation 2 updates
+    like 1 x batch 8; save_model writes the full model (gathered), which transformers loads; resume is exact;
+    checkpoint-2's weights load alone into the partitioned model (as load_best_model_at_end does)."""
+    from transformers import AutoModelForCausalLM
+
+    r0, r1 = ranks(zero_runs, "zero3")
+    for r in (r0, r1):
+        assert r["local_numel"] == r["total_numel"] // 2
+    final = load_file(str(zero_runs / "zero3" / "final.safetensors"))
+    assert_params_close(final, params_of(one_process["batch8"]), atol=1e-6)
+    saved = AutoModelForCausalLM.from_pretrained(str(zero_runs / "zero3" / "saved"))
+    for name, p in saved.named_parameters():
+        assert torch.equal(p.detach(), final[name]), name
+    assert_same_bits(final, load_file(str(zero_runs / "zero3" / "resumed.safetensors")))
+    assert r0["resumed_losses"] == r0["losses"]
+    folder = zero_runs / "zero3" / "out" / "checkpoint-2"
+    assert ckpt.verify(str(folder)) is None
+    assert_same_bits(load_file(str(zero_runs / "zero3" / "step_2.safetensors")),
+                     load_file(str(folder / "model.safetensors")))
+
+
+def test_the_configs_optimizer_and_schedule_are_built_and_stepped_by_deepspeed_and_resume(zero_runs):
+    """A config with "optimizer" and "scheduler" sections (auto values filled from the arguments): DeepSpeed
+    builds torch's AdamW and its WarmupDecayLR, which warms up to learning_rate over warmup_steps=2; the
+    resumed run ends bit for bit where the uninterrupted one ended."""
+    r0, _ = ranks(zero_runs, "zero1_config_sections")
+    assert (r0["optimizer"], r0["scheduler"]) == ("AdamW", "WarmupDecayLR")
+    assert r0["learning_rates"][0] < r0["learning_rates"][1] == pytest.approx(1e-2)
+    assert r0["resumed_losses"] == r0["losses"]
+    assert_same_bits(load_file(str(zero_runs / "zero1_config_sections" / "final.safetensors")),
+                     load_file(str(zero_runs / "zero1_config_sections" / "resumed.safetensors")))
+
+
+def test_a_zero_checkpoint_is_refused_by_another_kind_of_run(zero_runs, tmp_path):
+    folder = str(zero_runs / "zero2" / "out" / "checkpoint-2")
+    t = Trainer(llama(), w.training_args(str(tmp_path), resume_mismatch="warn", max_steps=3), train_dataset=w.TRAIN)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            "was written by a DeepSpeed run and this is a data-parallel (or single-process) run")):
+        t.train(resume_from_checkpoint=folder)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"deepspeed": {"zero_optimization": {"stage": 0}}}, "that is plain data parallelism"),
+    ({"deepspeed": {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}},
+     "save_model and checkpoints write the full model"),
+    ({"deepspeed": {"zero_optimization": {"stage": 3}}, "chunked_loss": True}, "chunked_loss=True with ZeRO-3"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}, "auto_find_batch_size": True},
+     "DeepSpeed fixes the micro-batch"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}, "use_cpu": True}, "Accelerate turns DeepSpeed off"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "DeepSpeed runs under a launcher, which sets RANK, "
+     "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (missing: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
+     "MASTER_PORT); start the script with torchrun"),
+])
+def test_what_a_deepspeed_run_cannot_do_is_refused_before_any_work(settings, expected, tmp_path, monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **settings)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        Trainer(llama(), args, train_dataset=w.TRAIN)
+    assert not (tmp_path / "out").exists()
