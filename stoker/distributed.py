@@ -717,19 +717,38 @@ def zero_stage(accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage)
 
 
-def zero_optimizer_state(optimizer) -> dict:
+def _zero_partition(rank: int) -> str:
+    return f"optimizer_{rank}"
+
+
+def is_zero_checkpoint(folder: str) -> bool:
+    return os.path.exists(os.path.join(folder, f"{_zero_partition(0)}.json"))
+
+
+def save_zero_partition(folder: str, optimizer, rank: int) -> None:
     """This rank's partition of the ZeRO optimizer's state, as tensors and plain values."""
+    from .checkpoint import save_state
+
     zero = getattr(optimizer, "optimizer", optimizer)
     state = dict(zero.state_dict())
     scaler = state.pop("loss_scaler", None)
     state.pop("param_slice_mappings", None)
     state["loss_scaler"] = None if scaler is None else {
         k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
-    return state
+    save_state(folder, _zero_partition(rank), state)
 
 
-def load_zero_optimizer_state(optimizer, states: list[dict], rank: int) -> None:
+def load_zero_partitions(folder: str, optimizer, world_size: int, rank: int) -> None:
     """Load every rank's partition (DeepSpeed takes them all, in rank order), and the parameters with them."""
+    import re
+
+    from .checkpoint import CheckpointError, load_state
+
+    written = len([f for f in os.listdir(folder) if re.fullmatch(r"optimizer_\d+\.json", f)])
+    if written != world_size:
+        raise CheckpointError(f"{folder} holds the ZeRO partitions of {written} processes: DeepSpeed resumes them "
+                              f"with as many, not {world_size}")
+    states = [load_state(folder, _zero_partition(r)) for r in range(world_size)]
     zero = getattr(optimizer, "optimizer", optimizer)
     scaler = getattr(zero, "loss_scaler", None)
     saved_scaler = states[rank].get("loss_scaler")

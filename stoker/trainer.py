@@ -13,7 +13,6 @@ import inspect
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import sys
@@ -56,14 +55,15 @@ from .distributed import (
     gathers_full_model,
     is_deepspeed,
     is_sharded,
+    is_zero_checkpoint,
     load_shards,
-    load_zero_optimizer_state,
+    load_zero_partitions,
     model_class_name,
     parameters_finite,
     save_shards,
+    save_zero_partition,
     sharding_plugins,
     wants_cpu,
-    zero_optimizer_state,
     zero_stage,
 )
 from .lora import trainable_parameters
@@ -1038,7 +1038,7 @@ class Trainer:
             if sharded:
                 save_shards(tmp, self.model_wrapped, self.optimizer, acc.is_main_process, self._is_peft())
             elif is_deepspeed(acc):  # every rank its partition of the optimizer state
-                ckpt.save_state(tmp, f"optimizer_{acc.process_index}", zero_optimizer_state(self.optimizer))
+                save_zero_partition(tmp, self.optimizer, acc.process_index)
             if acc.is_main_process:
                 model = acc.unwrap_model(self.model_wrapped)
                 if full:
@@ -1091,7 +1091,7 @@ class Trainer:
             return "an FSDP" if sharded else "a DeepSpeed" if deepspeed else "a data-parallel (or single-process)"
 
         saved = kind(os.path.isdir(os.path.join(folder, MODEL_SHARDS)),
-                     os.path.exists(os.path.join(folder, "optimizer_0.json")))
+                     is_zero_checkpoint(folder))
         now = kind(is_sharded(self.accelerator), is_deepspeed(self.accelerator))
         if saved != now:
             raise ckpt.CheckpointError(f"{folder} was written by {saved} run and this is {now} run: resume it with "
@@ -1169,12 +1169,7 @@ class Trainer:
         elif is_deepspeed(acc):  # every rank's partition, as DeepSpeed wants them all
             if zero_stage(acc) < 3:  # ZeRO-3 takes the parameters from its partitions
                 self._load_model_weights(folder)
-            written = len([f for f in os.listdir(folder) if re.fullmatch(r"optimizer_\d+\.json", f)])
-            if written != acc.num_processes:
-                raise ckpt.CheckpointError(f"{folder} holds the ZeRO partitions of {written} processes: DeepSpeed "
-                                           f"resumes them with as many, not {acc.num_processes}")
-            states = [ckpt.load_state(folder, f"optimizer_{rank}") for rank in range(acc.num_processes)]
-            load_zero_optimizer_state(self.optimizer, states, acc.process_index)
+            load_zero_partitions(folder, self.optimizer, acc.num_processes, acc.process_index)
         else:
             self._load_model_weights(folder)
             self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
