@@ -1,8 +1,10 @@
-"""How a run is distributed: the launcher's world, and the Accelerate options stoker derives from the arguments.
+"""How a run is distributed: the launcher's world, the Accelerate options stoker derives from the arguments,
+and the checkpoint state that every rank of a sharded run writes and reads.
 
-Every distributed mechanic is Accelerate's (and through it torch.distributed's); this module only decides
-what to ask Accelerate for, and refuses combinations that Accelerate would silently run as something else.
-It must stay cheap to import: torch and accelerate are imported where they are used.
+Every distributed mechanic is Accelerate's (and through it torch.distributed's, FSDP's and DeepSpeed's); this
+module decides what to ask Accelerate for, refuses combinations that Accelerate would silently run as something
+else, and keeps sharded and partitioned state in stoker's checkpoint format (safetensors + JSON, never a pickle).
+It must stay cheap to import: torch, accelerate and deepspeed are imported where they are used.
 """
 
 from __future__ import annotations
