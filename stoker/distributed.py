@@ -719,6 +719,16 @@ def zero_stage(accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage)
 
 
+def gather_trainable_zero3(model) -> dict:
+    """The trainable parameters (a peft adapter) of a ZeRO-3 model, gathered whole on every rank (a collective):
+    ZeRO-3 leaves each rank only its partition of a parameter."""
+    import deepspeed
+
+    named = [(n, p) for n, p in getattr(model, "module", model).named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):
+        return {n: p.detach().clone() for n, p in named}
+
+
 def _zero_partition(rank: int) -> str:
     return f"optimizer_{rank}"
 

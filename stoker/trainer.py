@@ -52,6 +52,7 @@ from .distributed import (
     finish_deepspeed_config,
     full_tensor,
     gather_full_model,
+    gather_trainable_zero3,
     gathers_full_model,
     is_deepspeed,
     is_sharded,
@@ -1009,9 +1010,12 @@ class Trainer:
         """The full state dict, gathered across shards (every rank must call it). A peft model's save_pretrained
         picks the adapter weights from it (a frozen, maybe 4-bit, base is never gathered nor written), or from
         the model itself when it is not sharded (None)."""
-        if is_sharded(self.accelerator):
+        acc = self.accelerator
+        if is_sharded(acc):
             return gather_full_model(self.model_wrapped, trainable_only=self._is_peft())
-        return None if self._is_peft() else self.accelerator.get_state_dict(self.model_wrapped)
+        if not self._is_peft():
+            return acc.get_state_dict(self.model_wrapped)
+        return gather_trainable_zero3(self.model_wrapped) if is_deepspeed(acc) and zero_stage(acc) == 3 else None
 
     def _is_peft(self) -> bool:
         return ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped))

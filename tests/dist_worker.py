@@ -455,6 +455,29 @@ def zero3(out: str) -> None:
     r.write()
 
 
+def lora_zero3(out: str) -> None:
+    """A LoRA adapter on the tiny Llama under ZeRO-3 with every parameter (the adapter's too) partitioned:
+    saved with save_model, resumed from checkpoint-2 and saved again."""
+    from peft import LoraConfig
+
+    without_deepspeed_shm_build()
+    r = Report(out, "lora_zero3")
+    config = deepspeed_config(3, zero={"stage3_param_persistence_threshold": 0})
+
+    def trainer(folder: str, **kw) -> Trainer:
+        return Trainer(llama(), fsdp_args(os.path.join(r.folder, folder), deepspeed=config, **kw), train_dataset=TRAIN,
+                       peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+    full = trainer("out", save_strategy="steps", save_steps=2)
+    full.train()
+    full.save_model(os.path.join(r.folder, "saved"))
+    resumed = trainer("resumed")
+    resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
+    resumed.save_model(os.path.join(r.folder, "resumed_saved"))
+    r.values.update(losses=losses(full), resumed_losses=losses(resumed))
+    r.write()
+
+
 def zero1_config_sections(out: str) -> None:
     """ZeRO-1 with the optimizer and schedule of the DeepSpeed config (as recipes/ds_zero2.json has them, with
     torch's AdamW): built by DeepSpeed, filled from the arguments, stepped by its engine; resumed exactly."""
@@ -497,7 +520,7 @@ def ddp_adamw(out: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (ddp_settings, equivalence, equivalence_accumulation, evaluation, guards,
                                      rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
-                                     ddp_adamw, zero2, zero3, zero1_config_sections)}
+                                     ddp_adamw, zero2, zero3, lora_zero3, zero1_config_sections)}
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero")
-    check(launch(out, "zero2", "zero3", "zero1_config_sections"))
+    check(launch(out, "zero2", "zero3", "lora_zero3", "zero1_config_sections"))
     return out
 
 
@@ -87,6 +87,22 @@ def test_zero3_partitions_parameters_updates_like_one_process_saves_the_full_mod
     assert ckpt.verify(str(folder)) is None
     assert_same_bits(load_file(str(zero_runs / "zero3" / "step_2.safetensors")),
                      load_file(str(folder / "model.safetensors")))
+
+
+def test_a_lora_adapter_partitioned_by_zero3_is_saved_whole_and_resumes_exactly(zero_runs):
+    """ZeRO-3 leaves each rank a partition of every parameter (the adapter's too): save_model gathers the
+    adapter, which peft loads; the resumed run saves the same adapter, bit for bit."""
+    from peft import PeftModel
+
+    r0, _ = ranks(zero_runs, "lora_zero3")
+    assert r0["resumed_losses"] == r0["losses"] and len(r0["losses"]) == 3
+    adapter = load_file(str(zero_runs / "lora_zero3" / "saved" / "adapter_model.safetensors"))
+    assert adapter and all(t.numel() > 0 for t in adapter.values())
+    assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained from zeros
+    assert_same_bits(adapter, load_file(str(zero_runs / "lora_zero3" / "resumed_saved" / "adapter_model.safetensors")))
+    model = PeftModel.from_pretrained(llama(), str(zero_runs / "lora_zero3" / "saved"))
+    loaded = {k.replace(".default", ""): p for k, p in model.named_parameters() if "lora_" in k}
+    assert_same_bits(adapter, {k: loaded[k].detach() for k in adapter})
 
 
 def test_the_configs_optimizer_and_schedule_are_built_and_stepped_by_deepspeed_and_resume(zero_runs):
