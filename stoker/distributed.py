@@ -581,10 +581,14 @@ def model_class_name(model) -> str:
 
 
 def parameters_finite(accelerator, model) -> bool:
-    """Whether every parameter is finite, decided together by all ranks (each checks its own shards)."""
+    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
+    DTensor's local part, a ZeRO-3 parameter's partition)."""
     import torch
 
-    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in model.parameters())
+    def own(p):
+        return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+
+    local = all(bool(torch.isfinite(own(p)).all()) for p in model.parameters())
     if accelerator.num_processes == 1:
         return local
     flag = torch.tensor(0.0 if local else 1.0, device=accelerator.device)

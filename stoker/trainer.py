@@ -634,21 +634,26 @@ class Trainer:
 
     def _forward_backward(self, model, window: list[dict]) -> torch.Tensor:
         acc = self.accelerator
+        deepspeed = is_deepspeed(acc)
         num_items = self._window_items(window)
         window_loss = torch.zeros((), device=acc.device)
-        for i, batch in enumerate(window):
-            last = i == len(window) - 1
-            # gradients are all-reduced only on the window's last micro-batch
-            acc.sync_gradients = last  # DeepSpeed steps (in backward) at the window's end only
-            with contextlib.nullcontext() if last else acc.no_sync(model):
-                loss = self.compute_loss(model, dict(batch), num_items_in_batch=num_items)
-                # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the
-                # global item count, so scale back up to get the sum over the global window. DeepSpeed would
-                # also divide it by the accumulation steps.
-                acc.backward(loss * acc.num_processes, **({"scale_wrt_gas": False} if is_deepspeed(acc) else {}))
-            window_loss += loss.detach()
-            if not last:
-                self._fire("on_substep_end")
+        try:
+            for i, batch in enumerate(window):
+                last = i == len(window) - 1
+                if deepspeed:  # DeepSpeed steps (inside backward) at the window's end only
+                    acc.sync_gradients = last
+                # gradients are all-reduced only on the window's last micro-batch
+                with contextlib.nullcontext() if last else acc.no_sync(model):
+                    loss = self.compute_loss(model, dict(batch), num_items_in_batch=num_items)
+                    # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by
+                    # the global item count, so scale back up to get the sum over the global window. DeepSpeed
+                    # would also divide it by the accumulation steps.
+                    acc.backward(loss * acc.num_processes, **({"scale_wrt_gas": False} if deepspeed else {}))
+                window_loss += loss.detach()
+                if not last:
+                    self._fire("on_substep_end")
+        finally:
+            acc.sync_gradients = True  # Accelerate's optimizer ignores step and zero_grad until it is
         return window_loss
 
     def _halve_micro_batch(self, window: list[dict], error: Exception) -> list[dict]:
@@ -671,9 +676,10 @@ class Trainer:
         """True if the update may be applied. Checked on every step, which costs one host sync per step: the
         price of never applying a non-finite update. Also shares a pending preemption signal across ranks."""
         acc = self.accelerator
+        deepspeed = is_deepspeed(acc)
         bad = ~torch.isfinite(window_loss)
         # with fp16 loss scaling (Accelerate's or DeepSpeed's), inf gradients are the scaler's business
-        if acc.scaler is None and not (is_deepspeed(acc) and acc.optimizer_step_was_skipped):
+        if acc.scaler is None and not (deepspeed and self.args.fp16):
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
         mine = bad
         if acc.num_processes > 1:  # every rank must take the same decision
@@ -693,7 +699,7 @@ class Trainer:
         what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
         if not mine.item():  # this process's numbers are finite: another one's are not
             what += f" on another process (this is process {acc.process_index})"
-        if is_deepspeed(acc):
+        if deepspeed and not acc.optimizer_step_was_skipped:  # its own overflow check skips some, not all
             raise NonFiniteError(f"{what}; DeepSpeed has applied the update inside its engine, where it cannot be "
                                  "skipped: stopping")
         if self.args.nonfinite_policy == "stop":

@@ -478,6 +478,42 @@ def lora_zero3(out: str) -> None:
     r.write()
 
 
+def zero_nonfinite(out: str) -> None:
+    """A NaN gradient at step 2 under ZeRO-2 and ZeRO-3 (only rank 1's, before the reduction), with the default
+    policy (skip) and with nonfinite_policy='stop'."""
+    from stoker.distributed import parameters_finite
+    from stoker.trainer import NonFiniteError
+
+    without_deepspeed_shm_build()
+    r = Report(out, "zero_nonfinite")
+
+    class NanAtStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.poison = state.global_step == 1 and r.rank == 1
+
+    for stage in (2, 3):
+        for policy in ("skip", "stop"):
+            callback, model = NanAtStep2(), llama()
+            model.model.norm.weight.register_hook(lambda g, c=callback: g * float("nan") if c.poison else g)
+            args = fsdp_args(os.path.join(r.folder, f"{stage}_{policy}"), nonfinite_policy=policy,
+                             deepspeed=deepspeed_config(stage, zero={"stage3_param_persistence_threshold": 0}))
+            trainer = Trainer(model, args, train_dataset=TRAIN, callbacks=[callback])
+            try:
+                trainer.train()
+                outcome = {"steps": trainer.state.global_step, "nonfinite": trainer._nonfinite_total,
+                           "finite": parameters_finite(trainer.accelerator, trainer.model_wrapped)}
+                if stage == 3 and policy == "skip":  # a partition made non-finite: the save must refuse it
+                    next(iter(trainer.model_wrapped.parameters())).ds_tensor.data.fill_(float("inf"))
+                    try:
+                        trainer._save_checkpoint()
+                    except NonFiniteError as e:
+                        outcome["save"] = str(e)
+            except NonFiniteError as e:
+                outcome = {"error": str(e)}
+            r.values[f"{stage}_{policy}"] = outcome
+    r.write()
+
+
 def zero1_config_sections(out: str) -> None:
     """ZeRO-1 with the optimizer and schedule of the DeepSpeed config (as recipes/ds_zero2.json has them, with
     torch's AdamW): built by DeepSpeed, filled from the arguments, stepped by its engine; resumed exactly."""
@@ -520,7 +556,8 @@ def ddp_adamw(out: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (ddp_settings, equivalence, equivalence_accumulation, evaluation, guards,
                                      rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
-                                     ddp_adamw, zero2, zero3, lora_zero3, zero1_config_sections)}
+                                     ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
+                                     zero1_config_sections)}
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero")
-    check(launch(out, "zero2", "zero3", "lora_zero3", "zero1_config_sections"))
+    check(launch(out, "zero2", "zero3", "lora_zero3", "zero_nonfinite", "zero1_config_sections"))
     return out
 
 
@@ -103,6 +103,18 @@ def test_a_lora_adapter_partitioned_by_zero3_is_saved_whole_and_resumes_exactly(
     model = PeftModel.from_pretrained(llama(), str(zero_runs / "lora_zero3" / "saved"))
     loaded = {k.replace(".default", ""): p for k, p in model.named_parameters() if "lora_" in k}
     assert_same_bits(adapter, {k: loaded[k].detach() for k in adapter})
+
+
+def test_a_nonfinite_gradient_on_one_rank_is_skipped_or_stops_every_rank_under_zero2_and_zero3(zero_runs):
+    """A NaN gradient on rank 1 only, at step 2: DeepSpeed's overflow check skips the update on every rank, and
+    stoker counts the step (nonfinite_policy='skip': training goes on with finite parameters) or stops every
+    rank (nonfinite_policy='stop'). A ZeRO-3 partition made non-finite is never saved."""
+    for r in ranks(zero_runs, "zero_nonfinite"):
+        for stage in (2, 3):
+            assert r[f"{stage}_skip"]["steps"] == 3 and r[f"{stage}_skip"]["nonfinite"] == 1
+            assert r[f"{stage}_skip"]["finite"] is True
+            assert "gradient norm (inf) at step 2; stopping (nonfinite_policy='stop')" in r[f"{stage}_stop"]["error"]
+        assert r["3_skip"]["save"] == "refusing to save checkpoint-3: the model has non-finite parameters"
 
 
 def test_the_configs_optimizer_and_schedule_are_built_and_stepped_by_deepspeed_and_resume(zero_runs):

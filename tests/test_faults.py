@@ -330,6 +330,31 @@ def test_oom_halves_the_micro_batch_keeps_the_update_and_resumes_with_it(tmp_pat
     assert_same(params(t.model), params(resumed.model))
 
 
+def test_oom_in_the_middle_of_a_window_discards_its_gradients_and_keeps_the_update(tmp_path):
+    """An OOM on the 2nd micro-batch of a window, after the 1st one's backward: the gradients already
+    accumulated are dropped and the window rerun in halves, so the update is still batch 6's."""
+    data = rows(24, seed=8)
+    sgd = {"optim": "sgd", "learning_rate": 0.1, "save_strategy": "no", "max_steps": 2}
+    ref = Trainer(llama(), make_args(tmp_path / "ref", per_device_train_batch_size=6, **sgd), train_dataset=data)
+    ref.train()
+    model = llama()
+    forward, calls = model.forward, []
+
+    @functools.wraps(forward)
+    def second_call_fails(*a, **kw):
+        calls.append(kw["input_ids"].shape[0])
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*a, **kw)
+
+    model.forward = second_call_fails
+    t = Trainer(model, make_args(tmp_path / "oom", per_device_train_batch_size=2, gradient_accumulation_steps=3,
+                                 auto_find_batch_size=True, **sgd), train_dataset=data)
+    t.train()
+    assert (t._micro_batch, t._accumulation) == (1, 6) and calls[:3] == [2, 2, 1]
+    assert_same(params(ref.model), params(t.model), atol=1e-6)
+
+
 def test_oom_without_auto_find_batch_size_is_raised(tmp_path):
     t = Trainer(oom_above(llama(), 2), make_args(tmp_path, per_device_train_batch_size=4), train_dataset=rows(8))
     with pytest.raises(torch.OutOfMemoryError):
