@@ -420,10 +420,15 @@ def deepspeed_config(args, world_size: int | None = None, num_training_steps: in
     return config, problems + more
 
 
-def _deepspeed_trainer_problems(config: dict, args) -> list[str]:
-    """What the Trainer cannot do with this DeepSpeed config. Sets ZeRO-3's gathering of the full model on save
-    when the config leaves it out (save_model and checkpoints write the full model)."""
+def _deepspeed_trainer_problems(config: dict, args, optimizers=(None, None)) -> list[str]:
+    """What the Trainer cannot do with this DeepSpeed config (and the optimizer and scheduler given to it). Sets
+    ZeRO-3's gathering of the full model on save when the config leaves it out (save_model and checkpoints
+    write the full model)."""
     p, zero = [], config["zero_optimization"]
+    for given, section in zip(optimizers, ("optimizer", "scheduler"), strict=True):
+        if given is not None and section in config:
+            p.append(f"deepspeed[{section!r}]={config[section]!r} and the {section} given to the Trainer "
+                     f"({type(given).__name__}): DeepSpeed builds the config's; remove one of the two")
     stage = zero.get("stage", 0)
     if stage == 0:
         p.append("deepspeed['zero_optimization.stage']=0: that is plain data parallelism, which stoker does without "
@@ -504,7 +509,7 @@ def runtime_problems(args) -> list[str]:
     return p
 
 
-def sharding_plugins(args, model) -> dict:
+def sharding_plugins(args, model, optimizers=(None, None)) -> dict:
     """Accelerator keyword arguments for the sharding the arguments ask for ({} for none, i.e. DDP or one
     process). Raises ConfigError, before any work, for what cannot run here or is not supported."""
     from .arguments import ConfigError
@@ -514,7 +519,7 @@ def sharding_plugins(args, model) -> dict:
     if args.deepspeed not in (None, "", {}):
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         config, more = deepspeed_config(args, hidden_size=hidden)
-        problems += more + (_deepspeed_trainer_problems(config, args) if config else [])
+        problems += more + (_deepspeed_trainer_problems(config, args, optimizers) if config else [])
         if not problems:
             kwargs["deepspeed_plugin"] = deepspeed_plugin(config)
     if fsdp_enabled(args.fsdp):

@@ -153,7 +153,7 @@ class Trainer:
             self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
         self._check_inputs(model, optimizers)
 
-        self.accelerator = self._build_accelerator(model)
+        self.accelerator = self._build_accelerator(model, optimizers)
         self._apply_precision_switches()
         self._enable_gradient_checkpointing(model)
         self.model = model
@@ -257,7 +257,7 @@ class Trainer:
                          f"{list(ids.shape)}; {self._loss_type} needs one label per token")
         return p
 
-    def _build_accelerator(self, model):
+    def _build_accelerator(self, model, optimizers=(None, None)):
         from datetime import timedelta
 
         from accelerate import Accelerator, DataLoaderConfiguration
@@ -278,7 +278,8 @@ class Trainer:
         if a.ddp_broadcast_buffers is not None:
             ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
         config = {"use_seedable_sampler": True, **(a.accelerator_config or {})}
-        sharding = sharding_plugins(a, model)  # {}, an FSDP or a DeepSpeed plugin; refuses what cannot run here
+        sharding = sharding_plugins(a, model, optimizers)  # {}, an FSDP or a DeepSpeed plugin; refuses what
+        # cannot run here
         deepspeed = "deepspeed_plugin" in sharding
         # under torchrun without a GPU: gloo, not N lone processes (Accelerate's cpu flag, which would also turn
         # DeepSpeed off: DeepSpeed gets the gloo backend asked for instead)
@@ -412,17 +413,22 @@ class Trainer:
         placeholders stand for it until then); otherwise stoker's own is handed to DeepSpeed."""
         from accelerate.utils import DummyOptim, DummyScheduler
 
-        from .optim import create_scheduler, parameter_groups
+        from .optim import create_optimizer, create_scheduler, parameter_groups
 
         a, config = self.args, self.accelerator.state.deepspeed_plugin.deepspeed_config
-        if "optimizer" in config and self.optimizer is None:
+        if self.optimizer is None:
             self.optimizer = DummyOptim(parameter_groups(self.model, a.weight_decay), lr=a.learning_rate,
-                                        weight_decay=a.weight_decay)
-        if isinstance(self.optimizer, DummyOptim) and self.lr_scheduler is None:
-            self.lr_scheduler = DummyScheduler(self.optimizer, total_num_steps=num_training_steps) if (
-                "scheduler" in config) else DummyScheduler(
+                                        weight_decay=a.weight_decay) if "optimizer" in config else (
+                create_optimizer(self.model, a))
+        if self.lr_scheduler is not None:
+            return
+        if "scheduler" in config:
+            self.lr_scheduler = DummyScheduler(self.optimizer, total_num_steps=num_training_steps)
+        elif isinstance(self.optimizer, DummyOptim):  # stoker's schedule, on the optimizer DeepSpeed builds
+            self.lr_scheduler = DummyScheduler(
                 self.optimizer, lr_scheduler_callable=lambda opt: create_scheduler(opt, a, num_training_steps))
-        self.create_optimizer_and_scheduler(num_training_steps)
+        else:
+            self.lr_scheduler = create_scheduler(self.optimizer, a, num_training_steps)
 
     def _plan_steps(self, train_dataloader) -> tuple[int, int | None]:
         """(max_steps, steps per epoch or None for a dataset without a length)."""

@@ -539,6 +539,14 @@ def zero1_config_sections(out: str) -> None:
     resumed = resumed_run(r, "resumed", args_of)
     r.values["resumed_losses"] = losses(resumed)
     r.save_tensors("resumed", final_params(resumed))
+    # a "scheduler" section alone: DeepSpeed's schedule over stoker's optimizer
+    del config["optimizer"]
+    only_schedule = Trainer(llama(), args_of(os.path.join(r.folder, "only_schedule")), train_dataset=TRAIN)
+    only_schedule.train()
+    engine = only_schedule.model_wrapped
+    r.values["only_schedule"] = {
+        "optimizer": type(engine.optimizer.optimizer).__name__, "scheduler": type(engine.lr_scheduler).__name__,
+        "learning_rates": [x["learning_rate"] for x in only_schedule.state.log_history if "learning_rate" in x]}
     r.write()
 
 

@@ -127,6 +127,10 @@ def test_the_configs_optimizer_and_schedule_are_built_and_stepped_by_deepspeed_a
     assert r0["resumed_losses"] == r0["losses"]
     assert_same_bits(load_file(str(zero_runs / "zero1_config_sections" / "final.safetensors")),
                      load_file(str(zero_runs / "zero1_config_sections" / "resumed.safetensors")))
+    # a "scheduler" section alone steps DeepSpeed's schedule over stoker's optimizer
+    only_schedule = r0["only_schedule"]
+    assert (only_schedule["optimizer"], only_schedule["scheduler"]) == ("AdamW", "WarmupDecayLR")
+    assert only_schedule["learning_rates"] == r0["learning_rates"]
 
 
 def test_a_zero_checkpoint_is_refused_by_another_kind_of_run(zero_runs, tmp_path):
@@ -156,3 +160,13 @@ def test_what_a_deepspeed_run_cannot_do_is_refused_before_any_work(settings, exp
     with pytest.raises(ConfigError, match=re.escape(expected)):
         Trainer(llama(), args, train_dataset=w.TRAIN)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_optimizer_given_with_a_configs_optimizer_section_is_refused(tmp_path):
+    model = llama()
+    config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", deepspeed=config)
+    with pytest.raises(ConfigError, match=re.escape(
+            "deepspeed['optimizer']={'type': 'AdamW', 'params': {'lr': 5e-05}} and the optimizer given to the Trainer "
+            "(SGD): DeepSpeed builds the config's; remove one of the two")):
+        Trainer(model, args, train_dataset=w.TRAIN, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
