@@ -738,6 +738,38 @@ def gather_trainable_zero3(model) -> dict:
         return {n: p.detach().clone() for n, p in named}
 
 
+def load_zero3_weights(model, folder: str, is_main: bool) -> None:
+    """Load a checkpoint's weights into a ZeRO-3 model one module at a time (gathered, written by the main
+    process, partitioned again), so that no rank ever holds the whole model; a peft adapter is small and loaded
+    by peft while gathered whole. Every rank must call it."""
+    import deepspeed
+    from safetensors import safe_open
+
+    from .checkpoint import CheckpointError, _weight_files, is_peft_model, load_weights
+
+    module = getattr(model, "module", model)
+    if is_peft_model(module):
+        with deepspeed.zero.GatheredParameters([p for p in module.parameters() if p.requires_grad], modifier_rank=0):
+            if is_main:
+                load_weights(module, folder)
+        return
+    handles = [safe_open(f, "pt") for f in _weight_files(folder, ("model.safetensors",))]
+    source = {key: h for h in handles for key in h.keys()}
+    unexpected = sorted(set(source) - set(module.state_dict()))
+    if unexpected:
+        raise CheckpointError(f"{folder} does not fit this model: {', '.join(unexpected[:5])} are not in it")
+    for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        params = [(dot + n, p) for n, p in sub.named_parameters(recurse=False) if dot + n in source]
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+            if is_main:
+                for name, p in params:
+                    p.data.copy_(source[name].get_tensor(name))
+        for name, buffer in sub.named_buffers(recurse=False):  # not partitioned: every rank loads its own
+            if dot + name in source:
+                buffer.copy_(source[dot + name].get_tensor(dot + name))
+
+
 def _zero_partition(rank: int) -> str:
     return f"optimizer_{rank}"
 
@@ -760,7 +792,8 @@ def save_zero_partition(folder: str, optimizer, rank: int) -> None:
 
 
 def load_zero_partitions(folder: str, optimizer, world_size: int, rank: int) -> None:
-    """Load every rank's partition (DeepSpeed takes them all, in rank order), and the parameters with them."""
+    """Load this rank's partition, and the parameters with it. DeepSpeed takes a list of every rank's, in rank
+    order, but reads the others only for an elastic checkpoint (stage 1-2 `elastic_checkpoint`)."""
     import re
 
     from .checkpoint import CheckpointError, load_state
@@ -769,11 +802,12 @@ def load_zero_partitions(folder: str, optimizer, world_size: int, rank: int) -> 
     if written != world_size:
         raise CheckpointError(f"{folder} holds the ZeRO partitions of {written} processes: DeepSpeed resumes them "
                               f"with as many, not {world_size}")
-    states = [load_state(folder, _zero_partition(r)) for r in range(world_size)]
     zero = getattr(optimizer, "optimizer", optimizer)
+    every = getattr(zero, "elastic_checkpoint", False)
+    states = [load_state(folder, _zero_partition(r)) if every or r == rank else None for r in range(world_size)]
     scaler = getattr(zero, "loss_scaler", None)
     saved_scaler = states[rank].get("loss_scaler")
-    for state in states:
+    for state in filter(None, states):
         state["loss_scaler"] = scaler
     zero.load_state_dict(states, load_from_fp32_weights=True)
     for name, value in (saved_scaler or {}).items():

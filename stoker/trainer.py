@@ -58,6 +58,7 @@ from .distributed import (
     is_sharded,
     is_zero_checkpoint,
     load_shards,
+    load_zero3_weights,
     load_zero_partitions,
     model_class_name,
     parameters_finite,
@@ -158,6 +159,7 @@ class Trainer:
         self._enable_gradient_checkpointing(model)
         self.model = model
         self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
+        self._wrapped_in_place = False  # by a train() call that cannot be repeated (DeepSpeed, FSDP1)
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
@@ -453,6 +455,11 @@ class Trainer:
 
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
+        acc = self.accelerator
+        if self._wrapped_in_place:
+            raise RuntimeError(f"train() was called before on this Trainer, and {acc.distributed_type} wrapped the "
+                               "model in place (DeepSpeed's engine, FSDP1's flat parameters), which cannot be done "
+                               "twice: build a new Trainer and model for another run")
         a = self.args
         resume_dir = self._resolve_resume(resume_from_checkpoint)
         # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
@@ -470,7 +477,7 @@ class Trainer:
         self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
         max_steps, per_epoch = self._plan_steps(self._train_dataloader)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
-        acc = self.accelerator
+        self._wrapped_in_place = is_deepspeed(acc) or (is_sharded(acc) and not acc.is_fsdp2)
         if is_sharded(acc) and not acc.is_fsdp2:  # FSDP1 flattens the parameters into its own, which the
             self.model_wrapped = acc.prepare(self.model)  # optimizer must be built on
             self.create_optimizer_and_scheduler(max_steps, self.model_wrapped)
@@ -1092,12 +1099,8 @@ class Trainer:
         self._check_checkpoint_kind(folder)
         if is_sharded(acc):
             load_shards(folder, model, trainable_only=self._is_peft())
-        elif is_deepspeed(acc) and zero_stage(acc) == 3:  # partitioned: gathered, loaded by one rank, partitioned
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-                if acc.is_main_process:
-                    ckpt.load_weights(acc.unwrap_model(model), folder)
+        elif is_deepspeed(acc) and zero_stage(acc) == 3:
+            load_zero3_weights(model, folder, acc.is_main_process)
         else:
             ckpt.load_weights(acc.unwrap_model(model), folder)
 

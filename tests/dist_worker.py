@@ -417,6 +417,10 @@ def zero2(out: str) -> None:
     trainer.train()
     r.values.update(distributed_type=str(trainer.accelerator.distributed_type), losses=losses(trainer),
                     eval=trainer.evaluate(), global_step=trainer.state.global_step)
+    try:
+        trainer.train()
+    except RuntimeError as e:
+        r.values["second_train"] = str(e)
     r.save_tensors("final", final_params(trainer))
     resumed = resumed_run(r, "resumed", args_of)
     r.values["resumed_losses"] = losses(resumed)

@@ -49,6 +49,8 @@ def test_zero2_updates_like_one_process_with_exact_accumulation_evaluates_and_re
     assert_params_close(final, params_of(one_process["batch8"]), atol=1e-6)
     assert_same_bits(final, load_file(str(zero_runs / "zero2" / "resumed.safetensors")))
     assert r0["resumed_losses"] == r0["losses"] == r1["losses"]
+    assert "train() was called before on this Trainer, and DistributedType.DEEPSPEED wrapped the model in place" in (
+        r0["second_train"])
 
     model = llama()
     model.load_state_dict(final)
