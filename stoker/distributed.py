@@ -627,7 +627,11 @@ def save_shards(folder: str, model, optimizer, is_main: bool, trainable_only: bo
 
     tree, tensors = _optimizer_tensors(model, optimizer)
     for name, state in ((MODEL_SHARDS, _model_state(model, trainable_only)), (OPTIMIZER_SHARDS, tensors)):
-        dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, name), save_distributed=True))
+        try:  # torch gathers every rank's failure and raises it on all of them
+            dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, name),
+                                                                    save_distributed=True))
+        except dcp.CheckpointException as e:
+            raise OSError(f"writing {name}/ failed: {e}") from e
     if is_main:
         write_json(folder, "optimizer.json", tree)
 

@@ -9,6 +9,7 @@ gradient sync) is Accelerate's; the Trainer only calls its API.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import os
@@ -1049,49 +1050,79 @@ class Trainer:
                                 if callable(getattr(cb, "state", None))}
         if not parameters_finite(acc, self.model_wrapped):  # decided by every rank together
             raise NonFiniteError(f"refusing to save {os.path.basename(final)}: the model has non-finite parameters")
-        # a sharded model's checkpoint holds every rank's shards, and the full model only if asked for
+        # a sharded model's checkpoint holds every rank's shards, and the full model only if asked for (a peft
+        # adapter, small, always)
         sharded = is_sharded(acc)
-        full = not sharded or gathers_full_model(acc)
+        full = not sharded or gathers_full_model(acc) or self._is_peft()
         state_dict = self._state_dict_for_saving() if full else None
+        # every rank writes part of the folder: a rank's failure (a full disk, a permission error) is shared
+        # with all before they go on, and nothing half-written stays behind
+        failure = None
         try:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
-            acc.wait_for_everyone()
-            if sharded:
+        except OSError as e:
+            failure = e
+        self._all_saved(failure, tmp, final)
+        try:
+            if sharded:  # a collective, whose failures every rank raises
                 save_shards(tmp, self.model_wrapped, self.optimizer, acc.is_main_process, self._is_peft())
             elif is_deepspeed(acc):  # every rank its partition of the optimizer state
                 save_zero_partition(tmp, self.optimizer, acc.process_index)
             if acc.is_main_process:
-                model = acc.unwrap_model(self.model_wrapped)
-                if full:
-                    ckpt.save_weights(model, tmp, state_dict=state_dict)
-                elif hasattr(model, "config"):  # what the shards are the weights of, for `stoker consolidate`
-                    model.config.architectures = [model_class_name(model)]  # as save_pretrained records it
-                    model.config.save_pretrained(tmp)
-                if not sharded and not is_deepspeed(acc):
-                    ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
-                ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
-                if acc.scaler is not None:
-                    ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
-                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    f.write(s.to_json_string())
-                ckpt.write_json(tmp, "training_args.json", a.to_dict())
-                ckpt.write_json(tmp, "loop_state.json", self._loop_state())
+                self._write_checkpoint_files(tmp, state_dict, full, sharded)
             ckpt.save_state(tmp, f"process_{acc.process_index}",
                             {"rng": _rng_state(), "pending_log": self._pending_log()})
-            acc.wait_for_everyone()
+        except OSError as e:
+            failure = e
+        self._all_saved(failure, tmp, final)
+        try:
             if acc.is_main_process:
                 ckpt.commit(tmp, final, s.global_step)
-        except OSError as e:  # a full disk, a permission error: nothing half-written stays behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ckpt.CheckpointError(f"saving {final} failed: {e.strerror or e}; the partial folder was removed "
-                                       "and earlier checkpoints are intact") from e
+        except OSError as e:
+            failure = e
+        self._all_saved(failure, tmp, final)
         if acc.is_main_process:
             ckpt.rotate(a.output_dir, a.save_total_limit, keep=s.best_model_checkpoint)
         acc.wait_for_everyone()
         self._fire("on_save")
         return final
+
+    def _write_checkpoint_files(self, tmp: str, state_dict: dict | None, full: bool, sharded: bool) -> None:
+        """The main process's part of a checkpoint: the model (or what its shards are the weights of), the
+        optimizer state when it is whole, and the scheduler, scaler, trainer and loop state."""
+        acc, a, s = self.accelerator, self.args, self.state
+        model = acc.unwrap_model(self.model_wrapped)
+        if full:
+            ckpt.save_weights(model, tmp, state_dict=state_dict)
+        elif hasattr(model, "config"):  # what the shards are the weights of, for `stoker consolidate`
+            config = copy.deepcopy(model.config)
+            config.architectures = [model_class_name(model)]  # as save_pretrained records it
+            config.save_pretrained(tmp)
+        if not sharded and not is_deepspeed(acc):
+            ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
+        ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
+        if acc.scaler is not None:
+            ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            f.write(s.to_json_string())
+        ckpt.write_json(tmp, "training_args.json", a.to_dict())
+        ckpt.write_json(tmp, "loop_state.json", self._loop_state())
+
+    def _all_saved(self, failure: OSError | None, tmp: str, final: str) -> None:
+        """Raise CheckpointError on every rank if any rank failed to write its part (a collective)."""
+        acc = self.accelerator
+        failed = failure is not None
+        if acc.num_processes > 1:
+            failed = acc.reduce(torch.tensor(float(failed), device=acc.device), reduction="sum").item() > 0
+        if not failed:
+            return
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = (failure.strerror or failure) if failure is not None else "another process could not write its part"
+        raise ckpt.CheckpointError(f"saving {final} failed: {why}; the partial folder was removed and earlier "
+                                   "checkpoints are intact") from failure
 
     def _load_model_weights(self, folder: str) -> None:
         """The weights of a checkpoint, as load_best_model_at_end loads them (the checkpoint's kind checked)."""

@@ -259,6 +259,35 @@ def preempt_resume(out: str) -> None:
     r.write()
 
 
+def save_failure(out: str) -> None:
+    """Rank 1 alone cannot write its part of checkpoint-2 (a full disk): every rank must raise, none may wait
+    for the others forever, and the partial folder goes."""
+    import errno
+
+    from stoker import checkpoint as ckpt
+
+    r = Report(out, "save_failure")
+    real = ckpt.save_state
+
+    def full_disk(folder, name, obj):
+        if name == "process_1" and folder.endswith("checkpoint-2"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(folder, name, obj)
+
+    ckpt.save_state = full_disk
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, num_train_epochs=1,
+                         save_strategy="steps", save_steps=1)
+    trainer = Trainer(llama(), args, train_dataset=TRAIN)
+    try:
+        trainer.train()
+    except ckpt.CheckpointError as e:
+        r.values["error"] = str(e)
+    finally:
+        ckpt.save_state = real
+    r.values["step"] = trainer.state.global_step
+    r.write()
+
+
 def fsdp_on_cpu(trainer, version: int = 2, **fsdp_config) -> None:
     """Test-only fixture: the FSDP state Accelerate sets up on GPUs, set up here on the CPU (gloo). Accelerate
     enables FSDP only on accelerators (on the CPU it silently keeps DDP, and stoker refuses fsdp there), but
@@ -355,9 +384,10 @@ def fsdp1(out: str) -> None:
 
 
 def lora_fsdp2(out: str) -> None:
-    """A LoRA adapter on the FSDP2-sharded tiny Llama: checkpoint-2 holds the adapter (for peft) and the shards of
-    its trainable parameters only; a run resumed from it ends where the uninterrupted one ended; save_model
-    writes the adapter. It must follow every DDP scenario (see fsdp2)."""
+    """A LoRA adapter on the FSDP2-sharded tiny Llama, with state_dict_type SHARDED_STATE_DICT: checkpoint-2 holds
+    the adapter (for peft; it is small) and the shards of the trainable parameters only; a run resumed from it
+    ends where the uninterrupted one ended; save_model writes the adapter. It must follow every DDP scenario
+    (see fsdp2)."""
     from peft import LoraConfig
 
     r = Report(out, "lora_fsdp2")
@@ -365,7 +395,7 @@ def lora_fsdp2(out: str) -> None:
     def trainer(folder: str, **kw) -> Trainer:
         t = Trainer(llama(), fsdp_args(os.path.join(r.folder, folder), **kw), train_dataset=TRAIN,
                     peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-        fsdp_on_cpu(t)
+        fsdp_on_cpu(t, state_dict_type="SHARDED_STATE_DICT")
         return t
 
     full = trainer("out", save_strategy="steps", save_steps=2)
@@ -566,10 +596,10 @@ def ddp_adamw(out: str) -> None:
     r.write()
 
 
-SCENARIOS = {f.__name__: f for f in (ddp_settings, equivalence, equivalence_accumulation, evaluation, guards,
-                                     rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
-                                     ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
-                                     zero1_config_sections)}
+SCENARIOS = {f.__name__: f for f in (
+    ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
+    preempt_resume, fsdp2, fsdp1, lora_fsdp2, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
+    zero1_config_sections)}
 
 
 def main() -> None:

@@ -69,8 +69,8 @@ def free_port() -> int:
 def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
-    check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "ddp_adamw",
-                 "fsdp1", "lora_fsdp2", "fsdp2"))
+    check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "save_failure",
+                 "ddp_adamw", "fsdp1", "lora_fsdp2", "fsdp2"))
     return out
 
 
@@ -183,6 +183,20 @@ def test_resume_with_another_world_size_is_refused_unless_warned(two_ranks, tmp_
     assert "world_size=2 (now 1)" in capsys.readouterr().err
 
 
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_no_partial_folder(two_ranks):
+    """Rank 1 cannot write its RNG file into checkpoint-2 (ENOSPC): both ranks raise the same CheckpointError
+    at step 2 instead of waiting for each other, the partial folder is removed, checkpoint-1 is intact."""
+    out = two_ranks / "save_failure" / "out"
+    for r in ranks(two_ranks, "save_failure"):
+        assert r["step"] == 2
+        assert r["error"].startswith(f"saving {out / 'checkpoint-2'} failed: ")
+        assert r["error"].endswith("; the partial folder was removed and earlier checkpoints are intact")
+    assert "No space left on device" in ranks(two_ranks, "save_failure")[1]["error"]
+    assert "another process could not write its part" in ranks(two_ranks, "save_failure")[0]["error"]
+    assert [p.name for p in out.iterdir() if "checkpoint" in p.name] == ["checkpoint-1"]
+    assert ckpt.verify(str(out / "checkpoint-1")) is None
+
+
 # --- FSDP2 -----------------------------------------------------------------------------------------------
 
 
@@ -245,6 +259,8 @@ def test_lora_on_fsdp2_checkpoints_the_adapter_and_resumes_exactly(two_ranks):
         assert torch.equal(final[name], resumed[name]), name
     folder = two_ranks / "lora_fsdp2" / "out" / "checkpoint-2"
     assert ckpt.verify(str(folder)) is None
+    adapter = load_file(str(folder / "adapter_model.safetensors"))  # with SHARDED_STATE_DICT too
+    assert adapter.keys() == {k.replace(".default", "") for k in final} and not (folder / "config.json").exists()
     from safetensors import safe_open
 
     for f in shard_files(folder / "model_shards"):
