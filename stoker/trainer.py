@@ -407,7 +407,7 @@ class Trainer:
         from .optim import create_optimizer, create_scheduler
 
         if self.optimizer is None:
-            self.optimizer = create_optimizer(model or self.model, self.args)
+            self.optimizer = create_optimizer(self.model if model is None else model, self.args)
         if self.lr_scheduler is None:
             self.lr_scheduler = create_scheduler(self.optimizer, self.args, num_training_steps)
 
@@ -463,6 +463,8 @@ class Trainer:
                                "twice: build a new Trainer and model for another run")
         a = self.args
         resume_dir = self._resolve_resume(resume_from_checkpoint)
+        if resume_dir is not None:
+            self._check_checkpoint_kind(resume_dir)
         # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
         s = self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                       is_world_process_zero=self.accelerator.is_main_process)
@@ -1125,9 +1127,9 @@ class Trainer:
                                    "checkpoints are intact") from failure
 
     def _load_model_weights(self, folder: str) -> None:
-        """The weights of a checkpoint, as load_best_model_at_end loads them (the checkpoint's kind checked)."""
+        """The weights of a checkpoint of this kind of run (see _check_checkpoint_kind), as
+        load_best_model_at_end loads them."""
         acc, model = self.accelerator, self.model_wrapped
-        self._check_checkpoint_kind(folder)
         if is_sharded(acc):
             load_shards(folder, model, trainable_only=self._is_peft())
         elif is_deepspeed(acc) and zero_stage(acc) == 3:
@@ -1213,7 +1215,6 @@ class Trainer:
     def _load_checkpoint(self, folder: str) -> None:
         """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
         acc = self.accelerator
-        self._check_checkpoint_kind(folder)
         if is_sharded(acc):
             load_shards(folder, self.model_wrapped, self.optimizer, self._is_peft())
         elif is_deepspeed(acc):  # every rank's partition, as DeepSpeed wants them all

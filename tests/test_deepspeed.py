@@ -135,6 +135,15 @@ def test_the_configs_optimizer_and_schedule_are_built_and_stepped_by_deepspeed_a
     assert only_schedule["learning_rates"] == r0["learning_rates"]
 
 
+def test_zero_partitions_resume_only_with_as_many_processes(zero_runs):
+    from stoker.distributed import load_zero_partitions
+
+    folder = zero_runs / "zero2" / "out" / "checkpoint-2"
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            f"{folder} holds the ZeRO partitions of 2 processes: DeepSpeed resumes them with as many, not 1")):
+        load_zero_partitions(str(folder), optimizer=None, world_size=1, rank=0)
+
+
 def test_a_zero_checkpoint_is_refused_by_another_kind_of_run(zero_runs, tmp_path):
     folder = str(zero_runs / "zero2" / "out" / "checkpoint-2")
     t = Trainer(llama(), w.training_args(str(tmp_path), resume_mismatch="warn", max_steps=3), train_dataset=w.TRAIN)

@@ -237,7 +237,8 @@ def test_fsdp1_builds_the_optimizer_on_its_flat_shards_trains_like_ddp_and_resum
     final = load_file(str(two_ranks / "fsdp1" / "final.safetensors"))
     assert_params_close(final, load_file(str(two_ranks / "fsdp1" / "ddp.safetensors")), atol=1e-6)
     folder = two_ranks / "fsdp1" / "out" / "checkpoint-2"
-    assert ckpt.verify(str(folder)) is None and len(shard_files(folder / "model_shards")) == 2
+    assert ckpt.verify(str(folder)) is None
+    assert_half_per_rank(folder, sum(t.numel() for t in final.values()))
     resumed = load_file(str(two_ranks / "fsdp1" / "resumed.safetensors"))
     for name in final:
         assert torch.equal(final[name], resumed[name]), name
@@ -277,6 +278,21 @@ def shard_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+def assert_half_per_rank(checkpoint: Path, numel: int) -> None:
+    """Each of the 2 ranks wrote one file of model shards holding about half of the parameters, and one of
+    optimizer shards holding about half of AdamW's two moments."""
+    from safetensors import safe_open
+
+    for name, per_parameter in (("model_shards", 1), ("optimizer_shards", 2)):
+        files = shard_files(checkpoint / name)
+        assert len(files) == 2, files
+        for f in files:
+            with safe_open(str(f), "pt") as shard:
+                local = sum(torch.Size(shard.get_slice(k).get_shape()).numel() for k in shard.keys()
+                            if not k.endswith(".step"))
+            assert local == pytest.approx(per_parameter * numel / 2, rel=0.05), f
+
+
 def test_fsdp2_checkpoints_hold_one_shard_file_per_rank_in_the_same_atomic_commit(two_ranks):
     """Every rank writes its own half of the model and of the AdamW state (safetensors; offsets as JSON in the
     header) into the checkpoint the main process commits, and the manifest covers them. With state_dict_type
@@ -285,7 +301,6 @@ def test_fsdp2_checkpoints_hold_one_shard_file_per_rank_in_the_same_atomic_commi
     load_best_model_at_end does). No file is a pickle (checkpoint.verify refuses those)."""
     import json as json_
 
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     final = load_file(str(two_ranks / "fsdp2" / "final.safetensors"))
@@ -295,14 +310,9 @@ def test_fsdp2_checkpoints_hold_one_shard_file_per_rank_in_the_same_atomic_commi
     for folder in (with_full, shards_only):
         assert ckpt.verify(str(folder)) is None
         manifest = ckpt.read_json(str(folder), "manifest.json")["files"]
-        for name, per_parameter in (("model_shards", 1), ("optimizer_shards", 2)):  # AdamW: exp_avg, exp_avg_sq
-            files = shard_files(folder / name)
-            assert len(files) == 2 and all(f"{name}/{f.name}" in manifest for f in files)
-            for f in files:
-                with safe_open(str(f), "pt") as shard:
-                    local = sum(torch.Size(shard.get_slice(k).get_shape()).numel() for k in shard.keys()
-                                if not k.endswith(".step"))
-                assert local == pytest.approx(per_parameter * numel / 2, rel=0.05), f  # about half on each rank
+        assert_half_per_rank(folder, numel)
+        for name in ("model_shards", "optimizer_shards"):
+            assert all(f"{name}/{f.name}" in manifest for f in shard_files(folder / name))
         optimizer = json_.loads((folder / "optimizer.json").read_text())
         decay, no_decay = optimizer["param_groups"]  # the groups survive, keyed by parameter name
         assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
