@@ -759,9 +759,18 @@ def load_zero3_weights(model, folder: str, is_main: bool) -> None:
         return
     handles = [safe_open(f, "pt") for f in _weight_files(folder, ("model.safetensors",))]
     source = {key: h for h in handles for key in h.keys()}
-    unexpected = sorted(set(source) - set(module.state_dict()))
-    if unexpected:
-        raise CheckpointError(f"{folder} does not fit this model: {', '.join(unexpected[:5])} are not in it")
+    # checked by every rank alike, before any gathering
+    problems = [f"{k} is not in the model" for k in sorted(set(source) - set(module.state_dict()))]
+    names: dict[int, list[str]] = {}  # a tied parameter is saved under one of its names
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        if name in source and tuple(source[name].get_slice(name).get_shape()) != tuple(p.ds_shape):
+            problems.append(f"{name} has shape {source[name].get_slice(name).get_shape()} in the checkpoint, "
+                            f"{list(p.ds_shape)} in the model")
+    problems += [f"{aliases[0]} is missing from the checkpoint" for aliases in names.values()
+                 if not any(n in source for n in aliases)]
+    if problems:
+        raise CheckpointError(f"{folder} does not fit this model: " + "; ".join(problems[:5]))
     for prefix, sub in module.named_modules():
         dot = f"{prefix}." if prefix else ""
         params = [(dot + n, p) for n, p in sub.named_parameters(recurse=False) if dot + n in source]

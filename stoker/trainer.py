@@ -480,7 +480,6 @@ class Trainer:
         self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
         max_steps, per_epoch = self._plan_steps(self._train_dataloader)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
-        self._wrapped_in_place = is_deepspeed(acc) or (is_sharded(acc) and not acc.is_fsdp2)
         if is_sharded(acc) and not acc.is_fsdp2:  # FSDP1 flattens the parameters into its own, which the
             self.model_wrapped = acc.prepare(self.model)  # optimizer must be built on
             self.create_optimizer_and_scheduler(max_steps, self.model_wrapped)
@@ -493,6 +492,7 @@ class Trainer:
         else:  # FSDP2 shards the parameters in place, and Accelerate moves the optimizer onto the shards
             self.create_optimizer_and_scheduler(max_steps)
             self.model_wrapped, self.optimizer = acc.prepare(self.model, self.optimizer)
+        self._wrapped_in_place = is_deepspeed(acc) or (is_sharded(acc) and not acc.is_fsdp2)
         self._loader_micro_batch = self._micro_batch
 
         s.max_steps, s.train_batch_size = max_steps, self._micro_batch
@@ -1057,8 +1057,8 @@ class Trainer:
         sharded = is_sharded(acc)
         full = not sharded or gathers_full_model(acc) or self._is_peft()
         state_dict = self._state_dict_for_saving() if full else None
-        # every rank writes part of the folder: a rank's failure (a full disk, a permission error) is shared
-        # with all before they go on, and nothing half-written stays behind
+        # every rank writes part of the folder: a rank's failure (a full disk, a permission error, state that
+        # cannot be stored) is shared with all before they go on, and nothing half-written stays behind
         failure = None
         try:
             if acc.is_main_process:
@@ -1076,7 +1076,7 @@ class Trainer:
                 self._write_checkpoint_files(tmp, state_dict, full, sharded)
             ckpt.save_state(tmp, f"process_{acc.process_index}",
                             {"rng": _rng_state(), "pending_log": self._pending_log()})
-        except OSError as e:
+        except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
             failure = e
         self._all_saved(failure, tmp, final)
         try:
@@ -1112,7 +1112,7 @@ class Trainer:
         ckpt.write_json(tmp, "training_args.json", a.to_dict())
         ckpt.write_json(tmp, "loop_state.json", self._loop_state())
 
-    def _all_saved(self, failure: OSError | None, tmp: str, final: str) -> None:
+    def _all_saved(self, failure: Exception | None, tmp: str, final: str) -> None:
         """Raise CheckpointError on every rank if any rank failed to write its part (a collective)."""
         acc = self.accelerator
         failed = failure is not None
@@ -1122,7 +1122,8 @@ class Trainer:
             return
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        why = (failure.strerror or failure) if failure is not None else "another process could not write its part"
+        why = (getattr(failure, "strerror", None) or failure) if failure is not None else (
+            "another process could not write its part")
         raise ckpt.CheckpointError(f"saving {final} failed: {why}; the partial folder was removed and earlier "
                                    "checkpoints are intact") from failure
 

@@ -260,21 +260,19 @@ def preempt_resume(out: str) -> None:
 
 
 def save_failure(out: str) -> None:
-    """Rank 1 alone cannot write its part of checkpoint-2 (a full disk): every rank must raise, none may wait
-    for the others forever, and the partial folder goes."""
-    import errno
-
+    """Rank 1 alone cannot write its part of checkpoint-2 (its safetensors file goes to a folder that does not
+    exist: safetensors raises its own error, not an OSError): every rank must raise, none may wait for the
+    others forever, and the partial folder goes."""
     from stoker import checkpoint as ckpt
 
     r = Report(out, "save_failure")
     real = ckpt.save_state
 
-    def full_disk(folder, name, obj):
-        if name == "process_1" and folder.endswith("checkpoint-2"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(folder, name, obj)
+    def unwritable(folder, name, obj):
+        real(os.path.join(folder, "missing") if name == "process_1" and folder.endswith("checkpoint-2") else folder,
+             name, obj)
 
-    ckpt.save_state = full_disk
+    ckpt.save_state = unwritable
     args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, num_train_epochs=1,
                          save_strategy="steps", save_steps=1)
     trainer = Trainer(llama(), args, train_dataset=TRAIN)
@@ -371,6 +369,10 @@ def fsdp1(out: str) -> None:
                     optimizer_on_flat=sorted(id(p) for g in full.optimizer.param_groups for p in g["params"])
                     == sorted(map(id, flat)))
     gathered = full._state_dict_for_saving()
+    try:
+        full.train()
+    except RuntimeError as e:
+        r.values["second_train"] = str(e)
     resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed"), **settings), train_dataset=TRAIN)
     fsdp_on_cpu(resumed, version=1, **fsdp_config)
     resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
@@ -483,6 +485,20 @@ def zero3(out: str) -> None:
     resumed_final = resumed._state_dict_for_saving()
     resumed._load_model_weights(os.path.join(r.folder, "out", "checkpoint-2"))
     step_2 = resumed._state_dict_for_saving()
+    bad = os.path.join(r.folder, "bad")  # one tensor missing, one of another shape
+    if r.rank == 0:
+        from safetensors.torch import load_file
+
+        weights = load_file(os.path.join(r.folder, "out", "checkpoint-2", "model.safetensors"))
+        del weights["model.norm.weight"]
+        weights["lm_head.weight"] = weights["lm_head.weight"][:8]
+        os.makedirs(bad)
+        save_file(weights, os.path.join(bad, "model.safetensors"))
+    resumed.accelerator.wait_for_everyone()
+    try:
+        resumed._load_model_weights(bad)
+    except Exception as e:
+        r.values["bad_fit"] = f"{type(e).__name__}: {e}"
     if r.rank == 0:
         for name, tensors in (("final", final), ("resumed", resumed_final), ("step_2", step_2)):
             r.save_tensors(name, {k: v.contiguous() for k, v in tensors.items()})
@@ -508,6 +524,8 @@ def lora_zero3(out: str) -> None:
     resumed = trainer("resumed")
     resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
     resumed.save_model(os.path.join(r.folder, "resumed_saved"))
+    resumed._load_model_weights(os.path.join(r.folder, "out", "checkpoint-2"))  # as load_best_model_at_end does
+    resumed.save_model(os.path.join(r.folder, "step_2_saved"))
     r.values.update(losses=losses(full), resumed_losses=losses(resumed))
     r.write()
 
@@ -536,8 +554,9 @@ def zero_nonfinite(out: str) -> None:
                 trainer.train()
                 outcome = {"steps": trainer.state.global_step, "nonfinite": trainer._nonfinite_total,
                            "finite": parameters_finite(trainer.accelerator, trainer.model_wrapped)}
-                if stage == 3 and policy == "skip":  # a partition made non-finite: the save must refuse it
-                    next(iter(trainer.model_wrapped.parameters())).ds_tensor.data.fill_(float("inf"))
+                if stage == 3 and policy == "skip":  # rank 1's partition made non-finite: every rank refuses
+                    if r.rank == 1:
+                        next(iter(trainer.model_wrapped.parameters())).ds_tensor.data.fill_(float("inf"))
                     try:
                         trainer._save_checkpoint()
                     except NonFiniteError as e:
@@ -584,6 +603,35 @@ def zero1_config_sections(out: str) -> None:
     r.write()
 
 
+def fsdp_save_failure(out: str) -> None:
+    """FSDP2, with rank 1's shard writes failing at checkpoint-2: torch.distributed.checkpoint raises on every
+    rank, and so must the Trainer (a CheckpointError), leaving no partial folder."""
+    from torch.distributed.checkpoint import hf_storage
+
+    from stoker import checkpoint as ckpt
+
+    r = Report(out, "fsdp_save_failure")
+    real = hf_storage.HuggingFaceStorageWriter.write_data
+
+    def failing(self, plan, planner):
+        if r.rank == 1 and "checkpoint-2" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return real(self, plan, planner)
+
+    hf_storage.HuggingFaceStorageWriter.write_data = failing
+    trainer = Trainer(llama(), fsdp_args(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=1),
+                      train_dataset=TRAIN)
+    fsdp_on_cpu(trainer)
+    try:
+        trainer.train()
+    except ckpt.CheckpointError as e:
+        r.values["error"] = str(e)
+    finally:
+        hf_storage.HuggingFaceStorageWriter.write_data = real
+    r.values["step"] = trainer.state.global_step
+    r.write()
+
+
 def ddp_adamw(out: str) -> None:
     """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
     parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
@@ -598,7 +646,7 @@ def ddp_adamw(out: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
-    preempt_resume, fsdp2, fsdp1, lora_fsdp2, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
+    preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
     zero1_config_sections)}
 
 

@@ -89,11 +89,16 @@ def test_zero3_partitions_parameters_updates_like_one_process_saves_the_full_mod
     assert ckpt.verify(str(folder)) is None
     assert_same_bits(load_file(str(zero_runs / "zero3" / "step_2.safetensors")),
                      load_file(str(folder / "model.safetensors")))
+    for r in (r0, r1):  # checked by every rank before any gathering: both raise, neither waits
+        assert r["bad_fit"].startswith("CheckpointError: ") and "does not fit this model" in r["bad_fit"]
+        assert "lm_head.weight has shape [8, 32] in the checkpoint, [64, 32] in the model" in r["bad_fit"]
+        assert "model.norm.weight is missing from the checkpoint" in r["bad_fit"]
 
 
 def test_a_lora_adapter_partitioned_by_zero3_is_saved_whole_and_resumes_exactly(zero_runs):
     """ZeRO-3 leaves each rank a partition of every parameter (the adapter's too): save_model gathers the
-    adapter, which peft loads; the resumed run saves the same adapter, bit for bit."""
+    adapter, which peft loads; the resumed run saves the same adapter, bit for bit; checkpoint-2's adapter loads
+    back into the partitioned model (as load_best_model_at_end does)."""
     from peft import PeftModel
 
     r0, _ = ranks(zero_runs, "lora_zero3")
@@ -102,6 +107,9 @@ def test_a_lora_adapter_partitioned_by_zero3_is_saved_whole_and_resumes_exactly(
     assert adapter and all(t.numel() > 0 for t in adapter.values())
     assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained from zeros
     assert_same_bits(adapter, load_file(str(zero_runs / "lora_zero3" / "resumed_saved" / "adapter_model.safetensors")))
+    step_2 = load_file(str(zero_runs / "lora_zero3" / "out" / "checkpoint-2" / "adapter_model.safetensors"))
+    assert_same_bits(step_2, load_file(str(zero_runs / "lora_zero3" / "step_2_saved" / "adapter_model.safetensors")))
+    assert not any(torch.equal(step_2[k], adapter[k]) for k in adapter if "lora_B" in k)
     model = PeftModel.from_pretrained(llama(), str(zero_runs / "lora_zero3" / "saved"))
     loaded = {k.replace(".default", ""): p for k, p in model.named_parameters() if "lora_" in k}
     assert_same_bits(adapter, {k: loaded[k].detach() for k in adapter})
