@@ -45,12 +45,7 @@ def merge(argv: list[str]) -> int:
     a = parser.parse_args(argv)
     from .lora import merge_adapter
 
-    try:
-        print(f"merged model saved to {merge_adapter(a.base, a.adapter, a.out, a.dtype)}")
-    except ConfigError as e:
-        print(f"stoker: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return _saved("merged model", lambda: merge_adapter(a.base, a.adapter, a.out, a.dtype))
 
 
 def consolidate(argv: list[str]) -> int:
@@ -61,8 +56,13 @@ def consolidate(argv: list[str]) -> int:
     a = parser.parse_args(argv)
     from .distributed import consolidate as run
 
+    return _saved("model", lambda: run(a.checkpoint, a.out))
+
+
+def _saved(what: str, save) -> int:
+    """Run `save` (it returns the folder it wrote) and say where; bad input is reported, with exit code 2."""
     try:
-        print(f"model saved to {run(a.checkpoint, a.out)}")
+        print(f"{what} saved to {save()}")
     except ConfigError as e:
         print(f"stoker: {e}", file=sys.stderr)
         return 2
