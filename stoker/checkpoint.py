@@ -153,31 +153,41 @@ def _files(folder: str) -> list[str]:
     return sorted(out)
 
 
-def temp_dir_for(final: str) -> str:
+def temp_dir_for(final: str, prefix: str = ".tmp-") -> str:
     parent, name = os.path.split(os.path.abspath(final))
-    return os.path.join(parent, f".tmp-{name}")
+    return os.path.join(parent, f"{prefix}{name}")
 
 
 def stale_temp_dirs(output_dir: str) -> list[str]:
-    """Temporary folders of saves that never committed (the process was killed while writing)."""
+    """Temporary folders of saves that never committed (the process was killed while writing or replacing)."""
     if not os.path.isdir(output_dir):
         return []
-    return [os.path.join(output_dir, n) for n in os.listdir(output_dir) if n.startswith(f".tmp-{PREFIX}")]
+    return [os.path.join(output_dir, n) for n in os.listdir(output_dir) if n.startswith((f".tmp-{PREFIX}",
+                                                                                        f".old-{PREFIX}"))]
 
 
 def commit(tmp: str, final: str, step: int) -> None:
     """Seal `tmp` with a manifest and rename it to `final` (replacing an older folder of the same name)."""
     files = {}
-    for rel in _files(tmp):
+    for rel in (r for r in _files(tmp) if r != MANIFEST):  # a manifest of an earlier try is rewritten
         path = os.path.join(tmp, rel)
         _fsync(path)
         files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
     write_json(tmp, MANIFEST, {"format_version": FORMAT_VERSION, "global_step": step, "files": files})
     _fsync(os.path.join(tmp, MANIFEST))
     _fsync(tmp)
-    if os.path.exists(final):  # re-saving the same step (e.g. the final step after an epoch-end save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    if os.path.exists(final):  # re-saving the same step (the final step after an epoch-end save): the old
+        aside = temp_dir_for(final, ".old-")  # folder goes only once the new one is in place
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            os.rename(aside, final)
+            raise
+        shutil.rmtree(aside)
+    else:
+        os.rename(tmp, final)
     _fsync(os.path.dirname(os.path.abspath(final)))
 
 

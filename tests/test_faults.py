@@ -206,6 +206,29 @@ def test_a_failed_save_leaves_earlier_checkpoints_and_no_partial_folder(tmp_path
     assert ckpt.verify(str(tmp_path / "run" / "checkpoint-1")) is None
 
 
+def test_resaving_a_step_keeps_the_old_folder_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """Committing over an existing checkpoint-N (the final step re-saved after an epoch-end save) moves the old
+    one aside first: if the new one cannot be renamed into place, the old one is put back, intact."""
+    out = _trained_run(tmp_path, steps=2)
+    final, tmp = str(out / "checkpoint-2"), ckpt.temp_dir_for(str(out / "checkpoint-2"))
+    shutil.copytree(final, tmp)
+    os.remove(os.path.join(tmp, ckpt.MANIFEST))
+    real = os.rename
+
+    def failing(src, dst):
+        if src == tmp:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+        ckpt.commit(tmp, final, 2)
+    assert ckpt.verify(final) is None and not os.path.exists(ckpt.temp_dir_for(final, ".old-"))
+    monkeypatch.setattr(os, "rename", real)
+    ckpt.commit(tmp, final, 2)  # and when it can, the new one replaces it
+    assert ckpt.verify(final) is None and ckpt.stale_temp_dirs(str(out)) == []
+
+
 def test_stale_temporary_folder_is_ignored_and_cleaned(tmp_path):
     out = _trained_run(tmp_path, steps=2)
     stale = out / ".tmp-checkpoint-3"
