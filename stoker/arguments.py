@@ -31,6 +31,7 @@ OPTIMIZER_NAMES = (
     "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
     "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
 )
+BNB_OPTIMIZERS = tuple(n for n in OPTIMIZER_NAMES if "8bit" in n or "lion" in n or n.startswith("paged_"))
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 REPORT_TO = ("none", "all", "tensorboard")
@@ -413,7 +414,23 @@ class TrainingArguments:
         from .distributed import argument_problems  # fsdp, fsdp_config, deepspeed
 
         p += argument_problems(self)
+        p += self._package_problems()
         return p
+
+    def _package_problems(self) -> list[str]:
+        """Settings whose optional package is not installed: said now, with the pip command, rather than as an
+        ImportError when the feature is first used (after training, for the report)."""
+        from importlib.util import find_spec
+
+        wanted = []
+        if "tensorboard" in self.report_to:
+            wanted.append(("report_to", "tensorboard", "tensorboard"))
+        if self.training_report:
+            wanted.append(("training_report", "matplotlib", "matplotlib"))
+        if self.optim in BNB_OPTIMIZERS:
+            wanted.append(("optim", "bitsandbytes", "bitsandbytes"))
+        return [f"{name}={getattr(self, name)!r}: needs the {package} package, which is not installed "
+                f"(pip install {pip})" for name, package, pip in wanted if find_spec(package) is None]
 
     def _hardware_problems(self) -> list[str]:
         import torch

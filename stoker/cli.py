@@ -19,7 +19,7 @@ import sys
 
 from .arguments import ConfigError
 
-USAGE = """usage: stoker <command> [args]
+USAGE = """usage: stoker <command> [args]    (stoker --version: the installed version)
 
 commands:
   train [CONFIG.yaml|json] [--field value ...]   run a recipe; with no config, the embedded LoRA job
@@ -80,6 +80,11 @@ COMMANDS = {"train": train, "merge": merge, "consolidate": consolidate, "plan": 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"stoker {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

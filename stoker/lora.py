@@ -82,7 +82,7 @@ def quantization_config(load_in_4bit: bool = False, load_in_8bit: bool = False, 
         import bitsandbytes  # noqa: F401
     except ImportError:
         problems.append(f"load_in_{'4' if load_in_4bit else '8'}bit=True: needs bitsandbytes "
-                        "(pip install 'stoker[bnb]')")
+                        "(pip install bitsandbytes)")
     if torch.backends.mps.is_available() and not torch.cuda.is_available():
         problems.append("k-bit loading: bitsandbytes does not run on Apple MPS; use a CUDA GPU or the CPU")
     if problems:

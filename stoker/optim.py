@@ -6,6 +6,9 @@ and normalisation weights (decaying those only pulls them towards zero and hurts
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import nn
 
@@ -72,8 +75,46 @@ def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.O
     raise ValueError(f"optim={name!r}: unknown optimizer")  # unreachable: TrainingArguments validates names
 
 
+# The four schedules nearly every run uses, written with torch's LambdaLR and the same formulas as
+# transformers.optimization (a test compares every step's learning rate with it). Importing that module
+# imports transformers.trainer_utils, and with it peft, bitsandbytes and torch._inductor: over a second of
+# start-up that a run with these schedules does not need. Every other name goes to transformers.get_scheduler.
+def _warmup(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
+
+
+def _linear(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
+
+
+def _cosine(step: int, *, warmup: int, total: int, num_cycles: float = 0.5) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+
+
+def _constant_with_warmup(step: int, *, warmup: int) -> float:
+    return float(step) / float(max(1.0, warmup)) if step < warmup else 1.0
+
+
+def _constant(step: int) -> float:
+    return 1.0
+
+
 def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, max_steps: int):
+    """The learning-rate schedule `lr_scheduler_type` names, as transformers.get_scheduler builds it."""
+    name, warmup, extra = args.lr_scheduler_type, args.warmup_for(max_steps), dict(args.lr_scheduler_kwargs or {})
+    own = {"linear": (_linear, {"warmup": warmup, "total": max_steps}),
+           "cosine": (_cosine, {"warmup": warmup, "total": max_steps, **extra}),
+           "constant_with_warmup": (_constant_with_warmup, {"warmup": warmup}),
+           "constant": (_constant, {})}
+    if name in own and (name == "cosine" or not extra):  # transformers refuses kwargs the others do not take
+        function, kwargs = own[name]
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(function, **kwargs))
     from transformers import get_scheduler
 
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_for(max_steps),
-                         num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
+                         scheduler_specific_kwargs=extra)

@@ -70,6 +70,7 @@ from .distributed import (
     zero_stage,
 )
 from .lora import trainable_parameters
+from .outputs import EvalPrediction, PredictionOutput, TrainOutput
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head
 
 # transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
@@ -452,8 +453,6 @@ class Trainer:
 
         Raises TrainingPreempted (a SystemExit with PREEMPTED_EXIT_CODE) after checkpointing on SIGTERM/SIGUSR1.
         """
-        from transformers.trainer_utils import TrainOutput
-
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
         acc = self.accelerator
@@ -923,8 +922,6 @@ class Trainer:
                 model.train()
 
     def _evaluation_pass(self, model, dataloader, prefix: str):
-        from transformers.trainer_utils import EvalPrediction, PredictionOutput
-
         acc = self.accelerator
         want_predictions = self.compute_metrics is not None or prefix != "eval"
         self._logits_wanted = want_predictions  # otherwise chunked_loss never computes the logits

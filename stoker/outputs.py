@@ -1,0 +1,49 @@
+"""What train(), evaluate() and predict() return, with the fields and behaviour of transformers.trainer_utils.
+
+Defined here rather than imported because importing transformers.trainer_utils imports peft, which imports
+bitsandbytes, which loads torch._inductor: about 1.5 s of start-up that a run of a plain model never uses.
+Scripts use these by attribute or by unpacking, which both forms support alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class PredictionOutput(NamedTuple):
+    predictions: Any          # numpy array, or a tuple / dict of them for models with several outputs
+    label_ids: Any
+    metrics: dict[str, float] | None
+
+
+class EvalLoopOutput(NamedTuple):
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float] | None
+    num_samples: int | None
+
+
+class EvalPrediction:
+    """What compute_metrics receives: `.predictions` and `.label_ids` (numpy), plus `.inputs` and `.losses` when
+    include_for_metrics asks for them. Unpacks like a tuple: `predictions, labels = eval_pred`."""
+
+    def __init__(self, predictions, label_ids, inputs=None, losses=None):
+        self.predictions, self.label_ids, self.inputs, self.losses = predictions, label_ids, inputs, losses
+        self.elements = (predictions, label_ids) + tuple(x for x in (inputs, losses) if x is not None)
+
+    def __iter__(self):
+        return iter(self.elements)
+
+    def __getitem__(self, index):
+        if index < 0 or index >= len(self.elements):
+            raise IndexError("tuple index out of range")
+        return self.elements[index]
+
+    def __len__(self):
+        return len(self.elements)
