@@ -30,10 +30,17 @@ class RecipeArguments:
     _argument_group_name = "recipe"
 
     recipe: str = field(default="sft", metadata={"help": f"What to run: {', '.join(RECIPES)}."})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch threads for the run's CPU work (torch.set_num_threads); unset: torch's choice."})
 
     def __post_init__(self):
+        p = []
         if self.recipe not in RECIPES:
-            raise ConfigError([f"recipe={self.recipe!r}: accepted: {', '.join(RECIPES)}"], "RecipeArguments")
+            p.append(f"recipe={self.recipe!r}: accepted: {', '.join(RECIPES)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            p.append(f"num_threads={self.num_threads!r}: must be a positive integer, or unset for torch's choice")
+        if p:
+            raise ConfigError(p, "RecipeArguments")
 
 
 @dataclass
@@ -165,6 +172,10 @@ def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
     try:
         r, m, d, args = parse_recipe_args(sys.argv[1:] if argv is None else argv, recipe,
                                           prog=f"stoker train ({recipe or 'any recipe'})")
+        if r.num_threads:
+            import torch
+
+            torch.set_num_threads(r.num_threads)
         RUNS[r.recipe](m, d, args)
     except (ConfigError, CheckpointError) as e:
         print(f"stoker: {e}", file=sys.stderr)
@@ -321,7 +332,7 @@ def run_clm(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dic
 def run_sft(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     """Instruction fine-tuning through the tokenizer's chat template; loss on the assistant turn only."""
     if m.model_name_or_path is None:
-        m.model_name_or_path = ensure_base_model(os.path.join(args.output_dir, "base"))
+        m.model_name_or_path = ensure_base_model(os.path.join(args.output_dir, "base"), args.seed)
     tokenizer, model = build_causal_lm(m, args.seed)
     if d.train_file or d.dataset_name not in (None, *GENERATED):
         train_raw, held_raw = load_rows(d)
@@ -336,12 +347,13 @@ def run_sft(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dic
     return _train_causal_lm(m, model, tokenizer, train, held, True, args)
 
 
-def ensure_base_model(folder: str) -> str:
-    """The model that the clm recipe's default job makes, trained into `folder` unless it is already there."""
+def ensure_base_model(folder: str, seed: int) -> str:
+    """The model that the clm recipe's default job makes (with this run's seed), trained into `folder` unless it
+    is already there."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         print(f"[stoker] no base model in {folder}: training one with the clm recipe first", file=sys.stderr)
         _, m, d, args = parse_recipe_args(["--output_dir", folder, "--overwrite_output_dir", "true",
-                                           "--disable_tqdm", "true"], "clm")
+                                           "--disable_tqdm", "true", "--seed", str(seed)], "clm")
         run_clm(m, d, args)
     return folder
 
@@ -354,13 +366,7 @@ def _train_causal_lm(m, model, tokenizer, train, held, paired, args) -> dict:
                       compute_metrics=answer_metrics if paired else None,
                       preprocess_logits_for_metrics=argmax_logits if paired else None,
                       peft_config=peft_config_for(m, model))
-    results = _train_and_report(trainer, m, held)
-    if paired and held and trainer.accelerator.is_main_process:
-        results["sample"] = generate_sample(trainer, tokenizer, held[0])
-        print(f"sample: {results['sample']['prompt']!r} -> {results['sample']['generated']!r} "
-              f"(expected {results['sample']['expected']!r})")
-        _write_results(args.output_dir, results)
-    return results
+    return _train_and_report(trainer, m, held, sample_row=held[0] if paired and held else None)
 
 
 def generate_sample(trainer, tokenizer, row: dict) -> dict:
@@ -430,8 +436,9 @@ def run_classification(m: ModelArguments, d: DataArguments, args: TrainingArgume
     return _train_and_report(trainer, m, held)
 
 
-def _train_and_report(trainer, m: ModelArguments, held) -> dict:
-    """Evaluate, train, evaluate again; save the model (and a merged copy of a LoRA adapter); report."""
+def _train_and_report(trainer, m: ModelArguments, held, sample_row: dict | None = None) -> dict:
+    """Evaluate, train, evaluate again; save the model (and a merged copy of a LoRA adapter); generate a sample
+    answer to `sample_row`'s prompt; write results.json and print what was learned and where everything is."""
     args = trainer.args
     if held is None and args.eval_strategy != "no":
         args.eval_strategy = "no"  # nothing held out: train without evaluation rather than fail late
@@ -447,10 +454,29 @@ def _train_and_report(trainer, m: ModelArguments, held) -> dict:
 
             results["merged"] = merge_adapter(m.model_name_or_path, args.output_dir,
                                               os.path.join(args.output_dir, "merged"))
+        if sample_row is not None:
+            results["sample"] = generate_sample(trainer, trainer.processing_class, sample_row)
         _write_results(args.output_dir, results)
-        print(format_before_after(before, after, len(held or [])))
-        print(f"saved to {args.output_dir}" + (" (adapter; merged model in merged/)" if "merged" in results else ""))
+        print(summary(results, args, m, len(held or [])))
     return results
+
+
+def summary(results: dict, args: TrainingArguments, m: ModelArguments, held_rows: int) -> str:
+    """What the run learned (held-out metrics before and after, a generated answer) and where its outputs are."""
+    lines = [format_before_after(results["before"], results["after"], held_rows)]
+    if "sample" in results:
+        s = results["sample"]
+        lines.append(f"sample: {s['prompt']!r} -> {s['generated']!r} (expected {s['expected']!r})")
+    out = args.output_dir
+    lines.append(f"{'adapter' if m.use_peft else 'model'}: {out}"
+                 + (" (peft.PeftModel.from_pretrained)" if m.use_peft else " (from_pretrained)"))
+    if "merged" in results:
+        lines.append(f"merged model: {results['merged']} (transformers' from_pretrained)")
+    report = os.path.join(out, "report.html")
+    if args.training_report and os.path.isfile(report):
+        lines.append(f"report: {report} (loss, evaluation and learning-rate curves)")
+    lines.append(f"results: {os.path.join(out, 'results.json')}")
+    return "\n".join(line for line in lines if line)
 
 
 def _write_results(output_dir: str, results: dict) -> None:

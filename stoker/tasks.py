@@ -55,13 +55,17 @@ def arithmetic_pairs(task: str, digits: int = 2) -> list[tuple[str, str]]:
 
 
 def arithmetic_splits(task: str, num_train: int, num_eval: int, digits: int = 2, seed: int = 0):
-    """Disjoint train / held-out problems, drawn without replacement (held-out problems are never trained on)."""
+    """Disjoint train / held-out problems, drawn without replacement (held-out problems are never trained on).
+
+    Training problems come from the front of one shuffle (by seed), held-out ones from its end, so runs with the
+    same seed and num_eval hold out the same problems whatever their num_train: the sft job's held-out problems
+    are ones that the clm job that made its base never saw either."""
     pairs = arithmetic_pairs(task, digits)
     if num_train + num_eval > len(pairs):
         raise ValueError(f"num_train + num_eval = {num_train + num_eval}: only {len(pairs)} distinct "
                          f"{digits}-digit {task} problems exist")
     random.Random(seed).shuffle(pairs)
-    return pairs[:num_train], pairs[num_train:num_train + num_eval]
+    return pairs[:num_train], pairs[len(pairs) - num_eval:]
 
 
 TOPICS = {
