@@ -29,7 +29,7 @@ MAX_ROW_PROBLEMS = 3  # per file: the first few bad rows tell what is wrong; the
 def writable_folder_problem(name: str, path: str) -> str | None:
     """Whether `path` is, or can be made, a folder this process writes into. Tried by creating (and removing)
     a scratch folder in the nearest folder that exists, because permission bits do not tell: root may write
-    anywhere by them, and /proc or a read-only mount refuses everyone."""
+    anywhere by them, and /proc or a read-only mount refuses everyone. The folder keeps its modification time."""
     shown = f"{name}={path!r}"
     target = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(target) and not os.path.isdir(target):
@@ -39,8 +39,10 @@ def writable_folder_problem(name: str, path: str) -> str | None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         return f"{shown}: cannot be created, {existing} is a file; accepted: a folder that exists or can be created"
+    times = os.stat(existing)
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".stoker-write-test-", dir=existing))
+        os.utime(existing, ns=(times.st_atime_ns, times.st_mtime_ns))  # the folder is left as it was found
     except OSError as e:
         where = "" if existing == target else f" under {existing}"
         return (f"{shown}: cannot {'write' if existing == target else 'create folders'}{where} ({e.strerror}); "
@@ -185,9 +187,9 @@ def dataset_source_problem(name: str, value: str, generated: tuple[str, ...]) ->
     invalid = _hub_id_problem(value)
     if invalid:
         return f"{shown}: not a valid hub id ({invalid}){suggest(value, generated)}; {accepted}"
-    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.constants import HF_HOME, HF_HUB_CACHE
 
-    datasets_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(os.path.dirname(HF_HUB_CACHE), "datasets")
+    datasets_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(HF_HOME, "datasets")  # as datasets has it
     if (os.path.isdir(os.path.join(HF_HUB_CACHE, "datasets--" + value.replace("/", "--")))
             or os.path.isdir(os.path.join(datasets_cache, value.replace("/", "___")))):
         return None
