@@ -231,7 +231,7 @@ def row_columns(recipe: str, d: DataArguments) -> list[list[str]]:
 
 def _row_value_problem(d: DataArguments, column: str, value) -> str | None:
     if column == d.label_column:
-        ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (str, int, float))  # a class name; datasets keeps numbers and booleans as they are
         return None if ok else f"is {value!r}; accepted: a class name (string) or number"
     if column == d.messages_column:
         turns_ok = isinstance(value, list) and value and all(
