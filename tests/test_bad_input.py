@@ -309,3 +309,55 @@ def test_type_errors_leave_the_other_fields_checked_and_name_their_origin(tmp_pa
     with pytest.raises(ConfigError) as info:
         parse_config((TrainingArguments,), [str(config), "--learning_rate", "1e-3", "--max_steps", "5"])
     assert info.value.problems == [f"{config}: learning_rate='fast': must be a number (e.g. 3e-4)"]
+
+
+def test_what_the_checks_miss_is_still_named_as_bad_input(tmp_path, monkeypatch):
+    """A loader failure the early checks did not foresee names the file and the reader's own reason."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    from stoker import ConfigError
+    from stoker.recipes import DataArguments, load_rows
+
+    def failing(*args, **kwargs):
+        try:
+            raise ValueError("Column changed from object to number in row 7")
+        except ValueError as e:
+            raise DatasetGenerationError("An error occurred while generating the dataset") from e
+
+    monkeypatch.setattr(datasets, "load_dataset", failing)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError) as info:
+        load_rows(DataArguments(train_file=str(rows)))
+    assert info.value.problems == [f"train_file={str(rows)!r}: datasets cannot load it (ValueError: Column changed "
+                                   "from object to number in row 7)"]
+
+
+def test_models_and_datasets_in_the_local_cache_need_no_hub(tmp_path, monkeypatch):
+    """Offline, a cached hub model is checked from its cached files (config, tokenizer, head) and a cached dataset
+    is accepted; only what is not cached is refused, naming HF_HUB_OFFLINE."""
+    from huggingface_hub import constants
+
+    from stoker.inputs import dataset_source_problem, model_source_problem
+
+    def cache_model(repo_id: str, files: dict[str, str]):
+        repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("abc123")
+        for name, text in files.items():
+            (repo / "snapshots" / "abc123").mkdir(parents=True, exist_ok=True)
+            (repo / "snapshots" / "abc123" / name).write_text(text)
+
+    cache_model("org/llama", {"config.json": LLAMA_CONFIG, "tokenizer.json": "{}"})
+    cache_model("org/vit", {"config.json": json.dumps({"model_type": "vit"}), "tokenizer.json": "{}"})
+    (tmp_path / "datasets" / "org___data").mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    assert model_source_problem("model_name_or_path", "org/llama", "causal_lm", tokenizer=True) is None
+    assert "has no causal-lm head for model_type 'vit'" in model_source_problem("m", "org/vit", "causal_lm")
+    assert "HF_HUB_OFFLINE=1 forbids downloading it" in model_source_problem("m", "org/other")
+    assert dataset_source_problem("dataset_name", "org/data", ("addition",)) is None
+    assert "HF_HUB_OFFLINE=1 forbids" in dataset_source_problem("dataset_name", "org/other", ("addition",))
