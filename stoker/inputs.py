@@ -217,21 +217,24 @@ def _read_text(path: str) -> str:
 
 def read_rows(path: str) -> list[tuple[str, object]]:
     """(where, row) for every row of a .json/.jsonl file, `where` being 'line N' (or 'row N' of a JSON array);
-    raises ValueError naming the line of the first thing that is not JSON."""
+    raises ValueError naming the line of the first thing that is not JSON. As datasets reads them, a .json file
+    is one document (an array of rows, or one row) or else JSON Lines; a .jsonl file is JSON Lines."""
     text = _read_text(path)
     lines = text.splitlines()
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is None:
         return []
-    try:  # JSON Lines, as datasets reads a .json file too when every line is a document
-        json.loads(lines[first])
-    except ValueError:  # one document spread over lines: a JSON array of rows
+    if not path.endswith(".jsonl"):
         try:
             document = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})") from None
-        rows = document if isinstance(document, list) else [document]
-        return [(f"row {i + 1}", row) for i, row in enumerate(rows)]
+            try:
+                json.loads(lines[first])
+            except ValueError:  # not JSON Lines either: the document's own error says where it breaks
+                raise ValueError(f"line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})") from None
+        else:
+            rows = document if isinstance(document, list) else [document]
+            return [(f"row {i + 1}", row) for i, row in enumerate(rows)]
     out = []
     for i, line in enumerate(lines):
         if not line.strip():

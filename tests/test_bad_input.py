@@ -361,3 +361,21 @@ def test_models_and_datasets_in_the_local_cache_need_no_hub(tmp_path, monkeypatc
     assert "HF_HUB_OFFLINE=1 forbids downloading it" in model_source_problem("m", "org/other")
     assert dataset_source_problem("dataset_name", "org/data", ("addition",)) is None
     assert "HF_HUB_OFFLINE=1 forbids" in dataset_source_problem("dataset_name", "org/other", ("addition",))
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("a.jsonl", '{"text": "a"\n{"text": "b"}\n', "line 1, column 13: not valid JSON"),
+    ("a.jsonl", '{"text": "a"}\n\n{"text": "b"}\n', [("line 1", {"text": "a"}), ("line 3", {"text": "b"})]),
+    ("a.json", '[{"text": "a"}, {"text": "b"}]', [("row 1", {"text": "a"}), ("row 2", {"text": "b"})]),
+    ("a.json", '{"text": "a"}\n{"text": "b"\n', "line 2, column 13: not valid JSON"),
+    ("a.json", '[\n  {"text": "a"},\n  {"text": "b"},,\n]\n', "line 3, column 17: not valid JSON"),
+])
+def test_data_rows_are_read_as_datasets_reads_them_and_errors_name_the_line(tmp_path, name, text, expected):
+    from stoker.inputs import read_rows
+
+    (tmp_path / name).write_text(text)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            read_rows(str(tmp_path / name))
+    else:
+        assert read_rows(str(tmp_path / name)) == expected
