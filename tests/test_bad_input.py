@@ -57,14 +57,15 @@ CASES = {
          ("--recipe='clmm': accepted: clm, sft, classification",),
          ("--optim='adamw_torh': unknown optimizer (did you mean 'adamw_torch'?)", "accepted: adamw_torch,"),
          ("c.yaml: warmup_ratio=2.0: must be in [0, 1)",)]),
-    "json syntax error, and an output_dir that cannot be created": (
-        ["train", "c.json", "--output_dir", "/proc/stoker-test/run"], {"c.json": '{\n  "learning_rate": 1e-4,\n}\n'},
-        {}, [("config file 'c.json' line 3, column 1", "not valid JSON"),
-             ("--output_dir='/proc/stoker-test/run': cannot create folders under /proc", "accepted: a folder")]),
-    "config file that is a list, a flag without its value": (
-        ["train", "c.yaml", "--learning_rate"], {"c.yaml": "- learning_rate\n- 1e-4\n"}, {},
-        [("config file 'c.yaml'", "must hold a mapping of field: value, got list"),
-         ("--learning_rate: expected one argument",)]),
+    "json syntax error, a flag without its value": (
+        ["train", "c.json", "--output_dir", "{out}", "--learning_rate"], {"c.json": '{\n  "learning_rate": 1e-4,\n}\n'},
+        {}, [("config file 'c.json' line 3, column 1", "not valid JSON"), ("--learning_rate: expected one argument",)]),
+    "output_dir that cannot be created": (
+        ["train", "--output_dir", "/proc/stoker-test/run"], {}, {},
+        [("--output_dir='/proc/stoker-test/run': cannot create folders under /proc", "accepted: a folder")]),
+    "config file that is a list": (
+        ["train", "c.yaml"], {"c.yaml": "- learning_rate\n- 1e-4\n"}, {},
+        [("config file 'c.yaml'", "must hold a mapping of field: value, got list")]),
     "missing config file, output_dir that is a file": (
         ["train", "nope.yaml", "--output_dir", "run.txt"], {"run.txt": "a file\n"}, {},
         [("config file 'nope.yaml': no such file", "accepted: a .yaml/.yml/.json file"),
@@ -73,23 +74,26 @@ CASES = {
     "model path that does not exist": (
         ["train", "--output_dir", "{out}", "--model_name_or_path", "/nonexistent"], {}, {},
         [("--model_name_or_path='/nonexistent': no such folder", "accepted: a local model folder")]),
-    "model folder without config.json, jsonl with a broken line, empty jsonl, output_dir with checkpoints": (
+    "jsonl with a broken line": (
+        ["train", "--recipe", "clm", "--output_dir", "{out}", "--train_file", "train.jsonl"],
+        {"train.jsonl": '{"text": "one"}\n{"text": "two"}\n{"text": "three"\n{"text": "four"}\n'}, {},
+        [("--train_file='train.jsonl': line 3, column 17: not valid JSON",)]),
+    "resume from a folder that is no checkpoint": (
+        ["train", "--output_dir", "{out}", "--resume_from_checkpoint", "home"],
+        {"home/project/model.pt": pickle.dumps({"a": 1}), "home/notes.txt": "x"}, {},
+        [("--resume_from_checkpoint='home': no manifest.json, so not a stoker checkpoint", "accepted: an "
+          "output_dir/checkpoint-<step> folder")]),
+    "model folder without config.json, empty jsonl, output_dir with checkpoints": (
         ["train", "--recipe", "clm", "--output_dir", "{out}", "--model_name_or_path", "model", "--train_file",
-         "train.jsonl", "--validation_file", "held.jsonl"],
-        {"model/weights.bin": "x", "out/checkpoint-4/manifest.json": "{}", "held.jsonl": "",
-         "train.jsonl": '{"text": "one"}\n{"text": "two"}\n{"text": "three"\n{"text": "four"}\n'}, {},
+         "held.jsonl"], {"model/weights.bin": "x", "out/checkpoint-4/manifest.json": "{}", "held.jsonl": ""}, {},
         [("--model_name_or_path='model': the folder has no config.json",),
-         ("--train_file='train.jsonl': line 3, column 17: not valid JSON",),
-         ("--validation_file='held.jsonl': has no rows",),
+         ("--train_file='held.jsonl': has no rows",),
          ("output_dir=", "already holds 1 checkpoint(s) (newest checkpoint-4)", "overwrite_output_dir")]),
-    "model type without a causal-LM head, text not UTF-8, resume from a folder that is no checkpoint": (
+    "model type without a causal-LM head, text not UTF-8": (
         ["train", "--recipe", "clm", "--output_dir", "{out}", "--model_name_or_path", "model", "--train_file",
-         "t.txt", "--resume_from_checkpoint", "home"],
-        {"model/config.json": json.dumps({"model_type": "vit"}), "t.txt": b"fine\n\xff\xfe not text\n",
-         "home/project/model.pt": pickle.dumps({"a": 1}), "home/notes.txt": "x"}, {},
-        [("--model_name_or_path='model': transformers has no causal-lm head for model_type 'vit'", "e.g. llama"),
-         ("--train_file='t.txt': line 2: not UTF-8 text (byte 0xff)",),
-         ("--resume_from_checkpoint='home': no manifest.json, so not a stoker checkpoint",)]),
+         "t.txt"], {"model/config.json": json.dumps({"model_type": "vit"}), "t.txt": b"fine\n\xff\xfe not text\n"},
+        {}, [("--model_name_or_path='model': transformers has no causal-lm head for model_type 'vit'", "e.g. llama"),
+             ("--train_file='t.txt': line 2: not UTF-8 text (byte 0xff)",)]),
     "model without a tokenizer, rows without the columns, missing file, another program's manifest": (
         ["train", "--recipe", "classification", "--output_dir", "{out}", "--model_name_or_path", "model",
          "--train_file", "t.jsonl", "--validation_file", "v.jsonl", "--resume_from_checkpoint", "ckpt"],
@@ -126,12 +130,13 @@ CASES = {
         OFFLINE, [("--model_name_or_path='org/model': no such local folder, not in the local hub cache, and "
                    "HF_HUB_OFFLINE=1 forbids downloading it",),
                   ("--dataset_name='org/data'", "HF_HUB_OFFLINE=1 forbids downloading it")]),
-    "hub model and dataset with the hub unreachable": (
-        ["train", "--output_dir", "{out}", "--model_name_or_path", "org/model", "--dataset_name", "imdb"], {},
-        UNREACHABLE, [("--model_name_or_path='org/model': not a local folder, not in the local cache, and the hub",
-                       "is unreachable (ConnectError"),
-                      ("--dataset_name='imdb': not a local folder, not in the local cache, and the hub",
-                       "is unreachable")]),
+    "hub model with the hub unreachable": (
+        ["train", "--output_dir", "{out}", "--model_name_or_path", "org/model"], {}, UNREACHABLE,
+        [("--model_name_or_path='org/model': not a local folder, not in the local cache, and the hub",
+          "is unreachable (ConnectError")]),
+    "dataset with the hub unreachable": (
+        ["train", "--output_dir", "{out}", "--dataset_name", "imdb"], {}, UNREACHABLE,
+        [("--dataset_name='imdb': not a local folder, not in the local cache, and the hub", "is unreachable")]),
     "hub ids the hub does not know": (
         ["train", "--output_dir", "{out}", "--model_name_or_path", "org/no-such-model", "--dataset_name", "additon"],
         {}, FAKE_HUB, [("--model_name_or_path='org/no-such-model': no such model on the hub", "no such local folder"),
