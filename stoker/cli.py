@@ -42,7 +42,7 @@ def merge(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="where to save the merged model")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="dtype to load the base in")
 
-    def check(a) -> list[str]:
+    def check(a) -> list[str | None]:
         from .inputs import adapter_folder_problem, model_source_problem, writable_folder_problem
 
         return [model_source_problem("--base", a.base), adapter_folder_problem("--adapter", a.adapter),
@@ -62,7 +62,7 @@ def consolidate(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a checkpoint-<step> folder holding model_shards/")
     parser.add_argument("--out", required=True, help="where to save the model")
 
-    def check(a) -> list[str]:
+    def check(a) -> list[str | None]:
         from .checkpoint import verify
         from .inputs import writable_folder_problem
 
