@@ -9,6 +9,7 @@ lists of valid names below are kept in step with transformers by a test.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -500,18 +501,33 @@ CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def load_config_file(path: str) -> dict[str, Any]:
+    """The mapping in a YAML or JSON file; a ConfigError names the file (and the line of a syntax error)."""
+    shown = f"config file {path!r}"
     if not os.path.isfile(path):
-        raise ConfigError([f"config file {path!r}: no such file"], "configuration")
-    with open(path) as f:
-        if path.endswith(".json"):
-            values = json.load(f)
-        else:
-            import yaml
+        raise ConfigError([f"{shown}: {'is a folder' if os.path.isdir(path) else 'no such file'}; accepted: a "
+                           f"{'/'.join(CONFIG_SUFFIXES)} file of field: value lines"], "configuration")
+    import yaml
 
-            values = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError([f"{shown}: cannot be read ({e.strerror})"], "configuration") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{shown}: not UTF-8 text ({e.reason} at byte {e.start})"], "configuration") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError([f"{shown} line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})"],
+                          "configuration") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        why = " ".join(filter(None, (getattr(e, "problem", None), getattr(e, "context", None)))) or str(e)
+        raise ConfigError([f"{shown}{where}: not valid YAML ({why})"], "configuration") from None
+    if values is None:  # an empty file
+        return {}
     if not isinstance(values, dict):
-        raise ConfigError([f"config file {path!r}: must hold a mapping of field: value, "
-                           f"got {type(values).__name__}"], "configuration")
+        raise ConfigError([f"{shown}: must hold a mapping of field: value, got {type(values).__name__}"],
+                          "configuration")
     return values
 
 
@@ -532,6 +548,51 @@ def _to_flags(values: dict[str, Any]) -> list[str]:
     return flags
 
 
+_BAD = object()  # stands for a value argparse could not convert
+
+
+class CollectingParser(argparse.ArgumentParser):
+    """An ArgumentParser that raises ConfigError where argparse would print and exit, and that records every
+    value it cannot convert in `bad_values` (field, value, what is accepted) where argparse stops at the first,
+    so that they are reported together with every other problem."""
+
+    def __init__(self, *args, **kwargs):
+        self.bad_values = []
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise ConfigError([re.sub(r"^argument (--\w+)(/--[\w-]+)*: ", r"\1: ", message)], "command line")
+
+    def _get_value(self, action, arg_string):
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError:
+            self.bad_values.append((action.dest, arg_string, _accepted_values(action)))
+            return _BAD
+
+    def _check_value(self, action, value):
+        if value is _BAD:
+            return
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError:
+            choices = [str(c) for c in action.choices]
+            self.bad_values.append((action.dest, value, f"accepted: {', '.join(choices)}{suggest(value, choices)}"))
+
+    def flag_problems(self) -> list[str]:
+        return [f"--{dest}={value!r}: {accepted}" for dest, value, accepted in self.bad_values]
+
+
+def _accepted_values(action) -> str:
+    if action.choices is not None:
+        return f"accepted: {', '.join(map(str, action.choices))}"
+    if hasattr(action.type, "accepted"):  # a type function that says what it takes
+        return action.type.accepted
+    kind = getattr(action.type, "__name__", "")
+    return {"int": "must be a whole number", "float": "must be a number (e.g. 3e-4)",
+            "string_to_bool": "must be true or false (also yes/no, 1/0)"}.get(kind, f"must be a {kind or 'value'}")
+
+
 def _parser_class():
     """transformers' HfArgumentParser, taught to put each field under its `group` in --help."""
     import copy
@@ -539,10 +600,7 @@ def _parser_class():
 
     from transformers import HfArgumentParser
 
-    class Parser(HfArgumentParser):
-        def error(self, message):  # argparse would print and exit; report it like every other problem
-            raise ConfigError([message], "command line")
-
+    class Parser(CollectingParser, HfArgumentParser):
         def _add_dataclass_arguments(self, dtype):
             hints = typing.get_type_hints(dtype)
             groups = {}
@@ -561,27 +619,107 @@ def _parser_class():
     return Parser
 
 
+def _shape_problems(types: tuple[type, ...], values: dict[str, Any], source: str) -> list[str]:
+    """A list or a mapping in a config file for a field that takes one value (argparse would read a list as
+    several values, and a mapping as a string)."""
+    import types as pytypes
+    import typing
+
+    hints = {name: hint for t in types for name, hint in typing.get_type_hints(t).items()}
+    p = []
+    for key, value in values.items():
+        hint = hints[key]
+        union = typing.get_origin(hint) in (typing.Union, pytypes.UnionType)
+        kinds = {typing.get_origin(h) or h for h in (typing.get_args(hint) if union else (hint,))}
+        if isinstance(value, dict) and dict not in kinds:
+            p.append(f"{source}: {key}={value!r}: must be a single value, not a mapping")
+        elif isinstance(value, (list, tuple)) and list not in kinds:
+            p.append(f"{source}: {key}={value!r}: must be a single value, not a list")
+    return p
+
+
 def parse_config(types: tuple[type, ...], argv: list[str] | None = None, defaults: dict[str, Any] | None = None,
-                 prog: str | None = None):
+                 prog: str | None = None, check=None):
     """Parse `[CONFIG.yaml|json] [--field value ...]` into one instance of each dataclass in `types`.
 
     Precedence: flags > config file > `defaults` > the dataclasses' own defaults. Unknown keys and flags are
-    rejected with the closest valid name; every dataclass's problems are reported in one ConfigError.
+    rejected with the closest valid name. `check`, if given, is called with {type: instance} of the dataclasses
+    that could be built and returns more problems (e.g. files that do not exist). Every problem (the file's
+    syntax, values of the wrong type, unknown names, each dataclass's validation, `check`'s) is reported in
+    one ConfigError, each naming where it comes from: the config file or the flag.
     """
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
     names = [f.name for t in types for f in dataclasses.fields(t) if f.init]
-    values = dict(defaults or {})
+    problems, file_values, source = [], {}, None
     if argv and argv[0].endswith(CONFIG_SUFFIXES):
-        values.update(load_config_file(argv.pop(0)))
-    problems = [f"{k}: unknown field{suggest(k, names)}" for k in values if k not in names]
+        source = argv.pop(0)
+        try:
+            file_values = load_config_file(source)
+        except ConfigError as e:
+            problems += e.problems
+    problems += [f"{source}: {k}: unknown field{suggest(k, names)}" for k in file_values if k not in names]
+    file_values = {k: v for k, v in file_values.items() if k in names}
+    shapes = _shape_problems(types, file_values, source)
+    problems += shapes
+    file_values = {k: v for k, v in file_values.items() if not any(p.startswith(f"{source}: {k}=") for p in shapes)}
     # allow_abbrev=False: '--learning_rat' must be an error (as the same key in a file is), not a prefix
     parser = _parser_class()(types, prog=prog, allow_abbrev=False)
+    # the layers are parsed in turn into one namespace, each overriding the one before, so that a problem
+    # names the layer it comes from: the config file, or the flags
+    namespace, bad_fields, origin = argparse.Namespace(), set(), dict.fromkeys(file_values, source)
+    for where, flags in ((None, _to_flags(defaults or {})), (source, _to_flags(file_values)), (_FLAGS, argv)):
+        parser.bad_values = []
+        try:
+            namespace, rest = parser.parse_known_args(flags, namespace)
+        except ConfigError as e:  # argparse's own errors name the flag already
+            problems += [p if where == _FLAGS else _located(where, p) for p in e.problems]
+            rest = []
+        bad_fields.update(dest for dest, _, _ in parser.bad_values)
+        problems += [_located(where, f"{dest}={value!r}: {accepted}") for dest, value, accepted in parser.bad_values]
+    actions = parser._option_string_actions
+    origin.update({actions[f.split("=")[0]].dest: _FLAGS for f in argv if f.split("=")[0] in actions})
+    problems += _unknown_flags(rest, names)
+    for dest in bad_fields:  # the dataclass default stands in, so that the other fields are still checked
+        if hasattr(namespace, dest):
+            delattr(namespace, dest)
+
+    def attributed(found: list[str]) -> list[str]:
+        """`found` less problems about fields already reported as unconvertible, each naming its origin."""
+        out = []
+        for p in found:
+            if not any(re.search(rf"\b{re.escape(f)}\b", p) for f in bad_fields):
+                m = re.match(r"(\w+)=", p)
+                out.append(_located(origin.get(m.group(1)) if m else None, p))
+        return out
+
+    built = {}
+    for t in types:
+        keys = {f.name for f in dataclasses.fields(t) if f.init}
+        try:
+            built[t] = t(**{k: v for k, v in vars(namespace).items() if k in keys})
+        except ConfigError as e:
+            problems += attributed(e.problems)
+    if check is not None:
+        problems += attributed(check(built))
     if problems:
         raise ConfigError(problems, "configuration")
-    namespace, rest = parser.parse_known_args(_to_flags(values) + argv)
-    after_flag = False
+    return tuple(built[t] for t in types)
+
+
+_FLAGS = "--"
+
+
+def _located(where: str | None, problem: str) -> str:
+    """`problem` ('field=value: ...') as coming from `where`: the flags, a config file, or unsaid (a default)."""
+    if where == _FLAGS:
+        return f"--{problem}"
+    return f"{where}: {problem}" if where else problem
+
+
+def _unknown_flags(rest: list[str], names: list[str]) -> list[str]:
+    problems, after_flag = [], False
     for item in rest:
         if item.startswith("--"):
             flag = item[2:].split("=")[0].replace("-", "_")
@@ -590,15 +728,4 @@ def parse_config(types: tuple[type, ...], argv: list[str] | None = None, default
         elif not after_flag:  # a value right after an unknown flag belongs to it
             problems.append(f"{item!r}: unexpected value (config files must come first and end in "
                             f"{', '.join(CONFIG_SUFFIXES)})")
-    if problems:
-        raise ConfigError(problems, "command line")
-    out = []
-    for t in types:
-        keys = {f.name for f in dataclasses.fields(t) if f.init}
-        try:
-            out.append(t(**{k: v for k, v in vars(namespace).items() if k in keys}))
-        except ConfigError as e:
-            problems += e.problems
-    if problems:
-        raise ConfigError(problems, "configuration")
-    return tuple(out)
+    return problems

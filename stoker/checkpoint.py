@@ -198,20 +198,42 @@ def _looks_pickled(path: str) -> bool:
     return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head == b"PK\x03\x04"
 
 
-def verify(folder: str) -> str | None:
-    """None if the checkpoint is complete and intact, else what is wrong with it. Reads bytes only."""
-    pickled = [rel for rel in _files(folder) if _looks_pickled(os.path.join(folder, rel))]
-    if pickled:
-        return f"{', '.join(pickled)} is a pickle or torch.save file, which stoker never loads (it can run code)"
-    manifest_path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        return "no manifest.json (the save did not finish)"
+def recognise(folder: str) -> str | None:
+    """None if `folder` is a stoker checkpoint, else why not. Only its manifest.json is read, so that a folder
+    that is no checkpoint (a home folder, /tmp) is refused at once, without walking or opening anything in it."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        return (f"no {MANIFEST}, so not a stoker checkpoint (or its save did not finish); accepted: an "
+                f"output_dir/{PREFIX}<step> folder written by stoker")
     try:
         manifest = read_json(folder, MANIFEST)
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"manifest.json is unreadable ({e})"
-    unexpected = [rel for rel in _files(folder) if rel != MANIFEST and rel not in files]
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not (isinstance(files, dict) and isinstance(manifest.get("format_version"), int)
+            and all(isinstance(meta, dict) and {"size", "sha256"} <= set(meta) for meta in files.values())):
+        return (f"{MANIFEST} is not a stoker checkpoint manifest (it needs format_version, and files with the "
+                "size and sha256 of each)")
+    if manifest["format_version"] > FORMAT_VERSION:
+        return (f"{MANIFEST} has format_version {manifest['format_version']}, written by a newer stoker; this one "
+                f"reads format_version {FORMAT_VERSION}")
+    return None
+
+
+def verify(folder: str, hashes: bool = True) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong with it. Reads bytes only, and only
+    once the manifest says the folder is a checkpoint. hashes=False checks names and sizes but not contents."""
+    problem = recognise(folder)
+    if problem:
+        return problem
+    files = read_json(folder, MANIFEST)["files"]
+    present = _files(folder)
+    # every file in the folder, listed or not: a pickle planted beside a checkpoint is refused, not ignored
+    pickled = [rel for rel in present if _looks_pickled(os.path.join(folder, rel))]
+    if pickled:
+        return f"{', '.join(pickled)} is a pickle or torch.save file, which stoker never loads (it can run code)"
+    unexpected = [rel for rel in present if rel != MANIFEST and rel not in files]
     if unexpected:
         return f"{', '.join(unexpected)} not in the manifest (added after the checkpoint was written)"
     for rel, meta in files.items():
@@ -220,7 +242,7 @@ def verify(folder: str) -> str | None:
             return f"{rel} is missing"
         if os.path.getsize(path) != meta["size"]:
             return f"{rel} has {os.path.getsize(path)} bytes, the manifest says {meta['size']}"
-        if _sha256(path) != meta["sha256"]:
+        if hashes and _sha256(path) != meta["sha256"]:
             return f"{rel} does not match its sha256 in the manifest"
     return None
 

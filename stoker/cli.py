@@ -14,10 +14,9 @@ field by group.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from .arguments import ConfigError
+from .arguments import CollectingParser, ConfigError
 
 USAGE = """usage: stoker <command> [args]    (stoker --version: the installed version)
 
@@ -37,36 +36,71 @@ def train(argv: list[str]) -> int:
 
 
 def merge(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="stoker merge", description="Merge a LoRA adapter into its base model.")
+    parser = CollectingParser(prog="stoker merge", description="Merge a LoRA adapter into its base model.")
     parser.add_argument("--base", required=True, help="folder (or hub id) of the base model")
     parser.add_argument("--adapter", required=True, help="folder holding adapter_config.json")
     parser.add_argument("--out", required=True, help="where to save the merged model")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="dtype to load the base in")
-    a = parser.parse_args(argv)
-    from .lora import merge_adapter
 
-    return _saved("merged model", lambda: merge_adapter(a.base, a.adapter, a.out, a.dtype))
+    def check(a) -> list[str | None]:
+        from .inputs import adapter_folder_problem, model_source_problem, writable_folder_problem
+
+        return [model_source_problem("--base", a.base), adapter_folder_problem("--adapter", a.adapter),
+                writable_folder_problem("--out", a.out)]
+
+    def save(a):
+        from .lora import merge_adapter
+
+        return merge_adapter(a.base, a.adapter, a.out, a.dtype)
+
+    return _saved("merged model", parser, argv, check, save)
 
 
 def consolidate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="stoker consolidate",
-                                     description="Save the full model of a sharded (FSDP) checkpoint for transformers.")
+    parser = CollectingParser(prog="stoker consolidate",
+                              description="Save the full model of a sharded (FSDP) checkpoint for transformers.")
     parser.add_argument("checkpoint", help="a checkpoint-<step> folder holding model_shards/")
     parser.add_argument("--out", required=True, help="where to save the model")
-    a = parser.parse_args(argv)
-    from .distributed import consolidate as run
 
-    return _saved("model", lambda: run(a.checkpoint, a.out))
+    def check(a) -> list[str | None]:
+        from .checkpoint import verify
+        from .inputs import writable_folder_problem
+
+        problem = verify(a.checkpoint, hashes=False)  # by its manifest first: nothing else is read otherwise
+        return [f"checkpoint={a.checkpoint!r}: {problem}" if problem else None, writable_folder_problem("--out", a.out)]
+
+    def save(a):
+        from .distributed import consolidate as run
+
+        return run(a.checkpoint, a.out)
+
+    return _saved("model", parser, argv, check, save)
 
 
-def _saved(what: str, save) -> int:
-    """Run `save` (it returns the folder it wrote) and say where; bad input is reported, with exit code 2."""
+def _saved(what: str, parser: CollectingParser, argv: list[str], check, save) -> int:
+    """Parse `argv`, check the inputs (`check` returns problems, or None for each input that is fine), run
+    `save` (it returns the folder it wrote) and say where; bad input is reported, with exit code 2, before any
+    work."""
     try:
-        print(f"{what} saved to {save()}")
+        a = parser.parse_args(argv)
+        problems = parser.flag_problems() + [p for p in check(a) if p]
+        if problems:
+            raise ConfigError(problems, "command line")
+        print(f"{what} saved to {save(a)}")
     except ConfigError as e:
-        print(f"stoker: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     return 0
+
+
+def report(error: Exception) -> int:
+    """Print bad input (a ConfigError's problems, or a CheckpointError) as one line per problem, with no
+    traceback; return the exit code for it, 2 (as argparse uses)."""
+    problems = getattr(error, "problems", None) or [str(error)]
+    if len(problems) == 1:
+        print(f"stoker: {problems[0]}", file=sys.stderr)
+    else:
+        print(f"stoker: {len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+    return 2
 
 
 def plan(argv: list[str]) -> int:

@@ -128,12 +128,11 @@ def merge_adapter(base: str, adapter: str, out: str, dtype: str | None = None) -
     from peft import PeftConfig, PeftModel
     from transformers import AutoConfig, AutoTokenizer
 
-    problems = [f"{name}={path!r}: no such folder" for name, path in (("base", base), ("adapter", adapter))
-                if not os.path.isdir(path)]
-    if not problems and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
-        problems.append(f"adapter={adapter!r}: no adapter_config.json (not a peft adapter folder)")
-    if problems:
-        raise ConfigError(problems, "merge")
+    from .inputs import adapter_folder_problem
+
+    problem = adapter_folder_problem("adapter", adapter)  # the base may be a hub id
+    if problem:
+        raise ConfigError([problem], "merge")
     peft_config = PeftConfig.from_pretrained(adapter)
     config = AutoConfig.from_pretrained(base, **_head_size(adapter, peft_config))
     model_class = _auto_class(peft_config.task_type)

@@ -28,7 +28,6 @@ benchmarks/plan_accuracy.py.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -319,26 +318,43 @@ def describe(setup: Setup) -> str:
     return "; ".join(parts)
 
 
+def _positive(kind: type):
+    """An argparse type: a number of `kind` above 0."""
+
+    def convert(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise ValueError(text)
+        return value
+
+    convert.accepted = f"must be a positive {'whole ' if kind is int else ''}number"
+    return convert
+
+
 def main(argv: list[str]) -> int:
     """`stoker plan CONFIG.yaml [--budget_gb N] [--world_size N] [--field value ...]`."""
-    import argparse
-
-    from .arguments import ConfigError
+    from .arguments import CollectingParser, ConfigError
+    from .cli import report
     from .distributed import launcher_world_size
     from .recipes import build_causal_lm, parse_recipe_args
 
-    parser = argparse.ArgumentParser(prog="stoker plan", add_help=False)
-    parser.add_argument("--budget_gb", type=float, default=None)
-    parser.add_argument("--world_size", type=int, default=None)
+    parser = CollectingParser(prog="stoker plan", add_help=False)
+    parser.add_argument("--budget_gb", type=_positive(float), default=None)
+    parser.add_argument("--world_size", type=_positive(int), default=None)
     parser.add_argument("-h", "--help", action="store_true")
-    plan_args, rest = parser.parse_known_args(argv)
-    if plan_args.help:
-        print("usage: stoker plan [CONFIG.yaml|json] [--budget_gb GiB] [--world_size N] [--field value ...]\n\n"
-              "Estimate the peak memory per device of the training run the config describes (the fields of "
-              "`stoker train`), and with --budget_gb propose settings that fit it with the same global batch.")
-        return 0
     try:
-        _, m, d, args = parse_recipe_args(rest, prog="stoker plan")
+        plan_args, rest = parser.parse_known_args(argv)
+        if plan_args.help:
+            print("usage: stoker plan [CONFIG.yaml|json] [--budget_gb GiB] [--world_size N] [--field value ...]\n\n"
+                  "Estimate the peak memory per device of the training run the config describes (the fields of "
+                  "`stoker train`), and with --budget_gb propose settings that fit it with the same global batch.")
+            return 0
+        try:  # the model is the one input a plan reads
+            _, m, d, args = parse_recipe_args(rest, prog="stoker plan", checks=("model",))
+        except ConfigError as e:
+            raise ConfigError(parser.flag_problems() + e.problems) from None
+        if parser.bad_values:
+            raise ConfigError(parser.flag_problems())
         world = plan_args.world_size or launcher_world_size()
         if m.model_name_or_path:
             from transformers import AutoConfig
@@ -347,8 +363,7 @@ def main(argv: list[str]) -> int:
         else:
             shape = ModelShape.from_model(build_causal_lm(m, args.seed)[1])
     except ConfigError as e:
-        print(f"stoker: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     setup = setup_from_arguments(m, d, args, world)
     result = estimate(shape, setup)
     print(f"model: {shape.params / 1e6:.1f}M parameters, {shape.layers} layers, hidden {shape.hidden}, vocab "

@@ -111,12 +111,6 @@ class DataArguments:
             p.append(f"dataset_name={self.dataset_name!r} and train_file={self.train_file!r}: give one of them")
         if self.validation_file and not self.train_file:
             p.append(f"validation_file={self.validation_file!r}: needs train_file too")
-        for name in ("train_file", "validation_file"):
-            path = getattr(self, name)
-            if path is not None and not path.endswith((".txt", ".json", ".jsonl")):
-                p.append(f"{name}={path!r}: accepted formats are .txt, .json and .jsonl")
-            elif path is not None and not os.path.isfile(path):
-                p.append(f"{name}={path!r}: no such file")
         for name in ("max_length", "num_train_examples", "num_eval_examples"):
             if getattr(self, name) < 1:
                 p.append(f"{name}={getattr(self, name)!r}: must be a positive integer")
@@ -148,44 +142,116 @@ DEFAULT_JOBS = {
 }
 
 
-def parse_recipe_args(argv: list[str], recipe: str | None = None, prog: str | None = None):
+def parse_recipe_args(argv: list[str], recipe: str | None = None, prog: str | None = None,
+                      checks: tuple[str, ...] = ()):
     """(RecipeArguments, ModelArguments, DataArguments, TrainingArguments) from `[CONFIG] [--flags]`.
 
-    With no config file the recipe's embedded default fills in what the flags leave out."""
+    With no config file the recipe's embedded default fills in what the flags leave out. `checks` names the
+    inputs (of INPUT_CHECKS) to check before returning; their problems are reported with the arguments'."""
     argv = list(argv)
     has_file = bool(argv) and argv[0].endswith(CONFIG_SUFFIXES)
     if recipe is None:  # from --recipe, else the file's recipe: key, else sft
         flags = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipe"]
-        recipe = flags[-1] if flags else (load_config_file(argv[0]).get("recipe", "sft") if has_file else "sft")
+        try:
+            recipe = flags[-1] if flags else (load_config_file(argv[0]).get("recipe", "sft") if has_file else "sft")
+        except ConfigError:  # parse_config reports the file's problem with the others
+            recipe = "sft"
     elif "--recipe" not in argv:
         argv += ["--recipe", recipe]
     defaults = None if has_file else dict(DEFAULT_JOBS.get(recipe, {}))
     if defaults and "--train_file" in argv:  # the user's data replaces the default's generated task
         defaults.pop("dataset_name", None)
-    return parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog)
+    return parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog,
+                        check=(lambda built: input_problems(built, checks)) if checks else None)
 
 
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:
-    """The body of `stoker train` and of the scripts in recipes/: parse, run, return an exit code."""
+    """The body of `stoker train` and of the scripts in recipes/: parse, check, run, return an exit code."""
     from .checkpoint import CheckpointError
+    from .cli import report
 
     try:
         r, m, d, args = parse_recipe_args(sys.argv[1:] if argv is None else argv, recipe,
-                                          prog=f"stoker train ({recipe or 'any recipe'})")
+                                          prog=f"stoker train ({recipe or 'any recipe'})", checks=INPUT_CHECKS)
         if r.num_threads:
             import torch
 
             torch.set_num_threads(r.num_threads)
         RUNS[r.recipe](m, d, args)
     except (ConfigError, CheckpointError) as e:
-        print(f"stoker: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     from accelerate.state import PartialState
 
     # under a launcher, leave the process group before the interpreter exits: a gloo group torn down by
     # interpreter shutdown can abort the process after a successful run
     PartialState().destroy_process_group()
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs, checked before any work: the model, the data, and the folders the run writes
+
+INPUT_CHECKS = ("model", "data", "output")
+
+
+def input_problems(built: dict, checks: tuple[str, ...] = INPUT_CHECKS) -> list[str]:
+    """Problems with what a run reads and writes, for the arguments that parsed ({type: instance})."""
+    from . import checkpoint as ckpt
+    from .inputs import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
+
+    r, m, d, args = (built.get(t) for t in ARGUMENT_TYPES)
+    recipe = r.recipe if r else None
+    p = []
+    if m and m.model_name_or_path and "model" in checks:
+        head = "sequence_classification" if recipe == "classification" else "causal_lm"
+        # a run that reads data tokenizes it with the model's tokenizer; a plan needs the config only
+        p.append(model_source_problem("model_name_or_path", m.model_name_or_path, head, tokenizer="data" in checks))
+    if d and "data" in checks:
+        if d.dataset_name is not None:
+            p.append(dataset_source_problem("dataset_name", d.dataset_name, GENERATED))
+        for name in ("train_file", "validation_file"):
+            if getattr(d, name):
+                p += data_file_problems(name, getattr(d, name), row_columns(recipe, d) if recipe else None,
+                                        lambda column, value: _row_value_problem(d, column, value))
+    if args and "output" in checks:
+        p.append(writable_folder_problem("output_dir", args.output_dir))
+        outside = os.path.relpath(os.path.abspath(args.logging_dir), os.path.abspath(args.output_dir)).startswith("..")
+        if "tensorboard" in args.report_to and outside:
+            p.append(writable_folder_problem("logging_dir", args.logging_dir))
+        resume = args.resume_from_checkpoint
+        if isinstance(resume, str) and resume.lower() not in ("true", "false"):
+            # names and sizes only: the Trainer checks every byte against the manifest when it loads it
+            problem = ckpt.verify(resume, hashes=False)
+            if problem:
+                p.append(f"resume_from_checkpoint={resume!r}: {problem}")
+        elif (resume is None or str(resume).lower() == "false") and not args.overwrite_output_dir:
+            existing = ckpt.list_checkpoints(args.output_dir)
+            if existing:
+                p.append(f"output_dir={args.output_dir!r}: already holds {len(existing)} checkpoint(s) (newest "
+                         f"{os.path.basename(existing[-1])}); resume with resume_from_checkpoint=true, or set "
+                         "overwrite_output_dir=true")
+    return [problem for problem in p if problem]
+
+
+def row_columns(recipe: str, d: DataArguments) -> list[list[str]]:
+    """The column sets a recipe trains on, the first one the rows have being used."""
+    return {"clm": [["prompt", "completion"], [d.text_column]],
+            "sft": [[d.messages_column], ["prompt", "completion"]],
+            "classification": [[d.text_column, d.label_column]]}[recipe]
+
+
+def _row_value_problem(d: DataArguments, column: str, value) -> str | None:
+    if column == d.label_column:
+        ok = isinstance(value, (str, int, float))  # a class name; datasets keeps numbers and booleans as they are
+        return None if ok else f"is {value!r}; accepted: a class name (string) or number"
+    if column == d.messages_column:
+        turns_ok = isinstance(value, list) and value and all(
+            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+            for t in value)
+        if not turns_ok:
+            return 'must be a list of {"role": ..., "content": ...} messages'
+        return None if value[-1]["role"] == "assistant" else "must end with an assistant message"
+    return None if isinstance(value, str) else f"is {value!r}; accepted: a string"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -238,11 +304,17 @@ def load_rows(d: DataArguments) -> tuple[list[dict], list[dict] | None]:
     """Raw rows (dicts) of the train and held-out splits of a dataset id or of local files."""
     from datasets import load_dataset
 
-    if d.train_file:
-        files = {"train": d.train_file, **({"validation": d.validation_file} if d.validation_file else {})}
-        raw = load_dataset("text" if d.train_file.endswith(".txt") else "json", data_files=files)
-    else:
-        raw = load_dataset(d.dataset_name)
+    try:
+        if d.train_file:
+            files = {"train": d.train_file, **({"validation": d.validation_file} if d.validation_file else {})}
+            raw = load_dataset("text" if d.train_file.endswith(".txt") else "json", data_files=files)
+        else:
+            raw = load_dataset(d.dataset_name)
+    except Exception as e:  # noqa: BLE001 - what input_problems could not foresee, still named as bad input
+        cause = e.__cause__ or e  # datasets wraps the reader's error in DatasetGenerationError
+        source = f"train_file={d.train_file!r}" if d.train_file else f"dataset_name={d.dataset_name!r}"
+        raise ConfigError([f"{source}: datasets cannot load it ({type(cause).__name__}: "
+                           f"{(str(cause).strip().splitlines() or [''])[0]})"], "data") from e
     held = next((raw[s] for s in ("validation", "test") if s in raw), None)
     return raw["train"], held
 
@@ -275,7 +347,7 @@ def clm_rows(rows, tokenizer, d: DataArguments, where: str) -> tuple[list[dict],
     """Token-id rows for causal-LM training, and whether they are prompt/completion pairs (masked prompts)."""
     from .tasks import encode_completion
 
-    kind = _require(rows, [["prompt", "completion"], [d.text_column]], where)
+    kind = _require(rows, row_columns("clm", d), where)
     if kind == ["prompt", "completion"]:
         return [{k: v[: d.max_length] for k, v in encode_completion(tokenizer, r["prompt"], r["completion"]).items()}
                 for r in rows], True
@@ -293,7 +365,7 @@ def sft_rows(rows, tokenizer, d: DataArguments, where: str) -> list[dict]:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError([f"tokenizer {type(tokenizer).__name__}: has no chat_template; sft renders "
                            "conversations with it (set tokenizer.chat_template, or use the clm recipe)"], "tokenizer")
-    kind = _require(rows, [[d.messages_column], ["prompt", "completion"]], where)
+    kind = _require(rows, row_columns("sft", d), where)
     out = []
     for r in rows:
         messages = r[d.messages_column] if kind == [d.messages_column] else [
@@ -400,9 +472,9 @@ def run_classification(m: ModelArguments, d: DataArguments, args: TrainingArgume
 
     if d.train_file or d.dataset_name not in (None, *GENERATED):
         train_raw, held_raw = load_rows(d)
-        _require(train_raw, [[d.text_column, d.label_column]], "train data")
+        _require(train_raw, row_columns("classification", d), "train data")
         if held_raw is not None:
-            _require(held_raw, [[d.text_column, d.label_column]], "validation data")
+            _require(held_raw, row_columns("classification", d), "validation data")
         texts = [r[d.text_column] for r in train_raw]
         names = sorted({str(r[d.label_column]) for r in train_raw})
         label_of = {n: i for i, n in enumerate(names)}

@@ -126,7 +126,7 @@ def test_problems_of_every_dataclass_in_one_error():
                       "--optim", "adamw_torh"])
     problems = info.value.problems
     for name in ("hidden_size=", "num_train_examples=", "per_device_train_batch_size=", "optim="):
-        assert any(p.startswith(name) for p in problems), name
+        assert any(p.startswith(f"--{name}") for p in problems), name  # each names the flag it comes from
     assert len(problems) == 4
 
 
