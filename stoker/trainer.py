@@ -70,8 +70,8 @@ from .distributed import (
     zero_stage,
 )
 from .lora import trainable_parameters
-from .outputs import EvalPrediction, PredictionOutput, TrainOutput
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head
+from .outputs import EvalPrediction, PredictionOutput, TrainOutput
 
 # transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
 # (transformers.loss.loss_utils); other models return a mean over their micro-batch and are rescaled.
