@@ -1,21 +1,30 @@
 """Memory planner: the peak memory of a training run per device, split into its parts, before any work.
 
-    stoker plan CONFIG.yaml [--budget_gb 24] [--world_size 8] [--field value ...]
+    stoker plan CONFIG.yaml [--budget_gb 24] [--world_size 8] [--device cuda|cpu] [--field value ...]
+    stoker plan MODEL_FOLDER | config.json | HUB_ID [--budget_gb 24] [--field value ...]
 
-The parts, for a decoder-only transformer (Llama-like: RMSNorm, rotary attention through sdpa, SwiGLU MLP):
+The parts, for a transformer whose shape `ModelShape` reads from the model's modules and config (norm type,
+MLP kind, attention implementation, dropout, rotary or learned positions, tied head, masked-LM head):
 
     weights        every parameter in its storage dtype (4-bit / 8-bit linear layers for QLoRA)
     gradients      trainable parameters only, in their dtype
     optimizer      per trainable parameter: AdamW 8 bytes (two float32 states), 8-bit AdamW 2, Lion 4 (8-bit 1),
                    Adafactor about 4 x (rows + cols) per matrix, SGD 0 (4 with momentum), Adagrad and RMSprop 4
-    activations    what autograd keeps for backward, per token and layer 9h + 2kv + 4i values (h hidden, kv the
-                   key/value width, i the MLP width: the norms' inputs and outputs, q k v and the attention output,
-                   the MLP's gate, up, activation and product); with gradient checkpointing, one h per layer plus
-                   one layer recomputed; LoRA with dropout adds the dropped copies of the adapted layers' inputs
+    activations    what autograd keeps for backward, per token and layer: two norms (RMSNorm in Python 3h each,
+                   torch's layer_norm 2h), q k v and the attention output (3h + 2kv with rotary's copy of q, else
+                   2h + 2kv), the MLP (MLP_VALUES x i: a gated SiLU 4i, gelu 2i, relu i, Python gelu_new 5i),
+                   dropout masks (a byte a value), and where attention keeps its probabilities (eager; sdpa with
+                   attention dropout on the CPU) heads x seq values, 2.25 times that with attention dropout; h
+                   hidden, kv the key/value width, i the MLP width. With gradient checkpointing, one h per layer
+                   plus one layer recomputed; LoRA with dropout adds the dropped copies of the adapted layers'
+                   inputs; autocast over float32 weights keeps 16-bit copies of the Linear weights for backward
     logits         transformers' loss holds the float32 logits' log-softmax and, in backward, two gradients of
                    that size (3 x tokens x vocab x 4 bytes); chunked_loss holds a few chunks
+    DDP            with several processes, buckets that hold a second copy of the gradients
     FSDP           shards weights, gradients and optimizer state over the world size (plus the gathered layer
-                   being computed); CPU offload moves the optimizer state and the float32 master weights to the host
+                   being computed); CPU offload, with one process too, moves parameters, gradients and
+                   optimizer state to the host
+    CUDA context   about 0.5 GiB per process on a GPU that no tensor accounts for
 
 The peak comes at the start of backward (activations and logits at their largest) or at the optimizer step
 (every gradient alive); with accumulation the gradients also live through the next micro-batch's forward.
