@@ -22,9 +22,10 @@ when other processes load the machine, while wall-clock seconds then stretch.
 
 With --job sft_recipe it measures the job of `stoker train recipes/sft.yaml` instead: its generated chat rows
 (short, of similar length), the clm recipe's tiny Llama as the base (randomly initialised: speed does not
-depend on the weights) with the recipe's LoRA, its batch size and learning rate, one epoch, three ways:
-transformers.Trainer with dynamic padding, stoker as configured, and stoker with `--packing` (rows of the
-recipe's max_length). Evaluation and saving are off, so only training is timed.
+depend on the weights) with the recipe's LoRA, its batch size and learning rate, one epoch, four ways:
+transformers.Trainer with dynamic padding, stoker as configured, stoker with `--packing` (rows of the
+recipe's max_length, 512) and with `--packing --max_length 128`. Evaluation and saving are off, so only
+training is timed.
 
 It is a measurement, not a test: it prints and exits 0. About four minutes on 2 idle CPU cores:
 
@@ -219,7 +220,9 @@ def recipe_job(rows: int | None) -> tuple[dict[str, Callable], list[dict], dict]
     ways = {"transformers.Trainer, dynamic padding": transformers_way,
             "stoker train recipes/sft.yaml": stoker_way,
             "stoker train recipes/sft.yaml --packing": lambda r, o: stoker_way(
-                r, o, packing=True, packing_length=recipe_args.packing_length)}
+                r, o, packing=True, packing_length=recipe_args.packing_length),
+            # rows of a few sequences: more tokens per step without the attention cost of long rows
+            "  ... --packing --max_length 128": lambda r, o: stoker_way(r, o, packing=True, packing_length=128)}
     return ways, data, {"packing_length": recipe_args.packing_length, "batch": shared["per_device_train_batch_size"]}
 
 
@@ -243,7 +246,9 @@ def time_recipe_job(rows: int | None, repeats: int) -> str:
     packed = [len(r["input_ids"]) for r in pack_rows(data, info["packing_length"])]
     padding = {"transformers.Trainer, dynamic padding": padding_fraction(lengths, batch_size=info["batch"]),
                "stoker train recipes/sft.yaml": padding_fraction(lengths, batch_size=info["batch"]),
-               "stoker train recipes/sft.yaml --packing": padding_fraction(packed, batch_size=info["batch"])}
+               "stoker train recipes/sft.yaml --packing": padding_fraction(packed, batch_size=info["batch"]),
+               "  ... --packing --max_length 128": padding_fraction(
+                   [len(r["input_ids"]) for r in pack_rows(data, 128)], batch_size=info["batch"])}
     base_wall = statistics.median(next(iter(wall.values())))
     base_cpu = statistics.median(next(iter(cpu.values())))
     lines = [f"the sft recipe's job: {len(data)} rows ({sum(lengths)} tokens, lengths {min(lengths)} to "
