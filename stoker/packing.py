@@ -127,7 +127,6 @@ class PackingCollator:
     that nothing attends to; its label is -100. Labels are also set to -100 at every sequence start, so rows
     packed elsewhere (without that masking) are safe too.
 
-
     With flatten=True the features of a micro-batch are first joined into one row, in order (padding_free).
     """
 

@@ -120,7 +120,7 @@ class ModelShape:
         act = str(_first(config, ("hidden_act", "activation_function"), "silu"))
         # a gated MLP (gate_proj, Phi-3's fused gate_up_proj): named so in every family that has one, while
         # counting layers of the intermediate width would also count a fused qkv of that width
-        gated = any("gate" in n.rsplit(".", 1)[-1] for n, _ in linear)
+        gated = any("gate" in part for n, _ in linear for part in n.split(".")[-2:])  # peft: gate_proj.base_layer
         layer_norm = any(isinstance(m, torch.nn.LayerNorm) for m in base.modules())
         return cls(params=sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n),
                    linear_params=sum(m.weight.numel() for n, m in linear), embedding_params=embedding.numel(),

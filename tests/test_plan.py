@@ -253,3 +253,11 @@ def test_largest_micro_batch_is_the_edge_of_the_budget():
     assert estimate(SHAPE, dataclasses.replace(setup, micro_batch=most)).peak <= budget
     assert estimate(SHAPE, dataclasses.replace(setup, micro_batch=most + 1)).peak > budget
     assert largest_micro_batch(SHAPE, Setup(world_size=1), 8 * GIB) == 0
+
+
+def test_model_shape_of_a_lora_model_is_that_of_its_base(tiny_llama):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama()
+    plain = ModelShape.from_model(model)
+    assert ModelShape.from_model(get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))) == plain
