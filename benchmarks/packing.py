@@ -6,9 +6,9 @@ rows, four ways:
     transformers.Trainer, dynamic padding   batches of 8 rows padded to the longest row of each batch
     stoker.Trainer, dynamic padding         the same batches through stoker
     stoker.Trainer, group_by_length         batches of 8 rows of similar length (stoker.data.LengthGroupedSampler)
-    stoker.Trainer, packing                 rows packed best-fit-decreasing into rows of 512 tokens
-                                            (stoker.packing.pack_rows), batches of 8 packed rows, padding-free
-                                            attention (position_ids, no attention_mask)
+    stoker.Trainer, packing                 TrainingArguments(packing=True, packing_length=512): the Trainer
+                                            packs the rows best-fit-decreasing into rows of 512 tokens, batches of
+                                            8 packed rows, padding-free attention (position_ids, no attention_mask)
 
 Row lengths follow real instruction data: log-normal with median 100 tokens and sigma 0.8, clipped to
 [16, 512]; for that distribution padding to the longest of 8 wastes about 59% of the computed tokens, so the
@@ -20,9 +20,16 @@ as a warm-up (imports, allocator), then --repeats times interleaved; medians are
 and process CPU seconds are measured: with one torch thread, CPU seconds are the work done and hardly move
 when other processes load the machine, while wall-clock seconds then stretch.
 
+With --job sft_recipe it measures the job of `stoker train recipes/sft.yaml` instead: its generated chat rows
+(short, of similar length), the clm recipe's tiny Llama as the base (randomly initialised: speed does not
+depend on the weights) with the recipe's LoRA, its batch size and learning rate, one epoch, four ways:
+transformers.Trainer with dynamic padding, stoker as configured, stoker with `--packing` (rows of the
+recipe's max_length, 512) and with `--packing --max_length 128`. Evaluation and saving are off, so only
+training is timed.
+
 It is a measurement, not a test: it prints and exits 0. About four minutes on 2 idle CPU cores:
 
-    python benchmarks/packing.py [--rows 96] [--repeats 2] [--threads 1]
+    python benchmarks/packing.py [--rows 96] [--repeats 2] [--threads 1] [--job synthetic|sft_recipe]
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import torch
 
 import stoker
 from stoker.data import IGNORE_INDEX, PaddingCollator
-from stoker.packing import PackingCollator, pack_rows, padding_fraction
+from stoker.packing import pack_rows, padding_fraction
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import quiet, reset_accelerate_state  # noqa: E402  (the shared measuring helpers)
@@ -121,10 +128,9 @@ def build_stoker_grouped(job: Job, rows: list[dict], output_dir: str) -> Callabl
 
 
 def build_stoker_packed(job: Job, rows: list[dict], output_dir: str) -> Callable[[], None]:
-    # packing is done once, before training, as a recipe does it; it is not timed (about 10 ms here)
-    packed = pack_rows(rows, MAX_LENGTH)
-    args = stoker.TrainingArguments(**trainer_arguments(job, output_dir))
-    return stoker.Trainer(build_model(job), args, train_dataset=packed, data_collator=PackingCollator(0)).train
+    # the setting: the Trainer packs the rows once, at construction (untimed, like the rest of the set-up)
+    args = stoker.TrainingArguments(**trainer_arguments(job, output_dir), packing=True, packing_length=MAX_LENGTH)
+    return stoker.Trainer(build_model(job), args, train_dataset=rows).train
 
 
 WAYS = {
@@ -171,11 +177,98 @@ def time_ways(job: Job, repeats: int) -> tuple[dict[str, list[float]], dict[str,
     return wall, cpu
 
 
+def recipe_job(rows: int | None) -> tuple[dict[str, Callable], list[dict], dict]:
+    """The ways, rows and shared arguments of the sft recipe's job (see the module docstring)."""
+    from stoker.recipes import build_causal_lm, generated_pairs, parse_recipe_args, peft_config_for
+    from stoker.recipes import sft_rows as encode
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _, m, d, recipe_args = parse_recipe_args([os.path.join(root, "recipes", "sft.yaml"), "--packing", "true"])
+    base = parse_recipe_args([], "clm")[1]  # the sft job's base model is the clm recipe's
+
+    def model():
+        tokenizer, built = build_causal_lm(base, recipe_args.seed)
+        return tokenizer, built
+
+    tokenizer, _ = model()
+    pairs, _ = generated_pairs(d.dataset_name, d, recipe_args.seed)
+    chats = [{d.messages_column: [{"role": "user", "content": p.rstrip("=")},
+                                  {"role": "assistant", "content": a}]} for p, a in pairs[:rows]]
+    data = encode(chats, tokenizer, d, "generated data")
+    shared = dict(num_train_epochs=1, per_device_train_batch_size=recipe_args.per_device_train_batch_size,
+                  learning_rate=recipe_args.learning_rate, lr_scheduler_type=recipe_args.lr_scheduler_type,
+                  weight_decay=recipe_args.weight_decay, optim="adamw_torch", seed=recipe_args.seed,
+                  logging_steps=10**6, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+                  use_cpu=True, dataloader_pin_memory=False)
+
+    def transformers_way(rows_, output_dir):
+        import transformers
+        from peft import get_peft_model
+
+        reset_accelerate_state()
+        _, built = model()
+        args = transformers.TrainingArguments(output_dir=output_dir, **shared)
+        return transformers.Trainer(model=get_peft_model(built, peft_config_for(m, built)), args=args,
+                                    train_dataset=rows_, data_collator=PaddingCollator(tokenizer.pad_token_id)).train
+
+    def stoker_way(rows_, output_dir, **extra):
+        _, built = model()
+        args = stoker.TrainingArguments(output_dir=output_dir, **shared, **extra)
+        return stoker.Trainer(built, args, train_dataset=rows_, processing_class=tokenizer,
+                              peft_config=peft_config_for(m, built)).train
+
+    ways = {"transformers.Trainer, dynamic padding": transformers_way,
+            "stoker train recipes/sft.yaml": stoker_way,
+            "stoker train recipes/sft.yaml --packing": lambda r, o: stoker_way(
+                r, o, packing=True, packing_length=recipe_args.packing_length),
+            # rows of a few sequences: more tokens per step without the attention cost of long rows
+            "  ... --packing --max_length 128": lambda r, o: stoker_way(r, o, packing=True, packing_length=128)}
+    return ways, data, {"packing_length": recipe_args.packing_length, "batch": shared["per_device_train_batch_size"]}
+
+
+def time_recipe_job(rows: int | None, repeats: int) -> str:
+    ways, data, info = recipe_job(rows)
+    targets = target_tokens(data)
+    wall, cpu = {name: [] for name in ways}, {name: [] for name in ways}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(repeats + 1):  # round 0 is the untimed warm-up, on a few rows
+            for name, build in ways.items():
+                with quiet():
+                    train = build(data if round_ else data[:64], os.path.join(tmp, str(round_)))
+                    gc.collect()
+                    started, started_cpu = time.perf_counter(), time.process_time()
+                    train()
+                    elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
+                if round_:
+                    wall[name].append(elapsed)
+                    cpu[name].append(elapsed_cpu)
+    lengths = [len(r["input_ids"]) for r in data]
+    packed = [len(r["input_ids"]) for r in pack_rows(data, info["packing_length"])]
+    padding = {"transformers.Trainer, dynamic padding": padding_fraction(lengths, batch_size=info["batch"]),
+               "stoker train recipes/sft.yaml": padding_fraction(lengths, batch_size=info["batch"]),
+               "stoker train recipes/sft.yaml --packing": padding_fraction(packed, batch_size=info["batch"]),
+               "  ... --packing --max_length 128": padding_fraction(
+                   [len(r["input_ids"]) for r in pack_rows(data, 128)], batch_size=info["batch"])}
+    base_wall = statistics.median(next(iter(wall.values())))
+    base_cpu = statistics.median(next(iter(cpu.values())))
+    lines = [f"the sft recipe's job: {len(data)} rows ({sum(lengths)} tokens, lengths {min(lengths)} to "
+             f"{max(lengths)}, {targets} target tokens), batch {info['batch']}, LoRA, one epoch, median of {repeats}",
+             f"{'':<42}{'padding':>8}{'wall s':>9}{'target tok/s':>14}{'CPU s':>9}{'target tok/CPU s':>18}"
+             "   ratio vs transformers (wall, CPU)"]
+    for name in ways:
+        w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        lines.append(f"{name:<42}{100 * padding[name]:>7.1f}%{w:>9.2f}{targets / w:>14.1f}{c:>9.2f}"
+                     f"{targets / c:>18.1f}   {base_wall / w:>5.2f}  {base_cpu / c:>5.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=96, help="SFT rows per epoch (one epoch per run)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each way, after one warm-up")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every run")
+    parser.add_argument("--job", choices=("synthetic", "sft_recipe"), default="synthetic",
+                        help="log-normal SFT rows (synthetic), or the job of recipes/sft.yaml (--rows: its first rows)")
     a = parser.parse_args(argv)
     if a.rows < 8 or a.repeats < 1 or a.threads < 1:
         parser.error("--rows must be >= 8, --repeats and --threads positive")
@@ -183,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if a.job == "sft_recipe":
+        print(time_recipe_job(a.rows if "--rows" in (argv or sys.argv) else None, a.repeats))
+        return 0
     job = Job(rows=a.rows)
     rows = sft_rows(job)
     targets = target_tokens(rows)

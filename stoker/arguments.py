@@ -163,6 +163,19 @@ class TrainingArguments:
     seed: int = field(default=42, metadata=_help("Seed for model initialisation, dropout and shuffling.", "data"))
     data_seed: int | None = field(default=None, metadata=_help(
         "Seed for the data order only (default: seed).", "data"))
+    # sequence packing (stoker.packing), named as TRL's SFTConfig names it (its max_length is packing_length here,
+    # since the recipes' max_length already truncates rows)
+    packing: bool = field(default=False, metadata=_help(
+        "Pack the train set once, before training, best-fit-decreasing into rows of packing_length tokens whose "
+        "sequences never attend to each other (position_ids restart, no attention_mask); same loss per "
+        "sequence, far less padding. Needs a model whose attention reads position_ids (checked).", "data"))
+    packing_length: int | None = field(default=None, metadata=_help(
+        "Tokens per packed row (TRL's max_length; the recipes feed their max_length). Default: the longest row "
+        "of the train set. A longer row is an error.", "data"))
+    padding_free: bool = field(default=False, metadata=_help(
+        "Flatten each micro-batch into one row of its sequences, in order, with no padding at all (TRL's "
+        "padding_free; with packing, the packed rows of a micro-batch). Same model requirement as packing.",
+        "data"))
 
     # --- logging --------------------------------------------------------------------------------
     logging_dir: str | None = field(default=None, metadata=_help(
@@ -416,6 +429,21 @@ class TrainingArguments:
 
         p += argument_problems(self)
         p += self._package_problems()
+        p += self._packing_problems()
+        return p
+
+    def _packing_problems(self) -> list[str]:
+        p = []
+        if self.packing_length is not None and (not isinstance(self.packing_length, int) or self.packing_length < 2):
+            p.append(f"packing_length={self.packing_length!r}: must be an integer >= 2, or unset")
+        elif self.packing_length is not None and not self.packing:
+            p.append(f"packing_length={self.packing_length!r}: is the length of packed rows; set packing=True too")
+        if (self.packing or self.padding_free) and self.group_by_length:
+            p.append(f"group_by_length=True with {'packing' if self.packing else 'padding_free'}=True: packed or "
+                     "flattened rows leave nothing to group; use one or the other")
+        if self.padding_free and self.auto_find_batch_size:
+            p.append("padding_free=True with auto_find_batch_size=True: a flattened micro-batch is one row, which "
+                     "cannot be halved; turn one off")
         return p
 
     def _package_problems(self) -> list[str]:

@@ -1,7 +1,11 @@
 """Sequence packing for causal-LM and SFT rows, padding-free: many short rows share one row of max_length.
 
-    packed = pack_rows(rows, max_length=512)          # best-fit-decreasing, once, before training
-    trainer = Trainer(model, args, train_dataset=packed, data_collator=PackingCollator(tokenizer.pad_token_id))
+    trainer = Trainer(model, TrainingArguments(packing=True, packing_length=512, ...), train_dataset=rows)
+
+which does, once, before training (`packed_train_set`), what a hand-written loop would do:
+
+    packed = pack_rows(rows, max_length=512)          # best-fit-decreasing
+    collator = PackingCollator(tokenizer.pad_token_id)
 
 A packed row holds several sequences one after the other, with `position_ids` that restart at 0 at each
 sequence and NO `attention_mask`. From those position_ids transformers' masking utilities
@@ -15,13 +19,18 @@ transformers only detects packing when no KV cache is built: a model whose confi
 that is called without use_cache=False lets every sequence attend to the ones before it. stoker.Trainer
 passes use_cache=False to such models; a hand-written loop must do the same.
 
-For packing each micro-batch on the fly instead (no change in the number of rows per step), transformers'
-`DataCollatorWithFlattening` produces the same kind of batch ([1, total tokens], position_ids, no mask).
+`padding_free=True` flattens each micro-batch on the fly instead (no change in the rows per step; TRL's
+padding_free, transformers' `DataCollatorWithFlattening`): one row [1, total tokens], position_ids, no mask.
+
+Whether a model keeps packed sequences apart is decided by running it, never from its class name:
+`separation_problems` runs two sequences in one row and checks that changing the first leaves the second's
+logits as they were (an encoder's bidirectional attention, or a model that ignores position_ids, fails).
 """
 
 from __future__ import annotations
 
 import bisect
+import inspect
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -117,13 +126,18 @@ class PackingCollator:
     Padding sits at the end of a row with position_ids 0, so each pad token is a one-token sequence of its own
     that nothing attends to; its label is -100. Labels are also set to -100 at every sequence start, so rows
     packed elsewhere (without that masking) are safe too.
+
+    With flatten=True the features of a micro-batch are first joined into one row, in order (padding_free).
     """
 
-    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None):
+    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None, flatten: bool = False):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.flatten = flatten
 
     def __call__(self, features: list[Mapping]) -> dict[str, torch.Tensor]:
+        if self.flatten:
+            features = [_joined(features)]
         length = max(len(f["input_ids"]) for f in features)
         if self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -142,6 +156,91 @@ class PackingCollator:
             batch["position_ids"][r, :n] = torch.arange(n) if p is None else torch.as_tensor(_as_list(p))
         batch["labels"][sequence_starts(batch["position_ids"])] = IGNORE_INDEX
         return batch
+
+
+def _joined(features: list[Mapping]) -> dict[str, list[int]]:
+    row = {"input_ids": [], "labels": [], "position_ids": []}
+    for f in features:
+        x = _as_list(f["input_ids"])
+        row["input_ids"] += x
+        row["labels"] += x if f.get("labels") is None else _as_list(f["labels"])
+        row["position_ids"] += range(len(x)) if f.get("position_ids") is None else _as_list(f["position_ids"])
+    return row
+
+
+def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting: str) -> list[str]:
+    """Why `model` cannot train on packed rows (empty if it can): it must take position_ids and keep two
+    sequences of one row apart. Runs the model twice on 7 tokens, in eval mode (no dropout), without gradients."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    what = type(base).__name__ + (f" (attn_implementation={config._attn_implementation!r})"
+                                  if getattr(config, "_attn_implementation", None) else "")
+    accepted = ("a causal LM whose attention reads position_ids (transformers' Llama, Qwen2, Mistral, Gemma, "
+                f"... with sdpa, eager or flash attention), or turn {setting} off")
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        return [f"{setting}=True: {what}.forward takes no position_ids, so the sequences of a packed row would "
+                f"attend to each other; {setting} needs {accepted}"]
+    embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", 16)
+    first, second = [1 % vocab, 2 % vocab, 3 % vocab, 4 % vocab], [5 % vocab, 6 % vocab, 7 % vocab]
+    device = next(model.parameters()).device
+    rows = [torch.tensor([seq + second], device=device) for seq in (first, [(t + 3) % vocab for t in first])]
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]], device=device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outs = [model(input_ids=r, position_ids=positions, **forward_kwargs) for r in rows]
+        logits = [o["logits"] if isinstance(o, Mapping) else getattr(o, "logits", None) for o in outs]
+    except Exception as e:  # a model that needs more than input_ids and position_ids (encoder-decoder, ...)
+        return [f"{setting}=True: {what} could not be checked on a packed row ({type(e).__name__}: {e}); "
+                f"{setting} needs {accepted}"]
+    finally:
+        model.train(training)
+    if not isinstance(logits[0], torch.Tensor):
+        return [f"{setting}=True: {what} returns no logits, so whether it keeps packed sequences apart cannot be "
+                f"checked; {setting} needs {accepted}"]
+    a, b = (x[0, len(first):].float() for x in logits)
+    if not torch.allclose(a, b, rtol=1e-3, atol=1e-4 * float(a.abs().max().clamp_min(1))):
+        return [f"{setting}=True: {what} lets a packed sequence attend to the one before it (changing the first "
+                f"of two sequences in one row changed the second's logits); {setting} needs {accepted}"]
+    return []
+
+
+def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: int, forward_kwargs: Mapping):
+    """(train set, collator) for TrainingArguments.packing / padding_free: the rows packed once by
+    best-fit-decreasing (packing), and a PackingCollator (flattening each micro-batch with padding_free).
+    Raises ConfigError, naming every problem, when the model, the data or the collator cannot be packed.
+
+    Packing is a pure function of the rows, so a resumed run packs them into the same rows, in the same order,
+    and the number of target tokens per row is unchanged (first labels are no targets after the causal shift),
+    so accumulation stays exact."""
+    from .arguments import ConfigError
+
+    setting = "packing" if args.packing else "padding_free"
+    problems = []
+    if data_collator is not None and not isinstance(data_collator, PackingCollator):
+        problems.append(f"data_collator: {setting}=True batches with stoker.packing.PackingCollator, and "
+                        f"{type(data_collator).__name__} could add an attention_mask that lets packed sequences "
+                        "see each other; pass no data_collator")
+    if args.packing and (train_dataset is None or not hasattr(train_dataset, "__len__")):
+        problems.append("packing=True: needs a train_dataset with a length (it is packed once, before training)")
+    problems += separation_problems(model, forward_kwargs, setting)
+    if args.packing and hasattr(train_dataset, "__len__"):
+        lengths = [len(r["input_ids"]) for r in train_dataset]
+        length = max(args.packing_length or max(lengths, default=2), 2)
+        longer = [i for i, n in enumerate(lengths) if n > length]
+        if longer:
+            problems.append(f"packing_length={length}: {len(longer)} train row(s) are longer (row {longer[0]} has "
+                            f"{lengths[longer[0]]} tokens); raise packing_length or shorten the rows")
+        elif not problems:
+            try:
+                train_dataset = pack_rows(train_dataset, length)
+            except ValueError as e:
+                problems.append(f"train_dataset: {e}")
+    if problems:
+        raise ConfigError(problems, "Trainer inputs")
+    return train_dataset, data_collator or PackingCollator(pad_token_id, flatten=args.padding_free)
 
 
 def padding_fraction(lengths: Sequence[int], row_length: int | None = None, batch_size: int | None = None) -> float:

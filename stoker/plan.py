@@ -1,21 +1,30 @@
 """Memory planner: the peak memory of a training run per device, split into its parts, before any work.
 
-    stoker plan CONFIG.yaml [--budget_gb 24] [--world_size 8] [--field value ...]
+    stoker plan CONFIG.yaml [--budget_gb 24] [--world_size 8] [--device cuda|cpu] [--field value ...]
+    stoker plan MODEL_FOLDER | config.json | HUB_ID [--budget_gb 24] [--field value ...]
 
-The parts, for a decoder-only transformer (Llama-like: RMSNorm, rotary attention through sdpa, SwiGLU MLP):
+The parts, for a transformer whose shape `ModelShape` reads from the model's modules and config (norm type,
+MLP kind, attention implementation, dropout, rotary or learned positions, tied head, masked-LM head):
 
     weights        every parameter in its storage dtype (4-bit / 8-bit linear layers for QLoRA)
     gradients      trainable parameters only, in their dtype
     optimizer      per trainable parameter: AdamW 8 bytes (two float32 states), 8-bit AdamW 2, Lion 4 (8-bit 1),
                    Adafactor about 4 x (rows + cols) per matrix, SGD 0 (4 with momentum), Adagrad and RMSprop 4
-    activations    what autograd keeps for backward, per token and layer 9h + 2kv + 4i values (h hidden, kv the
-                   key/value width, i the MLP width: the norms' inputs and outputs, q k v and the attention output,
-                   the MLP's gate, up, activation and product); with gradient checkpointing, one h per layer plus
-                   one layer recomputed; LoRA with dropout adds the dropped copies of the adapted layers' inputs
+    activations    what autograd keeps for backward, per token and layer: two norms (RMSNorm in Python 3h each,
+                   torch's layer_norm 2h), q k v and the attention output (3h + 2kv with rotary's copy of q, else
+                   2h + 2kv), the MLP (MLP_VALUES x i: a gated SiLU 4i, gelu 2i, relu i, Python gelu_new 5i),
+                   dropout masks (a byte a value), and where attention keeps its probabilities (eager; sdpa with
+                   attention dropout on the CPU) heads x seq values, 2.25 times that with attention dropout; h
+                   hidden, kv the key/value width, i the MLP width. With gradient checkpointing, one h per layer
+                   plus one layer recomputed; LoRA with dropout adds the dropped copies of the adapted layers'
+                   inputs; autocast over float32 weights keeps 16-bit copies of the Linear weights for backward
     logits         transformers' loss holds the float32 logits' log-softmax and, in backward, two gradients of
                    that size (3 x tokens x vocab x 4 bytes); chunked_loss holds a few chunks
+    DDP            with several processes, buckets that hold a second copy of the gradients
     FSDP           shards weights, gradients and optimizer state over the world size (plus the gathered layer
-                   being computed); CPU offload moves the optimizer state and the float32 master weights to the host
+                   being computed); CPU offload, with one process too, moves parameters, gradients and
+                   optimizer state to the host
+    CUDA context   about 0.5 GiB per process on a GPU that no tensor accounts for
 
 The peak comes at the start of backward (activations and logits at their largest) or at the optimizer step
 (every gradient alive); with accumulation the gradients also live through the next micro-batch's forward.
@@ -28,6 +37,7 @@ benchmarks/plan_accuracy.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -38,7 +48,26 @@ OPTIMIZER_BYTES = {
     "sgd": 0, "adagrad": 4, "rmsprop": 4, "adafactor": None,
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# what a process's CUDA context and loaded kernels take on the device before any tensor (0.3 to 1 GiB
+# depending on the GPU, CUDA and torch versions; lazy module loading keeps it near the lower end)
+CUDA_CONTEXT = 0.5 * GIB
 CHUNK_ELEMENTS = 2**23  # stoker.loss.CHUNK_ELEMENTS, repeated so that planning imports no torch
+
+
+# values an MLP activation keeps per intermediate unit: a gated SiLU keeps gate, up, silu(gate) and the product;
+# torch's gelu its input and output; relu only its output (the next layer's input); gelu_new is written in
+# Python (transformers' NewGELUActivation) and keeps x, tanh(.), 1 + tanh(.), x / 2 and the product
+MLP_VALUES = {"gated": 4, "gelu": 2, "gelu_pytorch_tanh": 2, "gelu_fast": 2, "quick_gelu": 3, "relu": 1,
+              "gelu_new": 5, "silu": 2, "swish": 2}
+# config attribute names of each dropout, over the families transformers has
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+HIDDEN_DROPOUT = ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "dropout")
+EMBEDDING_DROPOUT = ("embd_pdrop", "hidden_dropout_prob", "embed_dropout")
+ROTARY = ("rope_theta", "rope_parameters", "rotary_pct", "rotary_emb_base", "rope_scaling")
+
+
+def _first(config, names, default=None):
+    return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
 
 
 @dataclass
@@ -55,10 +84,20 @@ class ModelShape:
     intermediate: int
     vocab: int
     linear_shapes: tuple[tuple[int, int], ...] = ()  # (out, in) of one layer's Linear modules
+    heads: int = 0              # attention heads (eager attention keeps heads x seq probabilities per token)
+    norm: str = "rms"           # 'rms' (RMSNorm, written in Python) or 'layer' (torch's layer_norm)
+    mlp: str = "gated"          # a key of MLP_VALUES
+    attention: str = "sdpa"     # the config's attn_implementation: 'eager', 'sdpa', 'flash_attention_2', ...
+    rotary: bool = True         # rotary position embeddings (else learned or none)
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    embedding_dropout: float = 0.0
+    masked_lm: bool = False     # an encoder's masked-LM head (a dense layer, activation and norm before it)
 
     @classmethod
     def from_model(cls, model) -> ModelShape:
         import torch
+        from transformers.pytorch_utils import Conv1D
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
@@ -67,25 +106,47 @@ class ModelShape:
         layers = config.num_hidden_layers
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        # the model's own layers: LoRA adapters that peft injected are counted by the Setup's lora_r
-        linear = [m for n, m in base.named_modules()
-                  if isinstance(m, torch.nn.Linear) and m is not head and "lora_" not in n]
-        one_layer = tuple((m.out_features, m.in_features) for m in linear[: len(linear) // max(layers, 1)])
+        # the model's own layers (GPT-2's Conv1D is a Linear stored transposed): LoRA adapters that peft
+        # injected are counted by the Setup's lora_r
+        linear = [(n, m) for n, m in base.named_modules() if isinstance(m, torch.nn.Linear | Conv1D)
+                  and m is not head and "lora_" not in n]
+        shape_of = lambda m: (m.nf, m.weight.shape[0]) if isinstance(m, Conv1D) else (m.out_features, m.in_features)
+        # one layer: the Linear modules under the first numbered block (".0.")
+        one_layer = tuple(shape_of(m) for n, m in linear if re.search(r"\.0\.", f".{n}."))
+        hidden = config.hidden_size
+        intermediate = (_first(config, ("intermediate_size", "ffn_dim", "n_inner"))
+                        or max((o for o, _ in one_layer), default=4 * hidden))
+        act = str(_first(config, ("hidden_act", "activation_function"), "silu"))
+        # a gated MLP (gate_proj, Phi-3's fused gate_up_proj): named so in every family that has one, while
+        # counting layers of the intermediate width would also count a fused qkv of that width
+        gated = any("gate" in part for n, _ in linear for part in n.split(".")[-2:])  # peft: gate_proj.base_layer
+        layer_norm = any(isinstance(m, torch.nn.LayerNorm) for m in base.modules())
         return cls(params=sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n),
-                   linear_params=sum(m.weight.numel() for m in linear), embedding_params=embedding.numel(),
-                   tied=head is not None and head.weight is embedding, layers=layers, hidden=config.hidden_size,
+                   linear_params=sum(m.weight.numel() for n, m in linear), embedding_params=embedding.numel(),
+                   tied=head is not None and head.weight is embedding, layers=layers, hidden=hidden,
                    kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
-                   intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-                   vocab=config.vocab_size, linear_shapes=one_layer)
+                   intermediate=intermediate, vocab=config.vocab_size, linear_shapes=one_layer, heads=heads,
+                   norm="layer" if layer_norm else "rms", mlp="gated" if gated else act if act in MLP_VALUES
+                   else "gelu", attention=getattr(config, "_attn_implementation", None) or "sdpa",
+                   rotary=any(getattr(config, n, None) is not None for n in ROTARY),
+                   attention_dropout=float(_first(config, ATTENTION_DROPOUT, 0.0)),
+                   hidden_dropout=float(_first(config, HIDDEN_DROPOUT, 0.0)),
+                   embedding_dropout=float(_first(config, EMBEDDING_DROPOUT, 0.0)),
+                   masked_lm=getattr(base, "loss_type", None) == "ForMaskedLM")
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
-        """From a transformers config, building the model on the meta device: exact counts, no memory."""
+        """From a transformers config, building the model on the meta device: exact counts, no memory. The
+        class is the config's first architecture where transformers has it, else its causal LM."""
         import torch
-        from transformers import AutoModelForCausalLM
+        import transformers
 
+        architecture = getattr(transformers, next(iter(getattr(config, "architectures", None) or []), ""), None)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            if architecture is not None and hasattr(architecture, "_from_config"):
+                model = architecture._from_config(config)
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(config)
         return cls.from_model(model)
 
 
@@ -107,6 +168,7 @@ class Setup:
     lora_dropout: float = 0.0
     quantization: int | None = None     # 4 or 8 (QLoRA), None
     fsdp: str | None = None             # None, 'full_shard', 'shard_grad_op' (+ ' offload')
+    device: str = "cuda"                # 'cuda' or 'cpu': which attention kernels run (see keeps_attention_...)
 
     @property
     def global_batch(self) -> int:
@@ -124,10 +186,13 @@ class Estimate:
     logits: float
     peak: float
     host: float = 0.0
+    buckets: float = 0.0        # DDP's gradient buckets
+    context: float = 0.0        # the CUDA context and kernels, which no allocator statistic shows
 
     def table(self) -> str:
         rows = [("weights", self.weights), ("gradients", self.gradients), ("optimizer state", self.optimizer),
                 ("activations", self.activations), ("logits and loss", self.logits)]
+        rows += [(name, v) for name, v in (("DDP buckets", self.buckets), ("CUDA context", self.context)) if v]
         lines = [f"  {name:<18}{value / GIB:>9.3f} GiB" for name, value in rows]
         lines.append(f"  {'peak (estimated)':<18}{self.peak / GIB:>9.3f} GiB per device")
         if self.host:
@@ -155,17 +220,33 @@ def _lora_params(shape: ModelShape, setup: Setup) -> int:
     return setup.lora_r * sum(o + i for o, i in shapes) * shape.layers
 
 
+def keeps_attention_probabilities(shape: ModelShape, setup: Setup) -> bool:
+    """Whether attention keeps its [heads, seq, seq] probabilities for backward: eager attention always; sdpa
+    with attention dropout on the CPU, where torch's fused kernels take no dropout and its math kernel runs."""
+    return shape.attention == "eager" or (shape.attention == "sdpa" and shape.attention_dropout > 0
+                                          and setup.device == "cpu")
+
+
 def _activation_values_per_token(shape: ModelShape, setup: Setup) -> tuple[float, float]:
     """Values per token that autograd keeps for backward (see the module docstring): (kept from the forward
-    pass to the start of backward, recomputed later for one layer at a time with gradient checkpointing)."""
+    pass to the start of backward, recomputed later for one layer at a time with gradient checkpointing).
+    A dropout mask is one byte a value (a quarter of a float32 value)."""
     h, kv, i = shape.hidden, shape.kv_width, shape.intermediate
-    layer = 9 * h + 2 * kv + 4 * i
+    norm = 3 * h if shape.norm == "rms" else 2 * h  # RMSNorm in Python keeps x, x * rsqrt and the output
+    attention = (3 * h if shape.rotary else 2 * h) + 2 * kv  # q, k, v, the output (and rotary's copy of q)
+    if keeps_attention_probabilities(shape, setup):  # the probabilities, and their dropped copy and mask
+        attention += shape.heads * setup.seq_len * (2.25 if shape.attention_dropout > 0 else 1)
+    residual_dropout = 2 * 0.25 * h if shape.hidden_dropout > 0 else 0.0
+    layer = 2 * norm + attention + MLP_VALUES.get(shape.mlp, 2) * i + residual_dropout
     if setup.lora_r and setup.lora_dropout > 0:  # each adapter keeps its own dropped copy of its input
-        inputs = 3 * h + h + 2 * h + i if setup.lora_all_linear else 2 * h
-        layer += inputs * 1.25  # + the dropout mask, one byte per value
+        inputs = sum(i for _, i in shape.linear_shapes) or 6 * h + i
+        layer += (inputs if setup.lora_all_linear else 2 * h) * 1.25  # + the dropout mask
+    # once: the final norm and the output layer's input; an embedding dropout mask; a masked-LM head's dense
+    # layer, activation and norm
+    once = 3 * h + (0.25 * h if shape.embedding_dropout > 0 else 0) + (3 * h if shape.masked_lm else 0)
     if setup.gradient_checkpointing:
-        return shape.layers * h + 3 * h, layer  # each layer's input and the final norm; one layer at a time
-    return shape.layers * layer + 3 * h, 0.0
+        return shape.layers * h + once, layer  # each layer's input; one layer recomputed at a time
+    return shape.layers * layer + once, 0.0
 
 
 def estimate(shape: ModelShape, setup: Setup) -> Estimate:
@@ -185,6 +266,10 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     tokens = setup.micro_batch * setup.seq_len
     act_bytes = 4 if setup.mixed_precision == "no" and setup.weights_dtype == "float32" else 2.5
     kept, recomputed = (tokens * v * act_bytes for v in _activation_values_per_token(shape, setup))
+    if setup.mixed_precision != "no" and wbytes == 4:
+        # autocast casts every float32 Linear weight (and lm_head) to 16 bits in the forward pass, and autograd
+        # keeps those copies for backward: 2 bytes per parameter of them on top of the float32 master weights
+        kept += 2 * (shape.linear_params + shape.vocab * shape.hidden)
     if setup.chunked_loss:
         chunk = max(1, CHUNK_ELEMENTS // shape.vocab)
         # one chunk of float32 logits, and the gradients of the hidden states and of the output layer
@@ -195,16 +280,20 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     workspace = 2 * tokens * max(shape.hidden, shape.intermediate) * act_bytes
 
     host = 0.0
-    if setup.fsdp and setup.world_size > 1:
+    buckets = 0.0
+    if setup.world_size > 1 and not setup.fsdp:
+        buckets = gradients  # DDP all-reduces from buckets that hold a second copy of every gradient
+    if setup.fsdp:  # with one process too: FSDP then shards nothing, but offload still moves state to the host
         # shard_grad_op (ZeRO-2) shards gradients and optimizer state; full_shard (ZeRO-3) the weights too,
         # gathering a layer at a time (the one computed and the one prefetched)
         gradients, optimizer = gradients / setup.world_size, optimizer / setup.world_size
-        if "full_shard" in setup.fsdp:
-            layer_params = (shape.params - shape.embedding_params * (1 if shape.tied else 2)) / max(shape.layers, 1)
-            gathered = 2 * layer_params * wbytes
+        layer_params = (shape.params - shape.embedding_params * (1 if shape.tied else 2)) / max(shape.layers, 1)
+        gathered = 2 * layer_params * wbytes
+        if "offload" in setup.fsdp:  # parameters, gradients and optimizer state live on the host
+            host = weights / setup.world_size + gradients + optimizer
+            weights, gradients, optimizer = gathered, 0.0, 0.0
+        elif "full_shard" in setup.fsdp and setup.world_size > 1:
             weights = weights / setup.world_size + gathered
-            if "offload" in setup.fsdp:  # parameters, gradients and optimizer state live on the host
-                host, weights, gradients, optimizer = weights - gathered + gradients + optimizer, gathered, 0.0, 0.0
 
     # what is alive besides weights and optimizer state, at the moments that can be the peak: the start of
     # backward (the loss's buffers and every kept activation), the backward of a recomputed layer (the
@@ -216,8 +305,10 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     backward_recompute = gradients + kept + recomputed + workspace if recomputed else 0
     optimizer_step = gradients + 2 * max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden) * grad_bytes
     live = max(backward_start, backward_recompute, optimizer_step)
+    context = CUDA_CONTEXT if setup.device == "cuda" else 0.0
     return Estimate(weights=weights, gradients=gradients, optimizer=optimizer, activations=kept + recomputed,
-                    logits=logits, peak=weights + optimizer + live, host=host)
+                    logits=logits, peak=weights + optimizer + buckets + live + context, host=host, buckets=buckets,
+                    context=context)
 
 
 def relative_cost(setup: Setup) -> float:
@@ -265,7 +356,8 @@ def propose(shape: ModelShape, setup: Setup, budget_bytes: float) -> tuple[Setup
 def setup_from_arguments(model_args, data_args, args, world_size: int) -> Setup:
     """A Setup from the recipe's ModelArguments / DataArguments and TrainingArguments."""
     targets = getattr(model_args, "lora_target_modules", None) or ["all-linear"]
-    seq_len = getattr(data_args, "block_size", None) or getattr(data_args, "max_length", 512)
+    seq_len = (getattr(args, "packing_length", None) if getattr(args, "packing", False) else None) or getattr(
+        data_args, "block_size", None) or getattr(data_args, "max_length", 512)
     return Setup(
         micro_batch=args.per_device_train_batch_size, seq_len=seq_len, accumulation=args.gradient_accumulation_steps,
         world_size=world_size, gradient_checkpointing=args.gradient_checkpointing,
@@ -295,7 +387,8 @@ def start_of_training_line(model, args, dataset, world_size: int) -> str:
                   lora_dropout=getattr(peft_config, "lora_dropout", 0.0) or 0.0,
                   quantization=4 if getattr(base, "is_loaded_in_4bit", False) else 8 if getattr(
                       base, "is_loaded_in_8bit", False) else None,
-                  fsdp=args.fsdp if args.fsdp not in (None, "", False) else None)
+                  fsdp=args.fsdp if args.fsdp not in (None, "", False) else None,
+                  device="cpu" if next(base.parameters()).device.type == "cpu" else "cuda")
     e = estimate(ModelShape.from_model(model), setup)
     return (f"memory plan: about {_size(e.peak)} per device at the peak (weights {_size(e.weights)}, gradients "
             f"{_size(e.gradients)}, optimizer {_size(e.optimizer)}, activations {_size(e.activations)}, logits "
@@ -318,6 +411,79 @@ def describe(setup: Setup) -> str:
     return "; ".join(parts)
 
 
+SHARDINGS = {"DDP": None, "FSDP (full_shard)": "full_shard", "FSDP + CPU offload": "full_shard offload"}
+
+
+def largest_micro_batch(shape: ModelShape, setup: Setup, budget_bytes: float, limit: int = 2**16) -> int:
+    """The largest micro-batch (rows per device) whose estimate fits the budget with the other settings as in
+    `setup`, 0 if not even one row does. The peak grows with the micro-batch, so a doubling and a bisection
+    find it."""
+    fits = lambda micro: estimate(shape, dataclasses.replace(setup, micro_batch=micro)).peak <= budget_bytes
+    if not fits(1):
+        return 0
+    low = 1
+    while low < limit and fits(min(2 * low, limit)):
+        low = min(2 * low, limit)
+    high = min(2 * low, limit + 1)  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def load_model_config(name_or_path: str):
+    """A transformers config from a model folder, a config.json file, or a hub id (when the hub is reachable)."""
+    import json
+    import os
+
+    from transformers import AutoConfig
+
+    from .arguments import ConfigError
+
+    if os.path.isfile(name_or_path):
+        try:
+            with open(name_or_path) as f:
+                values = json.load(f)
+            return AutoConfig.for_model(values.pop("model_type"), **values)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError([f"model_name_or_path={name_or_path!r}: not a transformers config.json "
+                               f"({type(e).__name__}: {e}); give a model folder, its config.json or a hub id"]) from e
+    if not os.path.exists(name_or_path) and name_or_path.startswith((os.sep, ".", "~")):  # a path, not a hub id
+        raise ConfigError([f"model_name_or_path={name_or_path!r}: no such folder or file; give a model folder, its "
+                           "config.json or a hub id"])
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        where = ("the folder has no readable config.json" if os.path.isdir(name_or_path) else
+                 "not a local folder or file, and the hub did not answer for it")
+        raise ConfigError([f"model_name_or_path={name_or_path!r}: {where} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); give a model folder, its config.json "
+                           "or a hub id"]) from e
+
+
+def _model_argument(argv: list[str]) -> list[str]:
+    """`stoker plan MODEL ...`: a first argument that is a model folder, a model's config.json (it names a
+    model_type) or a hub id becomes --model_name_or_path; a stoker config file stays as it is."""
+    import json
+    import os
+
+    from .arguments import CONFIG_SUFFIXES
+
+    if not argv or argv[0].startswith("-"):
+        return argv
+    first = argv[0]
+    if first.endswith(CONFIG_SUFFIXES) and os.path.isfile(first):
+        if not first.endswith(".json"):
+            return argv
+        try:
+            with open(first) as f:
+                if "model_type" not in json.load(f):
+                    return argv
+        except (OSError, ValueError):
+            return argv
+    return ["--model_name_or_path", first, *argv[1:]]
+
+
 def _positive(kind: type):
     """An argparse type: a number of `kind` above 0."""
 
@@ -332,7 +498,9 @@ def _positive(kind: type):
 
 
 def main(argv: list[str]) -> int:
-    """`stoker plan CONFIG.yaml [--budget_gb N] [--world_size N] [--field value ...]`."""
+    """`stoker plan [CONFIG.yaml | MODEL] [--budget_gb N] [--world_size N] [--device D] [--field value ...]`."""
+    import os
+
     from .arguments import CollectingParser, ConfigError
     from .cli import report
     from .distributed import launcher_world_size
@@ -341,36 +509,48 @@ def main(argv: list[str]) -> int:
     parser = CollectingParser(prog="stoker plan", add_help=False)
     parser.add_argument("--budget_gb", type=_positive(float), default=None)
     parser.add_argument("--world_size", type=_positive(int), default=None)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("-h", "--help", action="store_true")
     try:
         plan_args, rest = parser.parse_known_args(argv)
         if plan_args.help:
-            print("usage: stoker plan [CONFIG.yaml|json] [--budget_gb GiB] [--world_size N] [--field value ...]\n\n"
+            print("usage: stoker plan [CONFIG.yaml|json | MODEL] [--budget_gb GiB] [--world_size N] "
+                  "[--device cuda|cpu] [--field value ...]\n\n"
                   "Estimate the peak memory per device of the training run the config describes (the fields of "
-                  "`stoker train`), and with --budget_gb propose settings that fit it with the same global batch.")
+                  "`stoker train`), and with --budget_gb propose settings that fit it with the same global batch and "
+                  "give the largest micro-batch that fits with DDP, FSDP and FSDP with CPU offload. MODEL is a model "
+                  "folder, its config.json or a hub id (read when the hub is reachable); the run's other fields "
+                  "come from the flags and the recipe's defaults.")
             return 0
-        try:  # the model is the one input a plan reads
-            _, m, d, args = parse_recipe_args(rest, prog="stoker plan", checks=("model",))
+        rest = _model_argument(rest)
+        named = rest[rest.index("--model_name_or_path") + 1] if "--model_name_or_path" in rest[:-1] else None
+        try:  # the model is the one input a plan reads (a config.json file is read by load_model_config)
+            _, m, d, args = parse_recipe_args(rest, prog="stoker plan",
+                                              checks=() if named and os.path.isfile(named) else ("model",))
         except ConfigError as e:
             raise ConfigError(parser.flag_problems() + e.problems) from None
         if parser.bad_values:
             raise ConfigError(parser.flag_problems())
         world = plan_args.world_size or launcher_world_size()
         if m.model_name_or_path:
-            from transformers import AutoConfig
-
-            shape = ModelShape.from_config(AutoConfig.from_pretrained(m.model_name_or_path))
+            shape = ModelShape.from_config(load_model_config(m.model_name_or_path))
         else:
             shape = ModelShape.from_model(build_causal_lm(m, args.seed)[1])
     except ConfigError as e:
         return report(e)
-    setup = setup_from_arguments(m, d, args, world)
+    setup = dataclasses.replace(setup_from_arguments(m, d, args, world), device=plan_args.device)
     result = estimate(shape, setup)
     print(f"model: {shape.params / 1e6:.1f}M parameters, {shape.layers} layers, hidden {shape.hidden}, vocab "
-          f"{shape.vocab}\nrun: {describe(setup)}\n{result.table()}")
+          f"{shape.vocab} ({shape.norm} norm, {shape.mlp} MLP, {shape.attention} attention)\n"
+          f"run: {describe(setup)}\n{result.table()}")
     if plan_args.budget_gb is None:
         return 0
     budget = plan_args.budget_gb * GIB
+    print(f"largest micro-batch per device within {plan_args.budget_gb:g} GiB with {world} process(es), "
+          f"{setup.seq_len} tokens per row:")
+    for name, sharding in SHARDINGS.items():
+        most = largest_micro_batch(shape, dataclasses.replace(setup, fsdp=sharding), budget)
+        print(f"  {name:<20}{most if most else 'out of memory at 1':>20}")
     if result.peak <= budget:
         print(f"fits the budget of {plan_args.budget_gb:g} GiB as configured")
         return 0

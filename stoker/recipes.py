@@ -161,8 +161,11 @@ def parse_recipe_args(argv: list[str], recipe: str | None = None, prog: str | No
     defaults = None if has_file else dict(DEFAULT_JOBS.get(recipe, {}))
     if defaults and "--train_file" in argv:  # the user's data replaces the default's generated task
         defaults.pop("dataset_name", None)
-    return parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog,
-                        check=(lambda built: input_problems(built, checks)) if checks else None)
+    r, m, d, args = parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog,
+                                 check=(lambda built: input_problems(built, checks)) if checks else None)
+    if args.packing and args.packing_length is None:  # rows are cut to max_length, packed rows hold as many
+        args.packing_length = max(d.max_length, 2)
+    return r, m, d, args
 
 
 def main(argv: list[str] | None = None, recipe: str | None = None) -> int:

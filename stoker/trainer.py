@@ -151,6 +151,11 @@ class Trainer:
         self._chunked_head = output_head(model) if self.args.chunked_loss else None
         self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
         self.label_names = self.args.label_names or ["labels"]
+        if self.args.packing or self.args.padding_free:  # packs the train set once and picks the collator
+            from .packing import packed_train_set
+
+            self.train_dataset, data_collator = packed_train_set(self.args, model, train_dataset, data_collator,
+                                                                 self._pad_token_id(), self._forward_kwargs)
         self.data_collator = data_collator or PaddingCollator(self._pad_token_id())
         if self.args.remove_unused_columns and hasattr(base, "config"):
             self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))

@@ -4,6 +4,7 @@ equal the unpacked ones, and the Trainer trains on packed rows exactly as on the
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -239,3 +240,124 @@ def test_resume_with_group_by_length_is_exact(tmp_path):
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert losses_after(resumed, 8) == losses_after(full, 8)
+
+
+# --- TrainingArguments(packing=True / padding_free=True) -----------------------------------------------
+
+
+def recorded_grads(tmp_path, name, data, **kw):
+    rec = GradRecorder()
+    t = Trainer(llama(), args(tmp_path / name, max_steps=1, **kw), train_dataset=data, callbacks=[rec])
+    t.train()
+    return t, rec.grads[0]
+
+
+@pytest.mark.parametrize("setting", [{"packing": True, "packing_length": 48}, {"padding_free": True},
+                                     {"packing": True, "padding_free": True}])
+def test_packing_settings_give_the_update_of_the_unpacked_rows(tmp_path, setting):
+    data = sft_rows(16, seed=4)
+    _, expected = recorded_grads(tmp_path, "rows", data, per_device_train_batch_size=16)
+    batches = []
+    t = Trainer(llama(), args(tmp_path / "set", **setting), train_dataset=data)
+    n = len(t.train_dataset)
+    if setting.get("packing"):  # packed once, at construction: fewer, fuller rows, each within the length
+        packed = pack_rows(data, setting.get("packing_length", 20))
+        assert t.train_dataset == packed and n < len(data)
+    collate = t.data_collator
+
+    def spy(features):
+        batches.append(collate(features))
+        return batches[-1]
+
+    t.data_collator = spy
+    # 2 rows per micro-batch, as many micro-batches as the data set has: one optimizer step over all of it
+    t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps, t.args.max_steps = 2, -(-n // 2), 1
+    rec = GradRecorder()
+    t.add_callback(rec)
+    t.train()
+    assert all("attention_mask" not in b for b in batches)
+    if setting.get("padding_free"):  # every micro-batch one row without padding
+        assert all(b["input_ids"].shape[0] == 1 and (b["input_ids"] != 0).all() for b in batches)
+    for name, g in expected.items():
+        torch.testing.assert_close(rec.grads[0][name], g, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_packing_resumes_exactly(tmp_path):
+    from tests.test_resume import losses_after, make
+
+    data = sft_rows(60, seed=12, lo=2, hi=12)
+    full = make(tmp_path / "full", data, 0.1, packing=True, packing_length=24)
+    assert len(full.train_dataset) < 30  # 14 steps of 2 x 2 packed rows: more than one epoch
+    full.train()
+    resumed = make(tmp_path / "resumed", data, 0.1, packing=True, packing_length=24)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-9"))
+    for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert losses_after(resumed, 9) == losses_after(full, 9)
+
+
+def test_packing_refuses_models_that_let_packed_sequences_meet(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM, OPTConfig, OPTForCausalLM
+
+    from stoker import ConfigError
+
+    data = sft_rows(8)
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4))
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                   num_attention_heads=4, word_embed_proj_dim=32))
+    for model, setting in ((bert, "packing"), (opt, "padding_free")):
+        with pytest.raises(ConfigError, match=f"{setting}=True: {type(model).__name__} .attn_implementation='sdpa'. "
+                                              "lets a packed sequence attend to the one before it") as e:
+            Trainer(model, args(tmp_path, **{setting: True}), train_dataset=data)
+        assert len(e.value.problems) == 1
+
+    class NoPositions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(64, 8)
+
+        def forward(self, input_ids, labels=None):
+            return {"loss": self.emb(input_ids).mean()}
+
+    with pytest.raises(ConfigError, match="NoPositions.forward takes no position_ids"):
+        Trainer(NoPositions(), args(tmp_path, packing=True), train_dataset=data)
+
+
+def test_packing_reports_rows_collators_and_settings_that_cannot_pack(tmp_path):
+    from stoker import ConfigError, TrainingArguments
+
+    data = sft_rows(8, lo=2, hi=10) + [{"input_ids": list(range(1, 31))}]
+    with pytest.raises(ConfigError) as e:
+        Trainer(llama(), args(tmp_path, packing=True, packing_length=16), train_dataset=data,
+                data_collator=PaddingCollator())
+    assert len(e.value.problems) == 2
+    assert "data_collator: packing=True batches with stoker.packing.PackingCollator" in str(e.value)
+    assert "packing_length=16: 1 train row(s) are longer (row 8 has 30 tokens)" in str(e.value)
+    t = Trainer(llama(), args(tmp_path, packing=True), train_dataset=data)  # default: the longest row
+    assert max(len(r["input_ids"]) for r in t.train_dataset) == 30 and len(t.train_dataset) < len(data)
+    with pytest.raises(ConfigError) as e:
+        TrainingArguments(output_dir=str(tmp_path), packing_length=1, padding_free=True, group_by_length=True,
+                          auto_find_batch_size=True)
+    assert [p.split(":")[0] for p in e.value.problems] == [
+        "packing_length=1", "group_by_length=True with padding_free=True", "padding_free=True with "
+        "auto_find_batch_size=True"]
+    with pytest.raises(ConfigError, match="packing_length=64: is the length of packed rows; set packing=True"):
+        TrainingArguments(output_dir=str(tmp_path), packing_length=64)
+
+
+def test_recipes_take_packing_and_pack_to_their_max_length(tmp_path, capsys):
+    from stoker.recipes import main, parse_recipe_args
+
+    *_, a = parse_recipe_args(["--packing", "true", "--max_length", "96"], "sft")
+    assert a.packing and a.packing_length == 96
+    assert parse_recipe_args(["--packing", "true", "--packing_length", "40"], "clm")[3].packing_length == 40
+    argv = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1", "--num_train_examples",
+            "256", "--num_eval_examples", "16", "--num_train_epochs", "1", "--per_device_train_batch_size", "4",
+            "--disable_tqdm", "true", "--eval_strategy", "no", "--save_strategy", "no", "--max_length", "64"]
+    steps = {}
+    for packing in ("false", "true"):
+        assert main([*argv, "--output_dir", str(tmp_path / packing), "--packing", packing], "clm") == 0
+        steps[packing] = int(re.findall(r"step (\d+): train_runtime", capsys.readouterr().err)[-1])
+    # 256 rows of 8 to 10 tokens: 64 steps of 4 rows; packed 5 to 7 to a row of 64 tokens, 4 rows a step
+    assert steps["false"] == 64 and 10 <= steps["true"] <= 13

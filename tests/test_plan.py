@@ -4,6 +4,7 @@ and `stoker plan` prints both. Accuracy against measured memory is benchmarks/pl
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -90,7 +91,7 @@ def test_stoker_plan_command_prints_the_parts_and_a_proposal(capsys):
     for part in ("weights", "gradients", "optimizer state", "activations", "logits and loss", "peak (estimated)"):
         assert part in out
     assert main(["plan", "--recipe", "clm", "--per_device_train_batch_size", "64", "--max_length", "512",
-                 "--budget_gb", "0.2"]) == 0
+                 "--budget_gb", "0.2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "to fit 0.2 GiB: micro-batch" in out and "global batch 64" in out
     assert main(["plan", "--recipe", "clm", "--budget_gb", "0.0001"]) == 1
@@ -113,3 +114,150 @@ def test_training_a_causal_lm_prints_its_plan_first(tmp_path, capsys):
     err = capsys.readouterr().err
     longest = max(len(r["input_ids"]) for r in rows(4))
     assert "memory plan: about" in err and f"for rows of {longest} tokens" in err
+
+
+# --- families, distribution and precision -----------------------------------------------------------------
+
+
+def tiny(family: str, **kw):
+    import transformers as t
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    if family == "gpt2":
+        config = t.GPT2Config(n_embd=32, n_inner=96, n_layer=2, n_head=4, vocab_size=64)
+        config._attn_implementation = kw.get("attention", "sdpa")
+        return t.GPT2LMHeadModel(config)
+    if family == "opt":
+        return t.OPTForCausalLM(t.OPTConfig(hidden_size=32, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                                            vocab_size=64, word_embed_proj_dim=32))
+    if family == "gpt-neox":
+        return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**sizes))
+    return t.BertForMaskedLM(t.BertConfig(**sizes))
+
+
+def test_model_shape_reads_each_family_from_its_modules_and_config():
+    found = {f: ModelShape.from_model(tiny(f)) for f in ("gpt2", "opt", "gpt-neox", "bert")}
+    described = {f: (s.norm, s.mlp, s.rotary, s.attention_dropout, s.hidden_dropout, s.masked_lm, s.tied)
+                 for f, s in found.items()}
+    assert described == {"gpt2": ("layer", "gelu_new", False, 0.1, 0.1, False, True),
+                         "opt": ("layer", "relu", False, 0.0, 0.1, False, True),
+                         "gpt-neox": ("layer", "gelu", True, 0.0, 0.0, False, False),
+                         "bert": ("layer", "gelu", False, 0.1, 0.1, True, True)}
+    # GPT-2's Conv1D layers are Linear layers stored transposed: c_attn, attn c_proj, c_fc, mlp c_proj
+    assert found["gpt2"].linear_shapes == ((96, 32), (32, 32), (96, 32), (32, 96))
+    assert found["gpt2"].intermediate == 96 and found["gpt2"].linear_params == 2 * 32 * (96 + 32 + 96 + 96)
+    llama = ModelShape.from_model(__import__("tests.test_trainer", fromlist=["llama"]).llama())
+    assert (llama.norm, llama.mlp, llama.rotary) == ("rms", "gated", True)
+
+
+def test_eager_attention_keeps_its_probabilities_and_sdpa_does_not():
+    eager, sdpa = (ModelShape.from_model(tiny("gpt2", attention=a)) for a in ("eager", "sdpa"))
+    assert eager.attention == "eager" and sdpa.attention == "sdpa"
+    setup = Setup(micro_batch=2, seq_len=128)
+    extra = estimate(eager, setup).activations - estimate(sdpa, setup).activations
+    # per layer and token: heads x seq probabilities, their dropped copy and the dropout mask (a byte each)
+    assert extra == 2 * 128 * 2 * 4 * 128 * 2.25 * 4
+    # on the CPU, sdpa with attention dropout runs torch's math kernel, which keeps them too
+    cpu = dataclasses.replace(setup, device="cpu")
+    assert estimate(sdpa, cpu).activations == estimate(eager, cpu).activations
+
+
+def test_ddp_buckets_offload_with_one_process_and_mixed_precision_casts():
+    one, two = estimate(SHAPE, Setup(world_size=1)), estimate(SHAPE, Setup(world_size=2))
+    assert two.buckets == two.gradients == 4 * SHAPE.params and one.buckets == 0
+    assert two.peak - one.peak == two.buckets
+    offloaded = estimate(SHAPE, Setup(world_size=1, fsdp="full_shard offload"))
+    assert offloaded.host == 16 * SHAPE.params and offloaded.optimizer == offloaded.gradients == 0
+    assert offloaded.weights < SHAPE.params  # two gathered layers in float32 are all that stay on the device
+    mixed = estimate(SHAPE, Setup(mixed_precision="bf16"))
+    pure = estimate(SHAPE, Setup(mixed_precision="bf16", weights_dtype="bfloat16"))
+    plain_activations = estimate(SHAPE, Setup(weights_dtype="bfloat16")).activations
+    assert pure.activations == plain_activations  # 16-bit weights: nothing to cast
+    # float32 master weights: autocast's 16-bit copies of every Linear weight and of lm_head live to backward
+    assert mixed.activations - pure.activations == 2 * (SHAPE.linear_params + SHAPE.vocab * SHAPE.hidden)
+    assert estimate(SHAPE, Setup(device="cpu")).context == 0 < one.context
+
+
+# Accelerate's FSDP benchmark (GPT-2 Large and XL, fp32, AdamW, block size 12, 24 GiB GPUs): what fit and what
+# ran out of memory. (model, sharding, processes, micro-batch per process, fitted)
+SEED_TABLE = [
+    ("large", None, 2, 7, True), ("large", "shard_grad_op", 2, 11, True), ("large", "full_shard", 2, 15, True),
+    ("large", "full_shard offload", 2, 22, True), ("xl", None, 1, 1, False), ("xl", None, 2, 1, False),
+    ("xl", "full_shard", 2, 5, True), ("xl", "full_shard offload", 1, 10, True),
+    ("xl", "full_shard offload", 2, 14, True),
+]
+
+
+def test_the_seed_table_of_gpt2_large_and_xl_fits_where_it_fit():
+    from transformers import GPT2Config
+
+    shapes = {}
+    for name, (width, layers, heads) in {"large": (1280, 36, 20), "xl": (1600, 48, 25)}.items():
+        config = GPT2Config(n_embd=width, n_layer=layers, n_head=heads, architectures=["GPT2LMHeadModel"])
+        config._attn_implementation = "eager"  # as transformers ran GPT-2 then
+        shapes[name] = ModelShape.from_config(config)
+    assert round(shapes["large"].params / 1e6) == 774 and round(shapes["xl"].params / 1e6) == 1558
+    predicted = [estimate(shapes[m], Setup(micro_batch=b, seq_len=12, world_size=w, fsdp=f)).peak <= 24 * GIB
+                 for m, f, w, b, _ in SEED_TABLE]
+    assert predicted == [fitted for *_, fitted in SEED_TABLE]
+
+
+def test_stoker_plan_reads_a_model_folder_a_config_json_and_says_what_fits(tmp_path, capsys):
+    import json
+
+    from stoker.cli import main
+
+    tiny("gpt2").config.save_pretrained(tmp_path / "gpt2")
+    for source in (str(tmp_path / "gpt2"), str(tmp_path / "gpt2" / "config.json")):
+        assert main(["plan", source, "--max_length", "64", "--budget_gb", "0.6"]) == 0
+        out = capsys.readouterr().out
+        assert "layer norm, gelu_new MLP, sdpa attention" in out and "0.1M parameters" in out
+        assert "largest micro-batch per device within 0.6 GiB with 1 process(es), 64 tokens per row" in out
+        ddp, fsdp, offload = (int(re.search(rf"{re.escape(n)}\s+(\d+)", out).group(1))
+                              for n in ("DDP", "FSDP (full_shard)", "FSDP + CPU offload"))
+        assert 0 < ddp <= fsdp <= offload
+    (tmp_path / "bad.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    for bad in (str(tmp_path / "bad.json"), str(tmp_path / "missing-folder")):
+        assert main(["plan", bad]) == 2
+        assert f"model_name_or_path={bad!r}:" in capsys.readouterr().err
+
+
+def test_stoker_plan_reads_a_hub_id_when_the_hub_answers(monkeypatch, capsys):
+    from transformers import AutoConfig
+
+    from stoker.cli import main
+
+    asked = []
+
+    def hub(name, *args, **kwargs):  # the hub, answering for one model only (this machine has no network)
+        asked.append(name)
+        if name != "org/tiny-neox":
+            raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
+        return tiny("gpt-neox").config
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", hub)
+    assert main(["plan", "org/tiny-neox", "--max_length", "64"]) == 0
+    assert "layer norm, gelu MLP, sdpa attention" in capsys.readouterr().out
+    assert main(["plan", "org/unreachable"]) == 2
+    assert asked == ["org/tiny-neox", "org/unreachable"]
+    assert ("model_name_or_path='org/unreachable': not a local folder or file, and the hub did not answer for it "
+            "(OSError: We couldn't connect") in capsys.readouterr().err
+
+
+def test_largest_micro_batch_is_the_edge_of_the_budget():
+    from stoker.plan import largest_micro_batch
+
+    setup = Setup(micro_batch=1, seq_len=512, world_size=8, fsdp="full_shard")
+    budget = 40 * GIB
+    most = largest_micro_batch(SHAPE, setup, budget)
+    assert estimate(SHAPE, dataclasses.replace(setup, micro_batch=most)).peak <= budget
+    assert estimate(SHAPE, dataclasses.replace(setup, micro_batch=most + 1)).peak > budget
+    assert largest_micro_batch(SHAPE, Setup(world_size=1), 8 * GIB) == 0
+
+
+def test_model_shape_of_a_lora_model_is_that_of_its_base(tiny_llama):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama()
+    plain = ModelShape.from_model(model)
+    assert ModelShape.from_model(get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))) == plain
