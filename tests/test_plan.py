@@ -225,23 +225,27 @@ def test_stoker_plan_reads_a_model_folder_a_config_json_and_says_what_fits(tmp_p
 def test_stoker_plan_reads_a_hub_id_when_the_hub_answers(monkeypatch, capsys):
     from transformers import AutoConfig
 
+    from stoker import inputs
     from stoker.cli import main
 
     asked = []
 
     def hub(name, *args, **kwargs):  # the hub, answering for one model only (this machine has no network)
         asked.append(name)
-        if name != "org/tiny-neox":
-            raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
         return tiny("gpt-neox").config
 
+    def hub_has(repo_id, repo_type):  # what the input check asks the hub before any work
+        return None if repo_id == "org/tiny-neox" else (
+            "not a local folder, not in the local cache, and the hub is unreachable")
+
     monkeypatch.setattr(AutoConfig, "from_pretrained", hub)
+    monkeypatch.setattr(inputs, "_ask_hub", hub_has)
     assert main(["plan", "org/tiny-neox", "--max_length", "64"]) == 0
     assert "layer norm, gelu MLP, sdpa attention" in capsys.readouterr().out
     assert main(["plan", "org/unreachable"]) == 2
-    assert asked == ["org/tiny-neox", "org/unreachable"]
-    assert ("model_name_or_path='org/unreachable': not a local folder or file, and the hub did not answer for it "
-            "(OSError: We couldn't connect") in capsys.readouterr().err
+    assert asked == ["org/tiny-neox"]  # an unreachable model is refused before anything loads it
+    assert ("model_name_or_path='org/unreachable': not a local folder, not in the local cache, and the hub is "
+            "unreachable") in capsys.readouterr().err
 
 
 def test_largest_micro_batch_is_the_edge_of_the_budget():
