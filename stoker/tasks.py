@@ -1,9 +1,9 @@
 """Tasks the package generates, so that the default jobs and the tests run offline with a real metric.
 
 - `addition` / `subtraction`: "37+45=" -> "082", "45-37=" -> "08". A model that has not learned the operation
-  gets almost no whole answer right; a small Llama trained for half a minute on a CPU gets nearly all. As
-  conversations ("q: 37+45" / "a: 082") they are the default sft task: LoRA teaches the chat form to the
-  model that learned the plain form.
+  gets almost no whole answer right; a small Llama trained for under a minute on a CPU gets nearly all. As
+  conversations (the user's "37+45", the assistant's "082") they are the default sft task: LoRA teaches the
+  chat form to the model that learned the plain form.
 - `topics`: short generated sentences about one of four topics, for sequence classification.
 
 Tokenizers are built or trained locally (a character vocabulary; a word vocabulary trained on the corpus), so
@@ -18,14 +18,14 @@ import numpy as np
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ALPHABET = list("0123456789+-*=()., :?!'\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-# The chat template of the character tokenizer: "q: <user>\na: <assistant></s>", system text on a line of its
-# own. The default sft job teaches a model pre-trained on plain "37+45=082" lines to answer in this form.
+# The chat template of the character tokenizer: the user's message on one line, the assistant's answer on the
+# next, ended by </s>; system text on a line of its own. The default sft job teaches a model pre-trained on plain
+# "37+45=082" lines to answer "37+45" on the next line: the answer stands where it stood after "=", so the
+# adapter learns the new prompt, not the arithmetic, and what it learns holds for problems it never saw.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'user' %}q: {{ message['content'] }}\n"
-    "{% elif message['role'] == 'assistant' %}a: {{ message['content'] }}{{ eos_token }}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
     "{% else %}{{ message['content'] }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}a: {% endif %}"
 )
 OPERATIONS = {"addition": "+", "subtraction": "-"}
 

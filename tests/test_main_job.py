@@ -22,7 +22,7 @@ def test_default_job_learns_and_saves_what_it_says(tmp_path):
     assert results["before"]["eval_exact_match"] < 0.1  # the base has not learned the chat form
     assert results["after"]["eval_exact_match"] >= 0.9
     sample = results["sample"]
-    assert sample["generated"] == sample["expected"] and sample["prompt"].startswith("q: ")
+    assert sample["generated"] == sample["expected"] and sample["prompt"].endswith("\n")
     for line in (f"adapter: {Path('stoker_output')}", "merged model: stoker_output/merged",
                  "report: stoker_output/report.html", "sample: "):
         assert line in done.stdout, f"{line!r} not printed:\n{done.stdout}"
