@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -126,14 +127,48 @@ def test_optimizer_names_are_transformers_names():
     assert set(OPTIMIZER_NAMES) - {o.value for o in OptimizerNames} == set()
 
 
-def test_every_field_has_help_and_group():
-    used = set()
+def test_every_field_has_help_and_one_group():
+    from stoker.arguments import FIELD_GROUPS
+    from stoker.seq2seq import Seq2SeqTrainingArguments
+
     for f in dataclasses.fields(TrainingArguments):
         assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), f.name
-        group = f.metadata.get("group")
-        assert isinstance(group, str) and group.strip() == group and group, f.name
-        used.add(group)
-    assert GROUPS <= used
+    listed = [name for names in FIELD_GROUPS.values() for name in names]
+    assert len(listed) == len(set(listed))  # no field in two groups
+    assert set(listed) == {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+    assert GROUPS <= set(FIELD_GROUPS)
+
+
+def test_metadata_is_what_argparse_accepts():
+    # transformers' parser hands each field's metadata to argparse.add_argument as keyword arguments
+    import argparse
+
+    accepted = set(inspect.signature(argparse.Action.__init__).parameters) - {"self", "option_strings", "dest"}
+    for f in dataclasses.fields(TrainingArguments):
+        assert set(f.metadata) <= accepted, f.name
+
+
+def test_transformers_parser_reads_flags_and_json(tmp_path):
+    from transformers import HfArgumentParser
+
+    @dataclasses.dataclass
+    class ModelArguments:
+        model_name_or_path: str = "tiny"
+
+    parser = HfArgumentParser((ModelArguments, TrainingArguments))
+    model_args, args = parser.parse_args_into_dataclasses(
+        ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--do_train", "--gradient_checkpointing",
+         "--include_for_metrics", "inputs", "loss", "--log_level", "error", "--learning_rate", "3e-4"])
+    assert model_args.model_name_or_path == "m" and isinstance(args, TrainingArguments)
+    assert (args.do_train, args.do_eval, args.gradient_checkpointing, args.activation_checkpointing) == (
+        True, False, True, True)
+    assert args.include_for_metrics == ["inputs", "loss"] and args.learning_rate == 3e-4
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 3,
+                                "label_smoothing_factor": 0.1}))
+    _, from_file = parser.parse_json_file(str(path))
+    assert from_file.do_eval is True  # set by eval_strategy, as transformers does
+    assert from_file.label_smoothing_factor == 0.1 and from_file.eval_steps == 3
 
 
 # ---------------------------------------------------------------------------------------------------

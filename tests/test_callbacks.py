@@ -233,7 +233,7 @@ def test_early_stopping_stops_after_patience_evaluations(tiny_llama, clm_rows, m
                   callbacks=[early, rec]).train()
     assert rec.counts["on_evaluate"] == 1 + 2
     assert out.global_step == 3
-    assert early.patience_counter == 2
+    assert early.early_stopping_patience_counter == 2
     losses = [m["eval_loss"] for m in rec.metrics]
     assert losses[0] == losses[1] == losses[2]
 
@@ -244,21 +244,36 @@ def test_early_stopping_counter_resets_on_improvement(make_args):
         TrainerState(), TrainerControl()
     for value, counter in ((1.0, 0), (0.995, 1), (0.9, 0), (0.9, 1)):
         cb.on_evaluate(args, state, control, metrics={"eval_loss": value})
-        assert cb.patience_counter == counter
+        assert cb.early_stopping_patience_counter == counter
         assert control.should_training_stop is False
         state.best_metric = value if state.best_metric is None else min(state.best_metric, value)
     cb.on_evaluate(args, state, control, metrics={"eval_loss": 0.95})
-    assert cb.patience_counter == 2 and control.should_training_stop is True
+    assert cb.early_stopping_patience_counter == 2 and control.should_training_stop is True
 
 
-def test_early_stopping_state_round_trip():
-    cb = EarlyStoppingCallback(early_stopping_patience=3)
-    cb.patience_counter = 2
-    saved = json.loads(json.dumps(cb.state()))
-    fresh = EarlyStoppingCallback(early_stopping_patience=3)
-    assert fresh.patience_counter == 0
-    fresh.load_state(saved)
-    assert fresh.patience_counter == 2
+def test_early_stopping_state_is_transformers_exportable_state():
+    from transformers import EarlyStoppingCallback as HFEarlyStopping
+
+    cb = EarlyStoppingCallback(early_stopping_patience=3, early_stopping_threshold=0.5)
+    cb.early_stopping_patience_counter = 2
+    hf = HFEarlyStopping(early_stopping_patience=3, early_stopping_threshold=0.5)
+    hf.early_stopping_patience_counter = 2
+    assert cb.state() == hf.state()
+    assert json.loads(json.dumps(cb.state())) == cb.state()
+
+
+def test_check_metric_value_counts_as_transformers_does(make_args):
+    from transformers import EarlyStoppingCallback as HFEarlyStopping
+
+    state = TrainerState()
+    for greater in (False, True):
+        args = make_args(eval_strategy="steps", metric_for_best_model="accuracy", greater_is_better=greater)
+        ours, theirs = EarlyStoppingCallback(3, 0.1), HFEarlyStopping(3, 0.1)
+        for best, value in ((None, 1.0), (1.0, 1.05), (1.0, 1.2), (1.0, 0.8), (1.0, 0.95), (1.0, 1.0)):
+            state.best_metric = best
+            ours.check_metric_value(args, state, TrainerControl(), value)
+            theirs.check_metric_value(args, state, TrainerControl(), value)
+            assert ours.early_stopping_patience_counter == theirs.early_stopping_patience_counter, (greater, value)
 
 
 def test_early_stopping_needs_a_metric(tiny_llama, clm_rows, make_args):
