@@ -112,10 +112,14 @@ class Seq2SeqTrainer(Trainer):
         generator = self.accelerator.unwrap_model(model)
         with torch.no_grad():
             generated = generator.generate(**generation_inputs, **gen_kwargs)
+        config = generator.generation_config
+        # as transformers: the config keeps its own values, with the defaults filled in where it has None
+        config._from_model_config = False
+        config.update(**config._get_default_generation_params(), defaults_only=True)
         loss = super().prediction_step(model, inputs, True, ignore_keys)[0] if labels is not None else None
-        generated = self._pad_to_generation_length(generated, generator.generation_config)
+        generated = self._pad_to_generation_length(generated, config)
         if labels is not None:
-            labels = self._pad_to_generation_length(labels, generator.generation_config)
+            labels = self._pad_to_generation_length(labels, config)
         return loss, generated, labels
 
     def _pad_to_generation_length(self, tensor: torch.Tensor, config) -> torch.Tensor:

@@ -136,6 +136,10 @@ class Trainer(TrainerAPI):
         optimizer_cls_and_kwargs: tuple[type, dict] | None = None,
     ):
         self.args = args if args is not None else TrainingArguments()
+        self._memory = None  # transformers' TrainerMemoryTracker, with skip_memory_metrics=False
+        memory = self._memory_tracker()
+        if memory is not None:  # its first stage, "init", is reported with the first train/eval/test metrics
+            memory.start()
         self.model_init = model_init
         if model is None:
             if model_init is None:
@@ -166,7 +170,6 @@ class Trainer(TrainerAPI):
         self.current_flos = 0  # FLOPs since the last store_flos (transformers' estimate)
         self.is_in_train = False
         self._ignore_keys_for_eval = None
-        self._memory = None  # transformers' TrainerMemoryTracker, with skip_memory_metrics=False
         self._wrapped_in_place = False  # by a train() call that cannot be repeated (DeepSpeed, FSDP1)
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
@@ -184,6 +187,8 @@ class Trainer(TrainerAPI):
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
         self._fire("on_init_end")
+        if memory is not None:
+            memory.stop_and_update_metrics()
 
     # ------------------------------------------------------------------------------------------
     # set-up
