@@ -463,8 +463,8 @@ class Trainer(TrainerAPI):
         micro_batch = getattr(self, "_micro_batch", self.args.per_device_train_batch_size)
         return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
 
-    def get_eval_dataloader(self, dataset=None):
-        dataset = dataset if dataset is not None else self.eval_dataset
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluation needs an eval_dataset")
         loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
@@ -1225,7 +1225,7 @@ class Trainer(TrainerAPI):
     # ------------------------------------------------------------------------------------------
     # saving and resuming
 
-    def save_model(self, output_dir: str | None = None) -> None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for use outside stoker: transformers/peft models with save_pretrained
         (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json."""
         output_dir = output_dir or self.args.output_dir

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -33,6 +35,35 @@ class TrainerAPI:
         """Samples per optimizer step over every process."""
         args = args or self.args
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Build the Accelerator anew from the arguments (after changing them, say)."""
+        self.accelerator = self._build_accelerator(self.model, self._given_optimizers)
+
+    def set_initial_training_values(self, args, dataloader) -> tuple[int, int, int, int, int, int | None, int]:
+        """(num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
+        steps_in_epoch, max_steps) of a run over `dataloader`, as transformers computes them."""
+        max_steps, accumulation = args.max_steps, args.gradient_accumulation_steps
+        try:
+            len_dataloader = len(dataloader)
+        except TypeError:
+            len_dataloader = None
+        total = self.get_total_train_batch_size(args)
+        if len_dataloader:
+            per_epoch = max(math.ceil(len_dataloader / accumulation), 1)
+            if max_steps <= 0:
+                max_steps = math.ceil(args.num_train_epochs * per_epoch)
+                epochs = math.ceil(args.num_train_epochs)
+                samples = self.num_examples(dataloader) * args.num_train_epochs
+            else:
+                epochs, samples = math.ceil(max_steps / per_epoch), max_steps * total
+            examples = self.num_examples(dataloader)
+        elif max_steps > 0:  # no length: as many passes as max_steps needs
+            epochs, per_epoch, examples, samples = sys.maxsize, max_steps, total * max_steps, total * max_steps
+        else:
+            raise ValueError("max_steps must be > 0 for a dataloader without a length")
+        steps_in_epoch = len_dataloader if len_dataloader is not None else max_steps * accumulation
+        return epochs, per_epoch, examples, samples, total, steps_in_epoch, max_steps
 
     def get_tp_size(self) -> int:
         return 1  # stoker runs no tensor parallelism (parallelism_config is refused)
