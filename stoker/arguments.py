@@ -86,7 +86,8 @@ class TrainingArguments:
     output_dir: str | None = field(default=None, metadata=_help(
         "Folder for checkpoints, logs and the final model (default: 'trainer_output')."))
     overwrite_output_dir: bool = field(default=False, metadata=_help(
-        "Allow training into an output_dir that already holds checkpoints without resuming from them."))
+        "A new run removes the checkpoints an earlier run left in output_dir, once it has committed one of its "
+        "own (without it they stay, as in transformers 5)."))
     run_name: str | None = field(default=None, metadata=_help(
         "A name for the run in logs (default: the output_dir)."))
     do_train: bool = field(default=False, metadata=_help(
