@@ -91,6 +91,53 @@ def test_hyperparameter_search_without_optuna_is_one_clear_error(tiny_llama, mak
         t.hyperparameter_search(n_trials=1)
 
 
+def test_hyperparameter_search_trains_each_trial_from_model_init(tiny_llama, make_args, monkeypatch, tmp_path):
+    import sys
+    import types
+
+    class Trial:  # the part of optuna.Trial that a search space uses
+        def __init__(self, number, rate):
+            self.number, self.params, self.rate = number, {}, rate
+
+        def suggest_float(self, name, low, high, log=False):
+            self.params[name] = self.rate
+            return self.rate
+
+    class Study:  # tries the rates in order, as optuna's study.optimize calls the objective
+        def __init__(self, direction):
+            self.direction, self.trials = direction, []
+
+        def optimize(self, objective, n_trials):
+            for number, rate in enumerate([1e-5, 3e-2, 1e-3][:n_trials]):
+                trial = Trial(number, rate)
+                self.trials.append((objective(trial), trial))
+
+        @property
+        def best_trial(self):
+            value, trial = min(self.trials, key=lambda vt: vt[0])
+            return types.SimpleNamespace(number=trial.number, value=value, params=trial.params)
+
+    monkeypatch.setitem(sys.modules, "optuna", types.SimpleNamespace(create_study=lambda direction: Study(direction)))
+    made, rates, losses = [], [], []
+
+    class Look(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            rates.append((args.learning_rate, state.trial_params, args.output_dir))
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            losses.append(metrics["eval_loss"])
+
+    t = Trainer(args=make_args(max_steps=3), model_init=lambda: made.append(tiny_llama()) or made[-1],
+                train_dataset=rows(8), eval_dataset=rows(4, seed=1), callbacks=[Look()])
+    best = t.hyperparameter_search(hp_space=lambda trial: {"learning_rate": trial.suggest_float("lr", 1e-5, 1e-1)},
+                                   n_trials=3)
+    assert len(made) == 4  # one for __init__, one per trial
+    assert [r[0] for r in rates] == [1e-5, 3e-2, 1e-3] and rates[1][1] == {"lr": 3e-2}
+    assert rates[2][2] == str(tmp_path / "out" / "run-2") and t.args.output_dir == str(tmp_path / "out")
+    assert len(set(losses)) == 3 and best.objective == min(losses)  # the default objective: eval_loss
+    assert best.run_id == str(losses.index(min(losses))) and best.hyperparameters == rates[int(best.run_id)][1]
+
+
 # ---------------------------------------------------------------------------------------------------
 # optimizer, parameters, data, FLOPs
 
