@@ -660,11 +660,14 @@ class TrainingArguments:
     # ------------------------------------------------------------------------------------------
     # the process view transformers' scripts read (rank, device, logging); Accelerate's PartialState knows it
 
-    @staticmethod
-    def _process():
+    def _process(self):
+        """Accelerate's process state, set up as the Trainer's Accelerator sets it up (it is made once per
+        process: whichever comes first decides)."""
         from accelerate import PartialState
 
-        return PartialState()
+        from .distributed import wants_cpu
+
+        return PartialState(cpu=wants_cpu(self.use_cpu) and not self.deepspeed)
 
     @property
     def n_gpu(self) -> int:
@@ -683,11 +686,7 @@ class TrainingArguments:
 
     @property
     def device(self):
-        import torch
-
-        from .distributed import wants_cpu
-
-        return torch.device("cpu") if wants_cpu(self.use_cpu) else self._process().device
+        return self._process().device
 
     @property
     def world_size(self) -> int:

@@ -164,6 +164,7 @@ class Trainer(TrainerAPI):
         self.accelerator = self._build_accelerator(model, optimizers)
         self._apply_precision_switches()
         self._set_log_levels()
+        self._check_save_on_each_node()
         self._enable_gradient_checkpointing(model)
         self.model = model
         self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
@@ -234,6 +235,14 @@ class Trainer(TrainerAPI):
         level = a.get_process_log_level()
         logging.getLogger("stoker").setLevel(level)
         hf_logging.set_verbosity(level)
+
+    def _check_save_on_each_node(self) -> None:
+        acc = self.accelerator
+        nodes = acc.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+        if self.args.save_on_each_node and nodes > 1:
+            raise ConfigError([f"save_on_each_node=True: this run has {nodes} nodes, and stoker commits each "
+                               "checkpoint once, from the main process, into an output_dir that every node must "
+                               "see (a shared disk); set it to False"], "Trainer inputs")
 
     def _check_inputs(self, model, optimizers) -> None:
         """Problems that need the model and data as well as the arguments, reported together."""

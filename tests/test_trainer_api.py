@@ -565,3 +565,17 @@ def test_use_cache_and_debug_underflow_overflow(tiny_llama, make_args):
     debugged = tiny_llama()
     Trainer(debugged, make_args(debug="underflow_overflow"))
     assert debugged.model.layers[0].mlp._forward_hooks  # transformers' DebugUnderflowOverflow watches every module
+
+
+def test_save_on_each_node_is_refused_with_several_nodes(tiny_llama, make_args, monkeypatch):
+    import types
+
+    from stoker import ConfigError
+
+    t = Trainer(tiny_llama(), make_args(save_on_each_node=True))  # one node: the same as writing once
+    t.accelerator = types.SimpleNamespace(num_processes=4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="save_on_each_node=True: this run has 2 nodes"):
+        t._check_save_on_each_node()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    t._check_save_on_each_node()
