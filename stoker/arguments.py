@@ -82,6 +82,7 @@ def _help(text: str) -> dict:
 
 @dataclass
 class TrainingArguments:
+    default_optim = "adamw_torch_fused"  # as transformers' class attribute (not a field)
     # --- where the run writes -------------------------------------------------------------------
     output_dir: str | None = field(default=None, metadata=_help(
         "Folder for checkpoints, logs and the final model (default: 'trainer_output')."))
@@ -727,6 +728,21 @@ class TrainingArguments:
             return hf_logging.get_verbosity()
         return {"detail": 5}.get(level) or logging.getLevelName(level.upper())
 
+    @property
+    def ddp_timeout_delta(self):
+        from datetime import timedelta
+
+        return timedelta(seconds=self.ddp_timeout)
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """None, as in transformers 5: Accelerate places the model (a subclass may override it for scripts that
+        read it)."""
+        return None
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        return self.warmup_for(num_training_steps)
+
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work"):
         """Run the block on the main process (of the node, with local=True) first, the others after it: for
@@ -734,6 +750,72 @@ class TrainingArguments:
         state = self._process()
         with state.local_main_process_first() if local else state.main_process_first():
             yield
+
+    # ------------------------------------------------------------------------------------------
+    # transformers' grouped setters: each sets its fields, validates the result and returns the arguments
+
+    def _update(self, **values) -> TrainingArguments:
+        updated = dataclasses.replace(self, **values)  # runs __post_init__: every problem reported at once
+        self.__dict__.update(updated.__dict__)
+        return self
+
+    def set_training(self, learning_rate: float = 5e-5, batch_size: int = 8, weight_decay: float = 0,
+                     num_epochs: float = 3, max_steps: int = -1, gradient_accumulation_steps: int = 1, seed: int = 42,
+                     activation_checkpointing: bool = False, gradient_checkpointing: bool | None = None):
+        checkpointing = activation_checkpointing if gradient_checkpointing is None else gradient_checkpointing
+        return self._update(do_train=True, learning_rate=learning_rate, per_device_train_batch_size=batch_size,
+                            weight_decay=weight_decay, num_train_epochs=num_epochs, max_steps=max_steps,
+                            gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,
+                            activation_checkpointing=checkpointing, gradient_checkpointing=checkpointing)
+
+    def set_evaluate(self, strategy: str = "no", steps: int = 500, batch_size: int = 8,
+                     accumulation_steps: int | None = None, delay: float | None = None, loss_only: bool = False):
+        return self._update(eval_strategy=str(strategy), do_eval=str(strategy) != "no", eval_steps=steps,
+                            per_device_eval_batch_size=batch_size, eval_accumulation_steps=accumulation_steps,
+                            eval_delay=delay or 0, prediction_loss_only=loss_only)
+
+    def set_testing(self, batch_size: int = 8, loss_only: bool = False):
+        return self._update(do_predict=True, per_device_eval_batch_size=batch_size, prediction_loss_only=loss_only)
+
+    def set_save(self, strategy: str = "steps", steps: int = 500, total_limit: int | None = None,
+                 on_each_node: bool = False):
+        return self._update(save_strategy=str(strategy), save_steps=steps, save_total_limit=total_limit,
+                            save_on_each_node=on_each_node)
+
+    def set_logging(self, strategy: str = "steps", steps: int = 500, report_to: str | list[str] = "none",
+                    level: str = "passive", first_step: bool = False, nan_inf_filter: bool = False,
+                    on_each_node: bool = False, replica_level: str = "passive"):
+        return self._update(logging_strategy=str(strategy), logging_steps=steps, report_to=report_to, log_level=level,
+                            logging_first_step=first_step, logging_nan_inf_filter=nan_inf_filter,
+                            log_on_each_node=on_each_node, log_level_replica=replica_level)
+
+    def set_push_to_hub(self, model_id: str, strategy: str = "every_save", token: str | None = None,
+                        private_repo: bool | None = None, always_push: bool = False, revision: str | None = None):
+        return self._update(push_to_hub=True, hub_model_id=model_id, hub_strategy=str(strategy), hub_token=token,
+                            hub_private_repo=private_repo, hub_always_push=always_push, hub_revision=revision)
+
+    def set_optimizer(self, name: str = "adamw_torch", learning_rate: float = 5e-5, weight_decay: float = 0,
+                      beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, args: str | None = None):
+        return self._update(optim=str(name), learning_rate=learning_rate, weight_decay=weight_decay,
+                            adam_beta1=beta1, adam_beta2=beta2, adam_epsilon=epsilon, optim_args=args)
+
+    def set_lr_scheduler(self, name: str = "linear", num_epochs: float = 3.0, max_steps: int = -1,
+                         warmup_steps: float = 0):
+        return self._update(lr_scheduler_type=str(name), num_train_epochs=num_epochs, max_steps=max_steps,
+                            warmup_steps=warmup_steps)
+
+    def set_dataloader(self, train_batch_size: int = 8, eval_batch_size: int = 8, drop_last: bool = False,
+                       num_workers: int = 0, pin_memory: bool = True, persistent_workers: bool = False,
+                       prefetch_factor: int | None = None, multiprocessing_context: str | None = None,
+                       in_order: bool = True, auto_find_batch_size: bool = False, ignore_data_skip: bool = False,
+                       sampler_seed: int | None = None):
+        return self._update(
+            per_device_train_batch_size=train_batch_size, per_device_eval_batch_size=eval_batch_size,
+            dataloader_drop_last=drop_last, dataloader_num_workers=num_workers, dataloader_pin_memory=pin_memory,
+            dataloader_persistent_workers=persistent_workers, dataloader_prefetch_factor=prefetch_factor,
+            dataloader_multiprocessing_context=multiprocessing_context, dataloader_in_order=in_order,
+            auto_find_batch_size=auto_find_batch_size, ignore_data_skip=ignore_data_skip,
+            data_seed=self.seed if sampler_seed is None else sampler_seed)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainingArguments:

@@ -44,6 +44,10 @@ def counts() -> dict:
     ours = {f.name for f in dataclasses.fields(stoker.TrainingArguments)}
     hf_methods = sorted(m for m in dir(transformers.Trainer) if not m.startswith("_")
                         and callable(getattr(transformers.Trainer, m)))
+    # TrainingArguments' properties and helpers (should_log, main_process_first, set_training, ...)
+    # (is_torch_greater_or_equal_than_2_8 is a version flag transformers keeps on the class, not an API)
+    hf_helpers = sorted(m for m in dir(transformers.TrainingArguments) if not m.startswith("_")
+                        and m not in hf_fields and not m.startswith("is_torch_"))
     return {
         "transformers": transformers.__version__,
         "fields": len(hf_fields),
@@ -53,6 +57,9 @@ def counts() -> dict:
         "methods_present": sum(callable(getattr(stoker.Trainer, m, None)) for m in hf_methods),
         "methods_missing": [m for m in hf_methods if not callable(getattr(stoker.Trainer, m, None))],
         "signature_differences": {m: d for m in hf_methods if (d := _signature_difference(m))},
+        "argument_helpers": len(hf_helpers),
+        "argument_helpers_present": sum(hasattr(stoker.TrainingArguments, m) for m in hf_helpers),
+        "argument_helpers_missing": [m for m in hf_helpers if not hasattr(stoker.TrainingArguments, m)],
     }
 
 
@@ -79,6 +86,40 @@ def test_every_transformers_field_and_public_method_is_there():
     assert c["fields_missing"] == [] and c["fields_present"] == c["fields"]
     assert c["methods_missing"] == [] and c["methods_present"] == c["methods"]
     assert c["signature_differences"] == {}
+    assert c["argument_helpers_missing"] == []
+
+
+def test_grouped_setters_set_what_transformers_sets(tmp_path):
+    import transformers
+
+    from stoker import TrainingArguments
+
+    calls = [("set_training", dict(learning_rate=1e-3, batch_size=4, num_epochs=2, seed=3,
+                                   gradient_checkpointing=True)),
+             ("set_evaluate", dict(strategy="steps", steps=7, batch_size=2, delay=2)),
+             ("set_testing", dict(batch_size=3, loss_only=True)),
+             ("set_save", dict(strategy="steps", steps=9, total_limit=2)),
+             ("set_logging", dict(strategy="steps", steps=3, level="info", first_step=True)),
+             ("set_optimizer", dict(name="adamw_torch", learning_rate=2e-4, beta1=0.8, args="foreach=False")),
+             ("set_lr_scheduler", dict(name="cosine", max_steps=40, warmup_steps=0.1)),
+             ("set_dataloader", dict(train_batch_size=5, eval_batch_size=6, num_workers=2, in_order=False,
+                                     sampler_seed=11))]
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path))
+    ours = TrainingArguments(output_dir=str(tmp_path))
+    for name, kwargs in calls:
+        before = dict(vars(hf))
+        assert getattr(ours, name)(**kwargs) is ours
+        getattr(hf, name)(**kwargs)
+        changed = [k for k, v in vars(hf).items() if before.get(k) != v and k in vars(ours)]
+        assert changed, name
+        for key in changed:
+            theirs = getattr(hf, key)
+            if key == "report_to" and isinstance(theirs, str):  # stoker keeps report_to as a list
+                theirs = [theirs]
+            assert getattr(ours, key) == theirs, (name, key)
+    assert ours.get_warmup_steps(40) == hf.get_warmup_steps(40) == 4
+    assert ours.ddp_timeout_delta == hf.ddp_timeout_delta and ours.default_optim == hf.default_optim
+    assert ours.place_model_on_device == hf.place_model_on_device
 
 
 @pytest.mark.parametrize("name,value,reason", REFUSED_VALUES, ids=[r[0] for r in REFUSED_VALUES])
@@ -114,6 +155,8 @@ def main() -> None:
           + (f"; missing {c['fields_missing']}" if c["fields_missing"] else ""))
     print(f"public Trainer methods: {c['methods_present']} of {c['methods']}"
           + (f"; missing {c['methods_missing']}" if c["methods_missing"] else ""))
+    print(f"TrainingArguments properties and helpers: {c['argument_helpers_present']} of {c['argument_helpers']}"
+          + (f"; missing {c['argument_helpers_missing']}" if c["argument_helpers_missing"] else ""))
     for name, why in c["signature_differences"].items():
         print(f"  {name}: {why}")
     print("refused values:")
