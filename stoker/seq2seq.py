@@ -29,7 +29,8 @@ class Seq2SeqTrainingArguments(TrainingArguments):
         "max_length of generation in evaluation and predict (default: the model's generation config)."))
     generation_num_beams: int | None = field(default=None, metadata=_help(
         "num_beams of generation in evaluation and predict (default: the model's generation config)."))
-    generation_config: Any = field(default=None, metadata=_help(
+    # declared str for the command line (argparse takes one type); from Python a GenerationConfig or a dict works
+    generation_config: str | None = field(default=None, metadata=_help(
         "A GenerationConfig, or a local folder or JSON file holding one, used in evaluation and predict."))
 
     def __post_init__(self):

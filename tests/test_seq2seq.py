@@ -115,7 +115,11 @@ def test_generation_config_from_a_local_folder_and_bad_values(tmp_path):
 
     GenerationConfig(max_length=11, num_beams=3, decoder_start_token_id=PAD, eos_token_id=1,
                      pad_token_id=PAD).save_pretrained(tmp_path / "gen")
-    trainer = Seq2SeqTrainer(t5(), args(tmp_path, generation_config=str(tmp_path / "gen")), data_collator=collate)
+    from transformers import HfArgumentParser
+
+    (parsed,) = HfArgumentParser(Seq2SeqTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--generation_config", str(tmp_path / "gen")])
+    trainer = Seq2SeqTrainer(t5(), parsed, data_collator=collate)
     assert trainer.model.generation_config.num_beams == 3
     with pytest.raises(ValueError, match="not a GenerationConfig, nor a local folder"):
         Seq2SeqTrainer(t5(), args(tmp_path, generation_config="org/some-hub-id"), data_collator=collate)
