@@ -120,20 +120,21 @@ def _unwrap_peft(model):
 class Trainer(TrainerAPI):
     def __init__(
         self,
+        # transformers.Trainer's parameters in its order (a positional call means the same), then stoker's
         model: torch.nn.Module | None = None,
         args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
         train_dataset=None,
         eval_dataset=None,
-        data_collator: Callable | None = None,
+        processing_class=None,
+        model_init: Callable | None = None,
+        compute_loss_func: Callable | None = None,
         compute_metrics: Callable | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
-        processing_class=None,
-        peft_config=None,
-        compute_loss_func: Callable | None = None,
-        preprocess_logits_for_metrics: Callable | None = None,
-        model_init: Callable | None = None,
         optimizer_cls_and_kwargs: tuple[type, dict] | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        peft_config=None,
     ):
         self.args = args if args is not None else TrainingArguments()
         self._memory = None  # transformers' TrainerMemoryTracker, with skip_memory_metrics=False

@@ -89,6 +89,16 @@ def test_every_transformers_field_and_public_method_is_there():
     assert c["argument_helpers_missing"] == []
 
 
+def test_trainer_parameters_come_in_transformers_order():
+    import transformers
+
+    import stoker
+
+    theirs = list(inspect.signature(transformers.Trainer.__init__).parameters)
+    ours = list(inspect.signature(stoker.Trainer.__init__).parameters)
+    assert ours[:len(theirs)] == theirs and ours[len(theirs):] == ["peft_config"]
+
+
 def test_grouped_setters_set_what_transformers_sets(tmp_path):
     import transformers
 
