@@ -253,8 +253,7 @@ class Trainer(TrainerAPI):
             p.append(f"eval_strategy={a.eval_strategy!r}"
                      + (", eval_on_start=True" if a.eval_on_start else "")
                      + ": evaluation needs an eval_dataset (pass one, or set eval_strategy='no')")
-        for name in ("train_dataset", "eval_dataset"):
-            ds = getattr(self, name)
+        for name, ds in self._named_datasets():
             if ds is not None and hasattr(ds, "__len__") and len(ds) == 0:
                 p.append(f"{name}: is empty (0 rows)")
         ds = self.train_dataset
@@ -280,15 +279,21 @@ class Trainer(TrainerAPI):
             p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                      "(LoRA) to train an adapter on it (QLoRA)")
         if isinstance(model, torch.nn.Module):
-            for name in ("train_dataset", "eval_dataset"):
-                p += self._probe_rows(model, name)
+            for name, ds in self._named_datasets():
+                p += self._probe_rows(model, name, ds)
         if p:
             raise ConfigError(p, "Trainer inputs")
 
-    def _probe_rows(self, model, name: str) -> list[str]:
+    def _named_datasets(self) -> list[tuple[str, Any]]:
+        """The datasets with the names problems are reported under; eval_dataset may be a dict of them."""
+        evals = self.eval_dataset
+        if isinstance(evals, dict):
+            return [("train_dataset", self.train_dataset)] + [(f"eval_dataset[{k!r}]", v) for k, v in evals.items()]
+        return [("train_dataset", self.train_dataset), ("eval_dataset", evals)]
+
+    def _probe_rows(self, model, name: str, ds) -> list[str]:
         """Collate the first rows of a dataset and check them against the model, so that a missing column,
         a wrong label dtype or a collator that returns non-tensors fails here rather than mid-run."""
-        ds = getattr(self, name)
         if ds is None or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
             return []
         rows = [ds[i] for i in range(min(len(ds), 2))]
@@ -474,6 +479,8 @@ class Trainer(TrainerAPI):
         return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
 
     def get_eval_dataloader(self, eval_dataset=None):
+        if isinstance(eval_dataset, str):  # a name in the Trainer's dict of evaluation sets
+            eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluation needs an eval_dataset")
@@ -1034,6 +1041,16 @@ class Trainer(TrainerAPI):
 
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Metrics of one evaluation set; with a dict of them (given here or to the Trainer) each one's metrics,
+        prefixed with its name (eval_<name>_loss, ...). A name picks one set of the Trainer's dict."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(datasets, dict):
+            metrics = {}
+            for name, dataset in datasets.items():
+                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
         memory = self._memory_tracker()
         if memory is not None:
             memory.start()

@@ -579,3 +579,21 @@ def test_save_on_each_node_is_refused_with_several_nodes(tiny_llama, make_args, 
         t._check_save_on_each_node()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     t._check_save_on_each_node()
+
+
+def test_a_dict_of_evaluation_sets(tiny_llama, make_args):
+    from stoker import ConfigError
+
+    sets = {"short": rows(4, seed=1), "long": rows(6, seed=2)}
+    t = Trainer(tiny_llama(), make_args(max_steps=2, eval_strategy="steps", eval_steps=1,
+                                        metric_for_best_model="eval_long_loss"), train_dataset=rows(8),
+                eval_dataset=sets)
+    t.train()
+    during = [(r["step"], r["eval_long_loss"]) for r in t.state.log_history if "eval_long_loss" in r]
+    assert [step for step, _ in during] == [1, 2] and t.state.best_metric == min(v for _, v in during)
+    metrics = t.evaluate()
+    assert metrics["eval_short_loss"] == t.evaluate(sets["short"])["eval_loss"]
+    assert metrics["eval_long_loss"] == t.evaluate("long")["eval_loss"] == during[-1][1]
+    assert t.num_examples(t.get_eval_dataloader("long")) == 6
+    with pytest.raises(ConfigError, match=r"eval_dataset\['empty'\]: is empty"):
+        Trainer(tiny_llama(), make_args(), eval_dataset={"empty": [], "fine": rows(2)})
