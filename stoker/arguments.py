@@ -10,6 +10,7 @@ lists of valid names below are kept in step with transformers by a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -44,10 +45,16 @@ ACCELERATOR_CONFIG_KEYS = (
 # than a silent no-op. Each maps to the value that means "off".
 NOT_YET_SUPPORTED: dict[str, Any] = {}
 NONFINITE_POLICIES = ("skip", "stop")
+# transformers' trainer_log_levels; 'passive' leaves the loggers' levels alone
+LOG_LEVELS = ("detail", "debug", "info", "warning", "error", "critical", "passive")
+SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+METRIC_INPUTS = ("inputs", "loss")
+DEBUG_OPTIONS = ("underflow_overflow",)
 RESUME_MISMATCH = ("error", "warn")
 # Dict-valued fields that may arrive as a JSON string from the command line.
 JSON_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config", "fsdp_config",
-               "deepspeed")
+               "deepspeed", "activation_checkpointing_kwargs", "liger_kernel_config", "parallelism_config")
 
 
 class ConfigError(ValueError):
@@ -65,218 +72,324 @@ def suggest(value: str, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _help(text: str, group: str) -> dict:
-    return {"help": text, "group": group}
+# as transformers declares its `bool | None` switches, so that a bare `--gradient_checkpointing` means True
+BARE_FLAG = {"nargs": "?", "const": True}
+
+
+def _help(text: str) -> dict:
+    # only what argparse accepts: transformers' HfArgumentParser hands the metadata to add_argument as is.
+    # The --help group of each field is FIELD_GROUPS, below the class.
+    return {"help": text}
 
 
 @dataclass
 class TrainingArguments:
+    default_optim = "adamw_torch_fused"  # as transformers' class attribute (not a field)
     # --- where the run writes -------------------------------------------------------------------
     output_dir: str | None = field(default=None, metadata=_help(
-        "Folder for checkpoints, logs and the final model (default: 'trainer_output').", "output"))
+        "Folder for checkpoints, logs and the final model (default: 'trainer_output')."))
     overwrite_output_dir: bool = field(default=False, metadata=_help(
-        "Allow training into an output_dir that already holds checkpoints without resuming from them.", "output"))
+        "A new run removes the checkpoints an earlier run left in output_dir, once it has committed one of its "
+        "own (without it they stay, as in transformers 5)."))
     run_name: str | None = field(default=None, metadata=_help(
-        "A name for the run in logs (default: the output_dir).", "output"))
+        "A name for the run in logs (default: the output_dir)."))
+    do_train: bool = field(default=False, metadata=_help(
+        "Run training. Read by scripts (the recipes, transformers' examples), not by the Trainer."))
+    do_eval: bool = field(default=False, metadata=_help(
+        "Run evaluation on the dev set; set to True when eval_strategy is not 'no'. Read by scripts."))
+    do_predict: bool = field(default=False, metadata=_help(
+        "Run predictions on the test set. Read by scripts, not by the Trainer."))
 
     # --- duration -------------------------------------------------------------------------------
     num_train_epochs: float = field(default=3.0, metadata=_help(
-        "Passes over the training data; fractional values stop part-way through the last epoch.", "duration"))
+        "Passes over the training data; fractional values stop part-way through the last epoch."))
     max_steps: int = field(default=-1, metadata=_help(
-        "Optimizer steps to run; overrides num_train_epochs when > 0.", "duration"))
+        "Optimizer steps to run; overrides num_train_epochs when > 0."))
 
     # --- batch ----------------------------------------------------------------------------------
     per_device_train_batch_size: int = field(default=8, metadata=_help(
-        "Samples per micro-batch on each process.", "batch"))
+        "Samples per micro-batch on each process."))
     per_device_eval_batch_size: int = field(default=8, metadata=_help(
-        "Samples per evaluation batch on each process.", "batch"))
+        "Samples per evaluation batch on each process."))
     gradient_accumulation_steps: int = field(default=1, metadata=_help(
         "Micro-batches per optimizer step. The loss is normalised over every target token of the window, so "
-        "B x A equals one batch of B*A exactly.", "batch"))
+        "B x A equals one batch of B*A exactly."))
     auto_find_batch_size: bool = field(default=False, metadata=_help(
         "On out-of-memory, halve the micro-batch and double gradient_accumulation_steps (the update stays the "
-        "same), retry the step, and keep the new size in checkpoints.", "batch"))
+        "same), retry the step, and keep the new size in checkpoints."))
+    average_tokens_across_devices: bool = field(default=True, metadata=_help(
+        "Normalise the loss over the target tokens of every process (an exact global mean). False normalises "
+        "over each process's own tokens, and the processes' gradients are averaged (transformers' False)."))
 
     # --- optimizer and schedule -----------------------------------------------------------------
-    learning_rate: float = field(default=5e-5, metadata=_help("Peak learning rate.", "optimizer"))
+    learning_rate: float = field(default=5e-5, metadata=_help("Peak learning rate."))
     weight_decay: float = field(default=0.0, metadata=_help(
-        "Decoupled weight decay; never applied to biases and normalisation weights.", "optimizer"))
-    adam_beta1: float = field(default=0.9, metadata=_help("Adam beta1.", "optimizer"))
-    adam_beta2: float = field(default=0.999, metadata=_help("Adam beta2.", "optimizer"))
-    adam_epsilon: float = field(default=1e-8, metadata=_help("Adam epsilon.", "optimizer"))
+        "Decoupled weight decay; never applied to biases and normalisation weights."))
+    adam_beta1: float = field(default=0.9, metadata=_help("Adam beta1."))
+    adam_beta2: float = field(default=0.999, metadata=_help("Adam beta2."))
+    adam_epsilon: float = field(default=1e-8, metadata=_help("Adam epsilon."))
     max_grad_norm: float = field(default=1.0, metadata=_help(
-        "Clip the global gradient norm to this value (0 disables clipping and grad_norm logging).", "optimizer"))
+        "Clip the global gradient norm to this value (0 disables clipping and grad_norm logging)."))
     optim: str = field(default="adamw_torch_fused", metadata=_help(
-        f"Optimizer: one of {', '.join(OPTIMIZER_NAMES)}.", "optimizer"))
+        f"Optimizer: one of {', '.join(OPTIMIZER_NAMES)}."))
     optim_args: str | None = field(default=None, metadata=_help(
-        "Extra optimizer keyword arguments as 'key=value,key=value'.", "optimizer"))
+        "Extra optimizer keyword arguments as 'key=value,key=value'."))
     lr_scheduler_type: str = field(default="linear", metadata=_help(
-        f"Learning-rate schedule (transformers' get_scheduler): one of {', '.join(SCHEDULER_NAMES)}.", "optimizer"))
+        f"Learning-rate schedule (transformers' get_scheduler): one of {', '.join(SCHEDULER_NAMES)}."))
     lr_scheduler_kwargs: dict | str | None = field(default=None, metadata=_help(
-        "Extra scheduler arguments, as a dict or a JSON string, e.g. '{\"num_cycles\": 2}'.", "optimizer"))
+        "Extra scheduler arguments, as a dict or a JSON string, e.g. '{\"num_cycles\": 2}'."))
     warmup_steps: float = field(default=0, metadata=_help(
-        "Linear warm-up: optimizer steps if >= 1, else a fraction of max_steps.", "optimizer"))
+        "Linear warm-up: optimizer steps if >= 1, else a fraction of max_steps."))
     warmup_ratio: float = field(default=0.0, metadata=_help(
-        "Warm-up as a fraction of max_steps (used when warmup_steps is 0).", "optimizer"))
+        "Warm-up as a fraction of max_steps (used when warmup_steps is 0)."))
+    optim_target_modules: None | str | list[str] = field(default=None, metadata=_help(
+        "Modules for GaLore / APOLLO optimizers, which stoker does not build: must stay unset."))
+    label_smoothing_factor: float = field(default=0.0, metadata=_help(
+        "Label smoothing epsilon: the loss mixes (1 - eps) x cross-entropy with eps x the mean negative "
+        "log-likelihood over the vocabulary, summed over target tokens and normalised over the window."))
+    neftune_noise_alpha: float | None = field(default=None, metadata=_help(
+        "NEFTune: add uniform noise of scale alpha / sqrt(seq_len * hidden) to the input embeddings in training."))
 
     # --- precision ------------------------------------------------------------------------------
-    bf16: bool = field(default=False, metadata=_help("bfloat16 mixed precision (autocast).", "precision"))
+    bf16: bool = field(default=False, metadata=_help("bfloat16 mixed precision (autocast)."))
     fp16: bool = field(default=False, metadata=_help(
-        "float16 mixed precision with loss scaling (needs a GPU).", "precision"))
+        "float16 mixed precision with loss scaling (needs a GPU)."))
     tf32: bool | None = field(default=None, metadata=_help(
-        "Allow TF32 matmuls on NVIDIA Ampere or newer (None leaves torch's setting alone).", "precision"))
+        "Allow TF32 matmuls on NVIDIA Ampere or newer (None leaves torch's setting alone)."))
+    bf16_full_eval: bool = field(default=False, metadata=_help(
+        "Evaluate outside training with the model cast to bfloat16 (faster, less memory, less exact)."))
+    fp16_full_eval: bool = field(default=False, metadata=_help(
+        "Evaluate outside training with the model cast to float16."))
 
     # --- memory ---------------------------------------------------------------------------------
-    gradient_checkpointing: bool = field(default=False, metadata=_help(
-        "Recompute activations in the backward pass (non-reentrant) to save memory.", "memory"))
+    gradient_checkpointing: bool | None = field(default=None, metadata=_help(
+        "Recompute activations in the backward pass (non-reentrant) to save memory (alias of "
+        "activation_checkpointing; resolves to False).") | BARE_FLAG)
     gradient_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
-        "Passed to model.gradient_checkpointing_enable, as a dict or a JSON string.", "memory"))
-    torch_compile: bool = field(default=False, metadata=_help("Compile the model with torch.compile.", "memory"))
+        "Passed to model.gradient_checkpointing_enable, as a dict or a JSON string."))
+    torch_compile: bool = field(default=False, metadata=_help("Compile the model with torch.compile."))
     torch_compile_backend: str | None = field(default=None, metadata=_help(
-        "torch.compile backend (default 'inductor'); setting it implies torch_compile.", "memory"))
+        "torch.compile backend (default 'inductor'); setting it implies torch_compile."))
     torch_compile_mode: str | None = field(default=None, metadata=_help(
-        "torch.compile mode, e.g. 'reduce-overhead' or 'max-autotune'; setting it implies torch_compile.", "memory"))
+        "torch.compile mode, e.g. 'reduce-overhead' or 'max-autotune'; setting it implies torch_compile."))
     chunked_loss: bool = field(default=False, metadata=_help(
         "Compute a causal LM's loss from its final hidden states a chunk of tokens at a time, never holding the "
         "[batch, seq, vocab] logits (same loss and gradients; stoker.loss). Evaluation still computes logits when "
-        "compute_metrics needs predictions.", "memory"))
+        "compute_metrics needs predictions."))
+    activation_checkpointing: bool | None = field(default=None, metadata=_help(
+        "Recompute activations in the backward pass (transformers 5's name for gradient_checkpointing).") | BARE_FLAG)
+    activation_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
+        "Passed to model.gradient_checkpointing_enable (as gradient_checkpointing_kwargs), a dict or JSON."))
+    use_liger_kernel: bool = field(default=False, metadata=_help(
+        "Patch the model with Liger kernels (needs the liger-kernel package)."))
+    liger_kernel_config: dict | str | None = field(default=None, metadata=_help(
+        "Keyword arguments for liger_kernel's _apply_liger_kernel_to_instance, a dict or JSON."))
+    use_cache: bool = field(default=False, metadata=_help(
+        "Let the model keep a KV cache in training forwards (off: a cache is wasted memory there, and it makes "
+        "transformers ignore the position_ids of packed rows)."))
+    torch_empty_cache_steps: int | None = field(default=None, metadata=_help(
+        "Empty the accelerator's cache every this many optimizer steps (lower peak memory, slower)."))
 
     # --- data -----------------------------------------------------------------------------------
     dataloader_num_workers: int = field(default=0, metadata=_help(
-        "Worker processes per dataloader (0 loads in the main process).", "data"))
+        "Worker processes per dataloader (0 loads in the main process)."))
     dataloader_pin_memory: bool = field(default=True, metadata=_help(
-        "Pin host memory for faster copies to the GPU.", "data"))
+        "Pin host memory for faster copies to the GPU."))
     dataloader_persistent_workers: bool = field(default=False, metadata=_help(
-        "Keep dataloader workers alive between epochs (needs dataloader_num_workers > 0).", "data"))
+        "Keep dataloader workers alive between epochs (needs dataloader_num_workers > 0)."))
     dataloader_prefetch_factor: int | None = field(default=None, metadata=_help(
-        "Batches each worker loads ahead (needs dataloader_num_workers > 0).", "data"))
+        "Batches each worker loads ahead (needs dataloader_num_workers > 0)."))
     dataloader_drop_last: bool = field(default=False, metadata=_help(
-        "Drop the last incomplete micro-batch of each epoch.", "data"))
+        "Drop the last incomplete micro-batch of each epoch."))
     remove_unused_columns: bool = field(default=True, metadata=_help(
-        "Drop dataset columns that the model's forward does not accept (transformers and peft models).", "data"))
+        "Drop dataset columns that the model's forward does not accept (transformers and peft models)."))
     label_names: list[str] | None = field(default=None, metadata=_help(
-        "Batch keys that hold the labels (default: ['labels']).", "data"))
+        "Batch keys that hold the labels (default: ['labels'])."))
     group_by_length: bool = field(default=False, metadata=_help(
-        "Batch samples of similar length together to reduce padding.", "data"))
+        "Batch samples of similar length together to reduce padding."))
     length_column_name: str = field(default="length", metadata=_help(
-        "Dataset column with precomputed lengths for group_by_length.", "data"))
-    seed: int = field(default=42, metadata=_help("Seed for model initialisation, dropout and shuffling.", "data"))
+        "Dataset column with precomputed lengths for group_by_length."))
+    seed: int = field(default=42, metadata=_help("Seed for model initialisation, dropout and shuffling."))
     data_seed: int | None = field(default=None, metadata=_help(
-        "Seed for the data order only (default: seed).", "data"))
+        "Seed for the data order only (default: seed)."))
+    dataloader_multiprocessing_context: str | None = field(default=None, metadata=_help(
+        "Start method of dataloader workers: 'fork', 'spawn' or 'forkserver' (default: the platform's)."))
+    dataloader_in_order: bool = field(default=True, metadata=_help(
+        "Yield batches in the order workers were dispatched; False yields them as they are ready (the order, and "
+        "so an exact resume, then depends on timing)."))
+    train_sampling_strategy: str = field(default="random", metadata=_help(
+        "Training sampler: 'random', 'sequential' or 'group_by_length' (similar lengths batched together)."))
+    ignore_data_skip: bool = field(default=False, metadata=_help(
+        "On resume, start the saved epoch from its first batch instead of skipping the batches already seen "
+        "(faster to start; the run is no longer the same as one never stopped)."))
+    full_determinism: bool = field(default=False, metadata=_help(
+        "Deterministic algorithms everywhere (torch.use_deterministic_algorithms, cuDNN, cuBLAS workspace); slower."))
     # sequence packing (stoker.packing), named as TRL's SFTConfig names it (its max_length is packing_length here,
     # since the recipes' max_length already truncates rows)
     packing: bool = field(default=False, metadata=_help(
         "Pack the train set once, before training, best-fit-decreasing into rows of packing_length tokens whose "
         "sequences never attend to each other (position_ids restart, no attention_mask); same loss per "
-        "sequence, far less padding. Needs a model whose attention reads position_ids (checked).", "data"))
+        "sequence, far less padding. Needs a model whose attention reads position_ids (checked)."))
     packing_length: int | None = field(default=None, metadata=_help(
         "Tokens per packed row (TRL's max_length; the recipes feed their max_length). Default: the longest row "
-        "of the train set. A longer row is an error.", "data"))
+        "of the train set. A longer row is an error."))
     padding_free: bool = field(default=False, metadata=_help(
         "Flatten each micro-batch into one row of its sequences, in order, with no padding at all (TRL's "
-        "padding_free; with packing, the packed rows of a micro-batch). Same model requirement as packing.",
-        "data"))
+        "padding_free; with packing, the packed rows of a micro-batch). Same model requirement as packing."))
 
     # --- logging --------------------------------------------------------------------------------
     logging_dir: str | None = field(default=None, metadata=_help(
-        "TensorBoard folder (default: output_dir/runs/<date>_<host>).", "logging"))
+        "TensorBoard folder (default: output_dir/runs/<date>_<host>)."))
     logging_strategy: str = field(default="steps", metadata=_help(
-        "When to log: 'no', 'steps' (every logging_steps) or 'epoch'.", "logging"))
+        "When to log: 'no', 'steps' (every logging_steps) or 'epoch'."))
     logging_steps: float = field(default=500, metadata=_help(
-        "Optimizer steps between logs; a value < 1 is a fraction of max_steps.", "logging"))
-    logging_first_step: bool = field(default=False, metadata=_help("Also log after the first step.", "logging"))
+        "Optimizer steps between logs; a value < 1 is a fraction of max_steps."))
+    logging_first_step: bool = field(default=False, metadata=_help("Also log after the first step."))
     report_to: None | str | list[str] = field(default="none", metadata=_help(
-        "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'.", "logging"))
+        "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'."))
     disable_tqdm: bool | None = field(default=None, metadata=_help(
-        "Turn off the progress bar (periodic progress lines are printed instead).", "logging"))
+        "Turn off the progress bar (periodic progress lines are printed instead)."))
     include_num_input_tokens_seen: str = field(default="no", metadata=_help(
         "Count input tokens into state.num_input_tokens_seen: 'no', 'all' (padding included) or 'non_padding'; "
-        "True means 'all' (as transformers).", "logging"))
+        "True means 'all' (as transformers)."))
     peak_tflops: float | None = field(default=None, metadata=_help(
         "Peak dense TFLOPS of one device at the training precision, for the 'mfu' log on GPUs (default: looked up "
-        "by GPU name and precision in stoker.diagnostics.PEAK_TFLOPS; no MFU for an unknown device).", "logging"))
+        "by GPU name and precision in stoker.diagnostics.PEAK_TFLOPS; no MFU for an unknown device)."))
     training_report: bool = field(default=False, metadata=_help(
         "At the end of train(), write output_dir/report.html: loss, evaluation metrics, learning rate, gradient norm "
-        "and throughput curves, and the configuration (needs matplotlib).", "logging"))
+        "and throughput curves, and the configuration (needs matplotlib)."))
+    log_level: str = field(default="passive", metadata={**_help(
+        "Logging level of the main process for the 'stoker' and 'transformers' loggers: 'detail', 'debug', "
+        "'info', 'warning', 'error', 'critical', or 'passive' (leave the levels as they are)."),
+        "choices": LOG_LEVELS})
+    log_level_replica: str = field(default="warning", metadata={**_help(
+        "Logging level of the other processes (as log_level)."), "choices": LOG_LEVELS})
+    log_on_each_node: bool = field(default=True, metadata=_help(
+        "With several nodes, log at log_level on each node's main process, not only on the first node's."))
+    logging_nan_inf_filter: bool = field(default=True, metadata=_help(
+        "Leave the losses of non-finite steps out of the logged loss (False logs them, so the log shows nan)."))
+    skip_memory_metrics: bool = field(default=True, metadata=_help(
+        "False adds transformers' memory deltas (*_mem_cpu_alloc_delta, ...) to the train/eval/test metrics."))
+    debug: str | list[str] = field(default="", metadata=_help(
+        "Debug features: 'underflow_overflow' (report the first module whose activations or weights hold inf or "
+        "nan); 'tpu_metrics_debug' needs a TPU and is refused."))
+    project: str = field(default="huggingface", metadata=_help(
+        "Project name for Trackio; stoker does not report to Trackio, so this is only recorded."))
+    trackio_space_id: str | None = field(default=None, metadata=_help(
+        "Trackio space; recorded only (stoker does not report to Trackio)."))
+    trackio_bucket_id: str | None = field(default=None, metadata=_help(
+        "Trackio bucket; recorded only (stoker does not report to Trackio)."))
+    trackio_static_space_id: str | None = field(default=None, metadata=_help(
+        "Trackio static space; recorded only (stoker does not report to Trackio)."))
 
     # --- evaluation -----------------------------------------------------------------------------
     eval_strategy: str = field(default="no", metadata=_help(
-        "When to evaluate: 'no', 'steps' (every eval_steps) or 'epoch'.", "evaluation"))
+        "When to evaluate: 'no', 'steps' (every eval_steps) or 'epoch'."))
     eval_steps: float | None = field(default=None, metadata=_help(
-        "Optimizer steps between evaluations (default: logging_steps); < 1 is a fraction of max_steps.",
-        "evaluation"))
+        "Optimizer steps between evaluations (default: logging_steps); < 1 is a fraction of max_steps."))
     eval_on_start: bool = field(default=False, metadata=_help(
-        "Evaluate once before the first step (a sanity check and a baseline).", "evaluation"))
+        "Evaluate once before the first step (a sanity check and a baseline)."))
     eval_accumulation_steps: int | None = field(default=None, metadata=_help(
-        "Move gathered predictions to the CPU every this many eval batches (saves accelerator memory).",
-        "evaluation"))
+        "Move gathered predictions to the CPU every this many eval batches (saves accelerator memory)."))
     metric_for_best_model: str | None = field(default=None, metadata=_help(
-        "Metric that picks the best checkpoint, with or without the 'eval_' prefix (default: 'loss').",
-        "evaluation"))
+        "Metric that picks the best checkpoint, with or without the 'eval_' prefix (default: 'loss')."))
     greater_is_better: bool | None = field(default=None, metadata=_help(
-        "Whether a larger metric_for_best_model is better (default: False for names ending in 'loss').",
-        "evaluation"))
+        "Whether a larger metric_for_best_model is better (default: False for names ending in 'loss')."))
+    eval_delay: float = field(default=0, metadata=_help(
+        "Steps (eval_strategy='steps') or epochs ('epoch') to wait before the first evaluation."))
+    prediction_loss_only: bool = field(default=False, metadata=_help(
+        "Evaluation and predict return the loss only: no predictions are gathered and no compute_metrics runs."))
+    eval_do_concat_batches: bool = field(default=True, metadata=_help(
+        "Concatenate the evaluation batches' predictions into one array; False keeps a list, one per batch."))
+    eval_use_gather_object: bool = field(default=False, metadata=_help(
+        "Gather predictions across processes as Python objects (for outputs that are not tensors)."))
+    include_for_metrics: list[str] = field(default_factory=list, metadata=_help(
+        "Also pass to compute_metrics: 'inputs' (the input_ids) and/or 'loss' (one loss per batch)."))
+    batch_eval_metrics: bool = field(default=False, metadata=_help(
+        "Call compute_metrics after every evaluation batch with compute_result=False, and with True on the last, "
+        "instead of once over all predictions (no predictions are kept in memory)."))
 
     # --- saving ---------------------------------------------------------------------------------
     save_strategy: str = field(default="steps", metadata=_help(
-        "When to checkpoint: 'no', 'steps', 'epoch' or 'best' (whenever the best metric improves).", "saving"))
+        "When to checkpoint: 'no', 'steps', 'epoch' or 'best' (whenever the best metric improves)."))
     save_steps: float = field(default=500, metadata=_help(
-        "Optimizer steps between checkpoints; < 1 is a fraction of max_steps.", "saving"))
+        "Optimizer steps between checkpoints; < 1 is a fraction of max_steps."))
     save_total_limit: int | None = field(default=None, metadata=_help(
-        "Keep at most this many checkpoints (never deleting the best or the newest).", "saving"))
+        "Keep at most this many checkpoints (never deleting the best or the newest)."))
     load_best_model_at_end: bool = field(default=False, metadata=_help(
-        "Load the best checkpoint's weights when training ends (needs matching eval and save strategies).",
-        "saving"))
+        "Load the best checkpoint's weights when training ends (needs matching eval and save strategies)."))
     resume_from_checkpoint: str | None = field(default=None, metadata=_help(
         "Checkpoint folder to resume from, or 'true' for the newest complete checkpoint in output_dir (used by the "
-        "recipes and `stoker train`).", "saving"))
+        "recipes and `stoker train`)."))
+    save_only_model: bool = field(default=False, metadata=_help(
+        "Checkpoints hold the model only (no optimizer, scheduler or RNG state): smaller, but they cannot be "
+        "resumed from."))
+    save_on_each_node: bool = field(default=False, metadata=_help(
+        "Write checkpoints from every node (for nodes without a shared disk); refused with several nodes, as "
+        "stoker commits each checkpoint once."))
+    restore_callback_states_from_checkpoint: bool = field(default=False, metadata=_help(
+        "On resume, restore the state of stateful callbacks (early stopping's counter, ...) from the checkpoint."))
 
     # --- faults -----------------------------------------------------------------------------------
     nonfinite_policy: str = field(default="skip", metadata=_help(
         "On a non-finite loss or gradient norm (checked every step, before the optimizer step): 'skip' the "
-        "update (parameters and optimizer state unchanged, counted in the logs) or 'stop' with an error.",
-        "faults"))
+        "update (parameters and optimizer state unchanged, counted in the logs) or 'stop' with an error."))
     max_nonfinite_steps: int = field(default=3, metadata=_help(
-        "Stop with an error after this many consecutive non-finite steps, whatever nonfinite_policy says.",
-        "faults"))
+        "Stop with an error after this many consecutive non-finite steps, whatever nonfinite_policy says."))
     save_on_signal: bool = field(default=True, metadata=_help(
         "On SIGTERM or SIGUSR1 (preemption, SLURM time limits), finish the optimizer step, write a checkpoint "
-        "and exit with code 75 (stoker.trainer.PREEMPTED_EXIT_CODE); resume with resume_from_checkpoint=True.",
-        "faults"))
+        "and exit with code 75 (stoker.trainer.PREEMPTED_EXIT_CODE); resume with resume_from_checkpoint=True."))
     resume_mismatch: str = field(default="error", metadata=_help(
         "When a checkpoint was written with other batch size, accumulation, world size, dataset length or "
-        "seeds: 'error' refuses to resume, 'warn' continues with the new settings (no longer exact).",
-        "faults"))
+        "seeds: 'error' refuses to resume, 'warn' continues with the new settings (no longer exact)."))
+    enable_jit_checkpoint: bool = field(default=False, metadata=_help(
+        "transformers' checkpoint on SIGTERM, which stoker does with save_on_signal (on by default); True needs "
+        "save_on_signal=True."))
 
     # --- devices and distribution ---------------------------------------------------------------
-    use_cpu: bool = field(default=False, metadata=_help("Train on the CPU even when an accelerator exists.",
-                                                         "distributed"))
+    use_cpu: bool = field(default=False, metadata=_help("Train on the CPU even when an accelerator exists."))
     accelerator_config: dict | str | None = field(default=None, metadata=_help(
-        f"Accelerate dataloader options as a dict or JSON: {', '.join(ACCELERATOR_CONFIG_KEYS)}.", "distributed"))
+        f"Accelerate dataloader options as a dict or JSON: {', '.join(ACCELERATOR_CONFIG_KEYS)}."))
     fsdp: str | None = field(default=None, metadata=_help(
         "FSDP through Accelerate: true, or transformers' options 'full_shard' / 'shard_grad_op' (FSDP2: reshard "
         "parameters after forward or not), 'offload' (parameters and gradients on the CPU), 'auto_wrap'. Needs GPUs "
-        "and a launcher (torchrun, accelerate launch).", "distributed"))
+        "and a launcher (torchrun, accelerate launch)."))
     fsdp_config: dict | str | None = field(default=None, metadata=_help(
         "FSDP settings as a dict, a JSON string or a JSON file, with transformers' keys: version (2, or 1), "
         "transformer_layer_cls_to_wrap (default: the model's _no_split_modules), min_num_params (wrap by size), "
         "auto_wrap_policy, reshard_after_forward, cpu_offload, cpu_ram_efficient_loading, activation_checkpointing, "
         "state_dict_type (checkpoints always hold every process's shards; FULL_STATE_DICT, the default, adds the "
-        "full model).", "distributed"))
+        "full model)."))
     deepspeed: dict | str | None = field(default=None, metadata=_help(
         "DeepSpeed config as a dict, a JSON string or a JSON file (ZeRO stage 1-3, offload), for a run under a "
         "launcher; \"auto\" values are filled from these arguments as transformers fills them, and values that "
-        "disagree with them are errors.",
-        "distributed"))
+        "disagree with them are errors."))
     ddp_backend: str | None = field(default=None, metadata=_help(
-        "torch.distributed backend: 'nccl', 'gloo', ... (default: chosen by torch).", "distributed"))
+        "torch.distributed backend: 'nccl', 'gloo', ... (default: chosen by torch)."))
     ddp_find_unused_parameters: bool | None = field(default=None, metadata=_help(
-        "DDP find_unused_parameters (default: False with gradient checkpointing, else True).", "distributed"))
-    ddp_bucket_cap_mb: int | None = field(default=None, metadata=_help("DDP gradient bucket size in MiB.",
-                                                                       "distributed"))
+        "DDP find_unused_parameters (default: False with gradient checkpointing, else True)."))
+    ddp_bucket_cap_mb: int | None = field(default=None, metadata=_help("DDP gradient bucket size in MiB."))
     ddp_broadcast_buffers: bool | None = field(default=None, metadata=_help(
-        "DDP broadcast_buffers (default: torch's).", "distributed"))
-    ddp_timeout: int = field(default=1800, metadata=_help("Process-group timeout in seconds.", "distributed"))
+        "DDP broadcast_buffers (default: torch's)."))
+    ddp_timeout: int = field(default=1800, metadata=_help("Process-group timeout in seconds."))
+    ddp_static_graph: bool | None = field(default=None, metadata=_help(
+        "DDP static_graph (the set of used parameters is the same every step; default: torch's)."))
+    parallelism_config: dict | str | None = field(default=None, metadata=_help(
+        "Accelerate's ParallelismConfig (tensor / context parallelism), which stoker does not run: must stay unset; "
+        "use fsdp or deepspeed."))
+    local_rank: int = field(default=-1, metadata=_help(
+        "Set by launchers; stoker reads the process's rank from the environment (LOCAL_RANK) instead."))
+
+    # --- the Hugging Face Hub -------------------------------------------------------------------------
+    push_to_hub: bool = field(default=False, metadata=_help(
+        "Upload to the Hub: refused, stoker does not use the network (upload output_dir with `hf upload`)."))
+    hub_token: str | None = field(default=None, metadata=_help("Hub token (recorded as '<HUB_TOKEN>' only)."))
+    hub_private_repo: bool | None = field(default=None, metadata=_help("Hub: make the repository private."))
+    hub_model_id: str | None = field(default=None, metadata=_help("Hub: the repository name."))
+    hub_strategy: str = field(default="every_save", metadata=_help(
+        "Hub: what to push when: 'end', 'every_save', 'checkpoint' or 'all_checkpoints'."))
+    hub_always_push: bool = field(default=False, metadata=_help("Hub: push even if the previous push is pending."))
+    hub_revision: str | None = field(default=None, metadata=_help("Hub: the branch to push to."))
 
     def __post_init__(self):
         if self.output_dir is None:
@@ -298,6 +411,22 @@ class TrainingArguments:
             self.include_num_input_tokens_seen = "all" if counting == "true" else "no"
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
+        if self.eval_strategy != "no":  # as transformers: scripts read do_eval
+            self.do_eval = True
+        # activation_checkpointing is transformers 5's name; gradient_checkpointing, its alias, is what stoker reads
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = bool(self.gradient_checkpointing)
+        self.gradient_checkpointing = self.activation_checkpointing
+        if self.gradient_checkpointing_kwargs is None:
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
+        if self.train_sampling_strategy == "group_by_length":  # one switch under its two names
+            self.group_by_length = True
+        elif self.group_by_length and self.train_sampling_strategy == "random":
+            self.train_sampling_strategy = "group_by_length"
+        if isinstance(self.include_for_metrics, str):
+            self.include_for_metrics = [self.include_for_metrics]
+        if isinstance(self.debug, str) or self.debug is None:  # transformers' parser leaves None when not given
+            self.debug = (self.debug or "").split()
         if self.data_seed is None:
             self.data_seed = self.seed
         problems = []
@@ -422,6 +551,7 @@ class TrainingArguments:
             bad("report_to", f"unsupported {bad_reports}; accepted: {', '.join(REPORT_TO)}")
         if self.ddp_timeout <= 0:
             bad("ddp_timeout", "must be a positive number of seconds")
+        p += self._surface_problems()
         for name, off in NOT_YET_SUPPORTED.items():
             if getattr(self, name) not in (off, "", [], {}):
                 bad(name, "not yet supported by stoker; leave it unset")
@@ -460,6 +590,58 @@ class TrainingArguments:
             wanted.append(("optim", "bitsandbytes", "bitsandbytes"))
         return [f"{name}={getattr(self, name)!r}: needs the {package} package, which is not installed "
                 f"(pip install {pip})" for name, package, pip in wanted if find_spec(package) is None]
+
+    def _surface_problems(self) -> list[str]:
+        """Fields that transformers has and that ask for a value stoker cannot honour here."""
+        p = []
+
+        def bad(name, accepted):
+            p.append(f"{name}={getattr(self, name)!r}: {accepted}")
+
+        for name, choices in (("log_level", LOG_LEVELS), ("log_level_replica", LOG_LEVELS),
+                              ("train_sampling_strategy", SAMPLING_STRATEGIES), ("hub_strategy", HUB_STRATEGIES)):
+            if getattr(self, name) not in choices:
+                bad(name, f"accepted: {', '.join(choices)}{suggest(getattr(self, name), choices)}")
+        if self.group_by_length and self.train_sampling_strategy != "group_by_length":
+            p.append(f"group_by_length=True and train_sampling_strategy={self.train_sampling_strategy!r}: "
+                     "choose one sampler")
+        if not 0 <= self.label_smoothing_factor < 1:
+            bad("label_smoothing_factor", "must be in [0, 1)")
+        if self.neftune_noise_alpha is not None and not self.neftune_noise_alpha > 0:
+            bad("neftune_noise_alpha", "must be > 0, or None to add no noise")
+        if self.torch_empty_cache_steps is not None and not (
+                isinstance(self.torch_empty_cache_steps, int) and self.torch_empty_cache_steps >= 1):
+            bad("torch_empty_cache_steps", "must be a positive integer, or None")
+        if self.eval_delay < 0:
+            bad("eval_delay", "must be >= 0")
+        unknown = [x for x in self.include_for_metrics if x not in METRIC_INPUTS]
+        if unknown:
+            bad("include_for_metrics", f"unknown {unknown}; accepted: {', '.join(METRIC_INPUTS)}")
+        for option in self.debug:
+            if option not in DEBUG_OPTIONS:
+                bad("debug", f"{option!r} is not offered (tpu_metrics_debug needs a TPU); accepted: "
+                             f"{', '.join(DEBUG_OPTIONS)}")
+        if self.enable_jit_checkpoint and not self.save_on_signal:
+            p.append("enable_jit_checkpoint=True and save_on_signal=False: the checkpoint on SIGTERM is "
+                     "save_on_signal; set it to True")
+        if self.push_to_hub:
+            bad("push_to_hub", "stoker does not push to the Hugging Face Hub (it never uses the network); "
+                               "set it to False and upload output_dir yourself, e.g. with `hf upload`")
+        if self.optim_target_modules is not None:
+            bad("optim_target_modules", "is for GaLore / APOLLO optimizers, which stoker does not build; leave it "
+                                        f"unset (optimizers: {', '.join(OPTIMIZER_NAMES)})")
+        if self.parallelism_config is not None:
+            bad("parallelism_config", "tensor and context parallelism are not run by stoker; leave it unset and "
+                                      "shard with fsdp or deepspeed")
+        if self.use_liger_kernel:
+            import importlib.util
+
+            if importlib.util.find_spec("liger_kernel") is None:
+                bad("use_liger_kernel", "needs the liger-kernel package, which is not installed "
+                                        "(pip install liger-kernel), or set it to False")
+        elif self.liger_kernel_config is not None:
+            bad("liger_kernel_config", "needs use_liger_kernel=True")
+        return p
 
     def _hardware_problems(self) -> list[str]:
         import torch
@@ -507,10 +689,178 @@ class TrainingArguments:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field, with secrets masked as transformers masks them: checkpoints and logs never hold a token."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in out:
+            if name.endswith("_token") and out[name] is not None:
+                out[name] = f"<{name.upper()}>"
+        return out
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """The fields as TensorBoard's hparams take them: bool, int, float, str (anything else as str)."""
+        return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in self.to_dict().items()}
+
+    # ------------------------------------------------------------------------------------------
+    # the process view transformers' scripts read (rank, device, logging); Accelerate's PartialState knows it
+
+    def _process(self):
+        """Accelerate's process state, set up as the Trainer's Accelerator sets it up (it is made once per
+        process: whichever comes first decides)."""
+        from accelerate import PartialState
+
+        from .distributed import wants_cpu
+
+        return PartialState(cpu=wants_cpu(self.use_cpu) and not self.deepspeed)
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: stoker runs one device per process (no DataParallel), so 1, or 0 on the CPU."""
+        import torch
+
+        return int(torch.cuda.is_available() and not self.use_cpu)
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size * max(1, self.n_gpu)
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size * max(1, self.n_gpu)
+
+    @property
+    def device(self):
+        return self._process().device
+
+    @property
+    def world_size(self) -> int:
+        return self._process().num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self._process().process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self._process().local_process_index
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process logs at log_level (the others use log_level_replica)."""
+        return (self.local_process_index if self.log_on_each_node else self.process_index) == 0
+
+    @property
+    def should_save(self) -> bool:
+        return (self.local_process_index if self.save_on_each_node else self.process_index) == 0
+
+    @property
+    def parallel_mode(self):
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    def get_process_log_level(self) -> int:
+        """The logging level of this process: log_level on the process that logs, log_level_replica elsewhere;
+        'passive' keeps the current level of transformers' logger."""
+        import logging
+
+        level = self.log_level if self.should_log else self.log_level_replica
+        if level == "passive":
+            from transformers.utils import logging as hf_logging
+
+            return hf_logging.get_verbosity()
+        return {"detail": 5}.get(level) or logging.getLevelName(level.upper())
+
+    @property
+    def ddp_timeout_delta(self):
+        from datetime import timedelta
+
+        return timedelta(seconds=self.ddp_timeout)
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """None, as in transformers 5: Accelerate places the model (a subclass may override it for scripts that
+        read it)."""
+        return None
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        return self.warmup_for(num_training_steps)
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work"):
+        """Run the block on the main process (of the node, with local=True) first, the others after it: for
+        dataset preprocessing that writes a cache the others then read."""
+        state = self._process()
+        with state.local_main_process_first() if local else state.main_process_first():
+            yield
+
+    # ------------------------------------------------------------------------------------------
+    # transformers' grouped setters: each sets its fields, validates the result and returns the arguments
+
+    def _update(self, **values) -> TrainingArguments:
+        updated = dataclasses.replace(self, **values)  # runs __post_init__: every problem reported at once
+        self.__dict__.update(updated.__dict__)
+        return self
+
+    def set_training(self, learning_rate: float = 5e-5, batch_size: int = 8, weight_decay: float = 0,
+                     num_epochs: float = 3, max_steps: int = -1, gradient_accumulation_steps: int = 1, seed: int = 42,
+                     activation_checkpointing: bool = False, gradient_checkpointing: bool | None = None):
+        checkpointing = activation_checkpointing if gradient_checkpointing is None else gradient_checkpointing
+        return self._update(do_train=True, learning_rate=learning_rate, per_device_train_batch_size=batch_size,
+                            weight_decay=weight_decay, num_train_epochs=num_epochs, max_steps=max_steps,
+                            gradient_accumulation_steps=gradient_accumulation_steps, seed=seed,
+                            activation_checkpointing=checkpointing, gradient_checkpointing=checkpointing)
+
+    def set_evaluate(self, strategy: str = "no", steps: int = 500, batch_size: int = 8,
+                     accumulation_steps: int | None = None, delay: float | None = None, loss_only: bool = False):
+        return self._update(eval_strategy=str(strategy), do_eval=str(strategy) != "no", eval_steps=steps,
+                            per_device_eval_batch_size=batch_size, eval_accumulation_steps=accumulation_steps,
+                            eval_delay=delay or 0, prediction_loss_only=loss_only)
+
+    def set_testing(self, batch_size: int = 8, loss_only: bool = False):
+        return self._update(do_predict=True, per_device_eval_batch_size=batch_size, prediction_loss_only=loss_only)
+
+    def set_save(self, strategy: str = "steps", steps: int = 500, total_limit: int | None = None,
+                 on_each_node: bool = False):
+        return self._update(save_strategy=str(strategy), save_steps=steps, save_total_limit=total_limit,
+                            save_on_each_node=on_each_node)
+
+    def set_logging(self, strategy: str = "steps", steps: int = 500, report_to: str | list[str] = "none",
+                    level: str = "passive", first_step: bool = False, nan_inf_filter: bool = False,
+                    on_each_node: bool = False, replica_level: str = "passive"):
+        return self._update(logging_strategy=str(strategy), logging_steps=steps, report_to=report_to, log_level=level,
+                            logging_first_step=first_step, logging_nan_inf_filter=nan_inf_filter,
+                            log_on_each_node=on_each_node, log_level_replica=replica_level)
+
+    def set_push_to_hub(self, model_id: str, strategy: str = "every_save", token: str | None = None,
+                        private_repo: bool | None = None, always_push: bool = False, revision: str | None = None):
+        return self._update(push_to_hub=True, hub_model_id=model_id, hub_strategy=str(strategy), hub_token=token,
+                            hub_private_repo=private_repo, hub_always_push=always_push, hub_revision=revision)
+
+    def set_optimizer(self, name: str = "adamw_torch", learning_rate: float = 5e-5, weight_decay: float = 0,
+                      beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, args: str | None = None):
+        return self._update(optim=str(name), learning_rate=learning_rate, weight_decay=weight_decay,
+                            adam_beta1=beta1, adam_beta2=beta2, adam_epsilon=epsilon, optim_args=args)
+
+    def set_lr_scheduler(self, name: str = "linear", num_epochs: float = 3.0, max_steps: int = -1,
+                         warmup_steps: float = 0):
+        return self._update(lr_scheduler_type=str(name), num_train_epochs=num_epochs, max_steps=max_steps,
+                            warmup_steps=warmup_steps)
+
+    def set_dataloader(self, train_batch_size: int = 8, eval_batch_size: int = 8, drop_last: bool = False,
+                       num_workers: int = 0, pin_memory: bool = True, persistent_workers: bool = False,
+                       prefetch_factor: int | None = None, multiprocessing_context: str | None = None,
+                       in_order: bool = True, auto_find_batch_size: bool = False, ignore_data_skip: bool = False,
+                       sampler_seed: int | None = None):
+        return self._update(
+            per_device_train_batch_size=train_batch_size, per_device_eval_batch_size=eval_batch_size,
+            dataloader_drop_last=drop_last, dataloader_num_workers=num_workers, dataloader_pin_memory=pin_memory,
+            dataloader_persistent_workers=persistent_workers, dataloader_prefetch_factor=prefetch_factor,
+            dataloader_multiprocessing_context=multiprocessing_context, dataloader_in_order=in_order,
+            auto_find_batch_size=auto_find_batch_size, ignore_data_skip=ignore_data_skip,
+            data_seed=self.seed if sampler_seed is None else sampler_seed)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainingArguments:
@@ -520,6 +870,50 @@ class TrainingArguments:
         if unknown:
             raise ConfigError([f"{k}: unknown field{suggest(k, names)}" for k in unknown], "TrainingArguments")
         return cls(**values)
+
+
+# The group each field's --help line appears under, for TrainingArguments and its subclasses (argparse metadata
+# cannot carry it; a test checks that every field has exactly one).
+FIELD_GROUPS: dict[str, tuple[str, ...]] = {
+    "output": ("output_dir", "overwrite_output_dir", "run_name", "do_train", "do_eval", "do_predict"),
+    "duration": ("num_train_epochs", "max_steps"),
+    "batch": ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+        "auto_find_batch_size", "average_tokens_across_devices"),
+    "optimizer": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+        "optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
+        "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),
+    "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval"),
+    "memory": ("gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_compile",
+        "torch_compile_backend", "torch_compile_mode", "chunked_loss", "activation_checkpointing",
+        "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config", "use_cache",
+        "torch_empty_cache_steps"),
+    "data": ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+        "dataloader_prefetch_factor", "dataloader_drop_last", "remove_unused_columns", "label_names",
+        "group_by_length", "length_column_name", "seed", "data_seed", "dataloader_multiprocessing_context",
+        "dataloader_in_order", "train_sampling_strategy", "ignore_data_skip", "full_determinism", "packing",
+        "packing_length", "padding_free"),
+    "logging": ("logging_dir", "logging_strategy", "logging_steps", "logging_first_step", "report_to",
+        "disable_tqdm", "include_num_input_tokens_seen", "peak_tflops", "training_report", "log_level",
+        "log_level_replica", "log_on_each_node", "logging_nan_inf_filter", "skip_memory_metrics", "debug",
+        "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"),
+    "evaluation": ("eval_strategy", "eval_steps", "eval_on_start", "eval_accumulation_steps",
+        "metric_for_best_model", "greater_is_better", "eval_delay", "prediction_loss_only",
+        "eval_do_concat_batches", "eval_use_gather_object", "include_for_metrics", "batch_eval_metrics"),
+    "saving": ("save_strategy", "save_steps", "save_total_limit", "load_best_model_at_end",
+        "resume_from_checkpoint", "save_only_model", "save_on_each_node",
+        "restore_callback_states_from_checkpoint"),
+    "faults": ("nonfinite_policy", "max_nonfinite_steps", "save_on_signal", "resume_mismatch",
+        "enable_jit_checkpoint"),
+    "distributed": ("use_cpu", "accelerator_config", "fsdp", "fsdp_config", "deepspeed", "ddp_backend",
+        "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_timeout",
+        "ddp_static_graph", "parallelism_config", "local_rank"),
+    "hub": ("push_to_hub", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
+        "hub_revision"),
+    # Seq2SeqTrainingArguments (stoker.seq2seq)
+    "generation": ("sortish_sampler", "predict_with_generate", "generation_max_length", "generation_num_beams",
+        "generation_config"),
+}
+GROUP_OF = {name: group for group, names in FIELD_GROUPS.items() for name in names}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -622,7 +1016,7 @@ def _accepted_values(action) -> str:
 
 
 def _parser_class():
-    """transformers' HfArgumentParser, taught to put each field under its `group` in --help."""
+    """transformers' HfArgumentParser, taught to put each field under its group (FIELD_GROUPS) in --help."""
     import copy
     import typing
 
@@ -636,12 +1030,11 @@ def _parser_class():
             for f in dataclasses.fields(dtype):
                 if not f.init:
                     continue
-                meta = dict(f.metadata)
-                name = meta.pop("group", default_group)
+                name = GROUP_OF.get(f.name, default_group) if issubclass(dtype, TrainingArguments) else default_group
                 if name not in groups:
                     groups[name] = self.add_argument_group(name)
                 plain = copy.copy(f)
-                plain.metadata, plain.type = meta, hints[f.name]
+                plain.type = hints[f.name]
                 self._parse_dataclass_field(groups[name], plain)
 
     return Parser

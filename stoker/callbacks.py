@@ -71,15 +71,35 @@ class TrainerState:
     best_model_checkpoint: str | None = None
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
+    # transformers' format: class name -> {"args": ..., "attributes": ...} (a list when several of a class)
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
 
     def to_json_string(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
+    def save_to_json(self, json_path: str) -> None:
+        with open(json_path, "w", encoding="utf-8") as f:
+            f.write(self.to_json_string())
+
+    @classmethod
+    def load_from_json(cls, json_path: str) -> TrainerState:
+        with open(json_path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainerState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
+
+    def compute_steps(self, args, max_steps: int) -> None:
+        """logging_steps, eval_steps and save_steps in steps: a value < 1 is a fraction of max_steps."""
+        for kind in ("logging", "eval", "save"):
+            value = getattr(args, f"{kind}_steps")
+            if value is not None:
+                setattr(self, f"{kind}_steps", math.ceil(max_steps * value) if value < 1 else int(value))
 
 
 @dataclass
@@ -92,12 +112,48 @@ class TrainerControl:
     should_evaluate: bool = False
     should_log: bool = False
 
+    def state(self) -> dict[str, Any]:
+        return {"args": dataclasses.asdict(self), "attributes": {}}
+
+
+def callback_states(callbacks, control: TrainerControl) -> dict[str, Any]:
+    """The state of every stateful callback (one with a `state()` method, as transformers' ExportableState) and
+    of the controls, keyed by class name as transformers keys them: a list when several share a class."""
+    out: dict[str, Any] = {}
+    for cb in [*callbacks, control]:
+        if not callable(getattr(cb, "state", None)):
+            continue
+        name, values = type(cb).__name__, cb.state()
+        if name not in out:
+            out[name] = values
+        else:
+            out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [values]
+    return out
+
+
+def restore_callback_states(callbacks, stored: dict[str, Any]) -> list[str]:
+    """Put saved states back into the callbacks of the same class, in order (transformers rebuilds them from
+    "args" and sets "attributes"; here both are set on the callbacks the user holds). Returns the stored names
+    no callback matched. The controls are not restored: the run they steered has ended."""
+    missing = []
+    for name, values in stored.items():
+        if name == "TrainerControl":
+            continue
+        matching = [cb for cb in callbacks if type(cb).__name__ == name]
+        if not matching:
+            missing.append(name)
+        for cb, one in zip(matching, values if isinstance(values, list) else [values], strict=False):
+            for attribute, value in {**one.get("args", {}), **one.get("attributes", {})}.items():
+                setattr(cb, attribute, value)
+    return missing
+
 
 class TrainerCallback:
     """Base class: one no-op method per event. Subclass it and override the events you need.
 
-    A callback that keeps state across a resume (early stopping, say) implements `state()` returning a
-    JSON-able dict and `load_state(dict)`; the Trainer saves it with each checkpoint.
+    A callback that keeps state across a resume (early stopping, say) implements `state()` returning
+    {"args": its constructor's arguments, "attributes": what it has counted}, as transformers' ExportableState;
+    the Trainer saves it with each checkpoint and, with restore_callback_states_from_checkpoint, restores it.
     """
 
     def on_init_end(self, args, state, control, **kwargs): ...
@@ -173,7 +229,7 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_log = True
         if args.logging_strategy == "steps" and _is_due(step, state.logging_steps):
             control.should_log = True
-        if args.eval_strategy == "steps" and _is_due(step, state.eval_steps):
+        if args.eval_strategy == "steps" and _is_due(step, state.eval_steps) and args.eval_delay <= step:
             control.should_evaluate = True
         if args.save_strategy == "steps" and _is_due(step, state.save_steps):
             control.should_save = True
@@ -188,7 +244,7 @@ class DefaultFlowCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         if args.logging_strategy == "epoch":
             control.should_log = True
-        if args.eval_strategy == "epoch":
+        if args.eval_strategy == "epoch" and args.eval_delay <= state.epoch:
             control.should_evaluate = True
         if args.save_strategy == "epoch":
             control.should_save = True
@@ -291,18 +347,28 @@ class TensorBoardCallback(TrainerCallback):
 
 class EarlyStoppingCallback(TrainerCallback):
     """Stops training when metric_for_best_model has not improved by more than `early_stopping_threshold`
-    for `early_stopping_patience` evaluations in a row. Its counter is saved with checkpoints."""
+    for `early_stopping_patience` evaluations in a row. Its counter is a stateful callback's attribute."""
 
-    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0):
         if early_stopping_patience < 1:
             raise ValueError(f"early_stopping_patience={early_stopping_patience!r}: must be >= 1")
         self.early_stopping_patience = early_stopping_patience
-        self.early_stopping_threshold = early_stopping_threshold
-        self.patience_counter = 0
+        self.early_stopping_threshold = early_stopping_threshold or 0.0
+        self.early_stopping_patience_counter = 0  # evaluations in a row without improvement
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.metric_for_best_model is None or args.eval_strategy == "no":
             raise ValueError("EarlyStoppingCallback needs metric_for_best_model and an eval_strategy other than 'no'")
+
+    def check_metric_value(self, args, state, control, metric_value) -> None:
+        """Reset the counter if metric_value beats state.best_metric by more than the threshold, else count."""
+        best = state.best_metric
+        sign = 1 if args.greater_is_better else -1
+        # state.best_metric is updated after on_evaluate, so it still holds the previous best here
+        if best is None or sign * (metric_value - best) > self.early_stopping_threshold:
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         name = args.metric_for_best_model
@@ -311,18 +377,11 @@ class EarlyStoppingCallback(TrainerCallback):
         if value is None:
             raise KeyError(f"EarlyStoppingCallback: metric_for_best_model={name!r} is not among the evaluation "
                            f"metrics {sorted(metrics or {})}")
-        best = state.best_metric
-        sign = 1 if args.greater_is_better else -1
-        # state.best_metric is updated after on_evaluate, so it still holds the previous best here
-        if best is None or sign * (value - best) > self.early_stopping_threshold:
-            self.patience_counter = 0
-        else:
-            self.patience_counter += 1
-        if self.patience_counter >= self.early_stopping_patience:
+        self.check_metric_value(args, state, control, value)
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
 
     def state(self) -> dict[str, Any]:
-        return {"patience_counter": self.patience_counter}
-
-    def load_state(self, values: dict[str, Any]) -> None:
-        self.patience_counter = int(values["patience_counter"])
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter}}

@@ -260,11 +260,12 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return sorted((p for p in found if os.path.isdir(p)), key=checkpoint_step)
 
 
-def rotate(output_dir: str, limit: int | None, keep: str | None = None) -> list[str]:
-    """Delete the oldest checkpoints beyond `limit`, never `keep` (the best) nor the newest one."""
+def rotate(output_dir: str, limit: int | None, keep: str | None = None, among: list[str] | None = None) -> list[str]:
+    """Delete the oldest checkpoints beyond `limit`, never `keep` (the best) nor the newest one. `among`: only
+    these checkpoints count (default: every one in output_dir)."""
     if not limit:
         return []
-    ckpts = list_checkpoints(output_dir)
+    ckpts = list_checkpoints(output_dir) if among is None else sorted(among, key=checkpoint_step)
     keep_abs = os.path.abspath(keep) if keep else None
     protected = {os.path.abspath(ckpts[-1])} if ckpts else set()
     if keep_abs:

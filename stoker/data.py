@@ -112,13 +112,14 @@ def _lengths(dataset, column: str) -> list[int]:
 def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> DataLoader:
     """A DataLoader honouring every dataloader_* field. Training data is shuffled by a RandomSampler that
     Accelerate replaces with its seedable sampler (order = f(data_seed, epoch)) when it prepares the loader."""
-    if not train:
+    if not train or args.train_sampling_strategy == "sequential":
         sampler = SequentialSampler(dataset)
     elif args.group_by_length:
         sampler = LengthGroupedSampler(_lengths(dataset, args.length_column_name), batch_size, args.data_seed)
     else:
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.data_seed))
     workers = args.dataloader_num_workers
+    extra = {"in_order": args.dataloader_in_order} if workers > 0 else {}  # torch >= 2.6
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -132,6 +133,8 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
         # iterator creation draws worker seeds from this generator instead of the global RNG, which
         # would otherwise shift dropout masks after a resume (reseeded per epoch by the Trainer)
         generator=torch.Generator().manual_seed(args.data_seed) if train else None,
+        multiprocessing_context=args.dataloader_multiprocessing_context if workers > 0 else None,
+        **extra,
     )
 
 

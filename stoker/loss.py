@@ -184,3 +184,18 @@ def chunked_causal_lm_loss(model: nn.Module, lm_head: nn.Linear, inputs: dict, l
     loss = chunked_cross_entropy(captured.hidden, lm_head.weight, labels, num_items_in_batch, bias=lm_head.bias,
                                  compute_dtype=captured.dtype)
     return loss, outputs
+
+
+def smoothed_label_loss(logits: torch.Tensor, labels: torch.Tensor, epsilon: float, shift: bool,
+                        num_items) -> torch.Tensor:
+    """Label smoothing (label_smoothing_factor) as transformers' LabelSmoother computes it per target token,
+    (1 - eps) x cross-entropy + eps x the mean negative log-likelihood over the classes, but summed and divided
+    by num_items, the window's target count, so that accumulation stays exact (transformers averages each
+    micro-batch on its own). `shift` for causal LMs, whose logits at t predict the token at t + 1."""
+    if shift:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    neg_log_probs = -torch.log_softmax(logits.float(), dim=-1)
+    target = labels != IGNORE_INDEX
+    nll = neg_log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    per_item = (1 - epsilon) * nll + epsilon * neg_log_probs.mean(-1)
+    return (per_item * target).sum() / num_items

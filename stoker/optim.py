@@ -21,6 +21,16 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
+def _decays(module: nn.Module, name: str) -> bool:
+    return not (_is_norm(module) or name == "bias")
+
+
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the parameters that weight decay applies to (transformers' get_decay_parameter_names)."""
+    return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            for name, _ in module.named_parameters(recurse=False) if _decays(module, name)]
+
+
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay, seen = [], [], set()
     for _, module in model.named_modules():
@@ -28,7 +38,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             if not param.requires_grad or id(param) in seen:  # tied weights appear twice
                 continue
             seen.add(id(param))
-            (no_decay if _is_norm(module) or name == "bias" else decay).append(param)
+            (decay if _decays(module, name) else no_decay).append(param)
     return [g for g in ({"params": decay, "weight_decay": weight_decay},
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
@@ -41,38 +51,45 @@ def _bnb(name: str):
     return bnb.optim
 
 
-def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    groups = parameter_groups(model, args.weight_decay)
-    if not groups:
-        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+def optimizer_cls_and_kwargs(args: TrainingArguments) -> tuple[type, dict]:
+    """The optimizer class that args.optim names and its keyword arguments, as
+    transformers.Trainer.get_optimizer_cls_and_kwargs returns them."""
     name, lr, extra = args.optim, args.learning_rate, args.optimizer_kwargs()
     adam = {"lr": lr, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
     if name == "adamw_torch":
-        return torch.optim.AdamW(groups, **adam, **extra)
+        return torch.optim.AdamW, {**adam, **extra}
     if name == "adamw_torch_fused":
-        return torch.optim.AdamW(groups, **adam, fused=True, **extra)
+        return torch.optim.AdamW, {**adam, "fused": True, **extra}
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, **extra)
+        return torch.optim.SGD, {"lr": lr, **extra}
     if name == "adagrad":
-        return torch.optim.Adagrad(groups, lr=lr, **extra)
+        return torch.optim.Adagrad, {"lr": lr, **extra}
     if name == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=lr, **extra)
+        return torch.optim.RMSprop, {"lr": lr, **extra}
     if name == "adafactor":
         from transformers.optimization import Adafactor
 
         # a fixed learning rate as transformers.Trainer uses it, so the schedule stays in charge
-        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False, **extra)
+        return Adafactor, {"lr": lr, "scale_parameter": False, "relative_step": False, **extra}
     if name in ("adamw_bnb_8bit", "adamw_8bit"):
-        return _bnb(name).AdamW8bit(groups, **adam, **extra)
+        return _bnb(name).AdamW8bit, {**adam, **extra}
     if name in ("paged_adamw_8bit", "paged_adamw_32bit"):
-        cls = _bnb(name).PagedAdamW8bit if name.endswith("8bit") else _bnb(name).PagedAdamW32bit
-        return cls(groups, **adam, **extra)
+        optim = _bnb(name)
+        return (optim.PagedAdamW8bit if name.endswith("8bit") else optim.PagedAdamW32bit), {**adam, **extra}
     if name in ("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit"):
         optim = _bnb(name)
         cls = {"lion_8bit": optim.Lion8bit, "lion_32bit": optim.Lion32bit,
                "paged_lion_8bit": optim.PagedLion8bit, "paged_lion_32bit": optim.PagedLion32bit}[name]
-        return cls(groups, lr=lr, betas=(args.adam_beta1, args.adam_beta2), **extra)
+        return cls, {"lr": lr, "betas": (args.adam_beta1, args.adam_beta2), **extra}
     raise ValueError(f"optim={name!r}: unknown optimizer")  # unreachable: TrainingArguments validates names
+
+
+def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
+    groups = parameter_groups(model, args.weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    cls, kwargs = optimizer_cls_and_kwargs(args)
+    return cls(groups, **kwargs)
 
 
 # The four schedules nearly every run uses, written with torch's LambdaLR and the same formulas as

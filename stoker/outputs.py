@@ -7,6 +7,7 @@ Scripts use these by attribute or by unpacking, which both forms support alike.
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 
@@ -47,3 +48,17 @@ class EvalPrediction:
 
     def __len__(self):
         return len(self.elements)
+
+
+def speed_metrics(split: str, start_time: float, num_samples: int | None = None, num_steps: int | None = None,
+                  num_tokens: int | None = None) -> dict[str, float]:
+    """`<split>_runtime` since start_time (time.time()) and the rates per second, rounded as transformers rounds
+    them (transformers.trainer_utils.speed_metrics)."""
+    runtime = time.time() - start_time
+    result = {f"{split}_runtime": round(runtime, 4)}
+    if runtime == 0:
+        return result
+    for name, count in (("samples", num_samples), ("steps", num_steps), ("tokens", num_tokens)):
+        if count is not None:
+            result[f"{split}_{name}_per_second"] = round(count / runtime, 3)
+    return result

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,8 @@ from .callbacks import (
     TensorBoardCallback,
     TrainerControl,
     TrainerState,
+    callback_states,
+    restore_callback_states,
 )
 from .data import (
     ColumnFilter,
@@ -70,8 +73,9 @@ from .distributed import (
     zero_stage,
 )
 from .lora import trainable_parameters
-from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head
-from .outputs import EvalPrediction, PredictionOutput, TrainOutput
+from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head, smoothed_label_loss
+from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
+from .trainer_api import TrainerAPI
 
 # transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
 # (transformers.loss.loss_utils); other models return a mean over their micro-batch and are rescaled.
@@ -114,58 +118,67 @@ def _unwrap_peft(model):
     return model.get_base_model() if ckpt.is_peft_model(model) else model
 
 
-class Trainer:
+class Trainer(TrainerAPI):
     def __init__(
         self,
-        model: torch.nn.Module,
+        # transformers.Trainer's parameters in its order (a positional call means the same), then stoker's
+        model: torch.nn.Module | None = None,
         args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
         train_dataset=None,
         eval_dataset=None,
-        data_collator: Callable | None = None,
+        processing_class=None,
+        model_init: Callable | None = None,
+        compute_loss_func: Callable | None = None,
         compute_metrics: Callable | None = None,
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
-        processing_class=None,
-        peft_config=None,
-        compute_loss_func: Callable | None = None,
+        optimizer_cls_and_kwargs: tuple[type, dict] | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
+        peft_config=None,
     ):
         self.args = args if args is not None else TrainingArguments()
-        if peft_config is not None:
-            if ckpt.is_peft_model(model):
-                raise ConfigError(["peft_config: the model is already a PeftModel; pass one or the other"], "Trainer")
-            from .lora import wrap
-
-            model = wrap(model, peft_config, self.args.gradient_checkpointing)
+        self._memory = None  # transformers' TrainerMemoryTracker, with skip_memory_metrics=False
+        memory = self._memory_tracker()
+        if memory is not None:  # its first stage, "init", is reported with the first train/eval/test metrics
+            memory.start()
+        self.model_init = model_init
+        if model is None:
+            if model_init is None:
+                raise ConfigError(["model: pass a model, or model_init (a function returning a fresh model)"],
+                                  "Trainer")
+            set_seed(self.args.seed)  # as transformers: the model's initialisation follows the seed
+            model = self.call_model_init()
+        self._peft_config = peft_config
+        if peft_config is not None and ckpt.is_peft_model(model):
+            raise ConfigError(["peft_config: the model is already a PeftModel; pass one or the other"], "Trainer")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.compute_metrics = compute_metrics
         self.compute_loss_func = compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.processing_class = processing_class
-        base = _unwrap_peft(model)
-        self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
-        self._causal = self._loss_type == "ForCausalLM"
-        # a KV cache is wasted memory in a loss forward, and while one exists transformers ignores the
-        # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
-        self._forward_kwargs = {"use_cache": False} if "use_cache" in forward_columns(base) else {}
-        self._chunked_head = output_head(model) if self.args.chunked_loss else None
-        self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.label_names = self.args.label_names or ["labels"]
+        self._given_collator = data_collator
+        model = self._set_up_model(model)
         if self.args.packing or self.args.padding_free:  # packs the train set once and picks the collator
             from .packing import packed_train_set
 
-            self.train_dataset, data_collator = packed_train_set(self.args, model, train_dataset, data_collator,
-                                                                 self._pad_token_id(), self._forward_kwargs)
-        self.data_collator = data_collator or PaddingCollator(self._pad_token_id())
-        if self.args.remove_unused_columns and hasattr(base, "config"):
-            self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
+            self.train_dataset, self._given_collator = packed_train_set(
+                self.args, model, self.train_dataset, data_collator, self._pad_token_id(), self._forward_kwargs)
+            self._set_collator(_unwrap_peft(model))
         self._check_inputs(model, optimizers)
 
         self.accelerator = self._build_accelerator(model, optimizers)
         self._apply_precision_switches()
+        self._set_log_levels()
+        self._check_save_on_each_node()
         self._enable_gradient_checkpointing(model)
         self.model = model
         self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
+        self.current_flos = 0  # FLOPs since the last store_flos (transformers' estimate)
+        self.is_in_train = False
+        self._ignore_keys_for_eval = None
         self._wrapped_in_place = False  # by a train() call that cannot be repeated (DeepSpeed, FSDP1)
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
@@ -183,9 +196,64 @@ class Trainer:
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
         self._fire("on_init_end")
+        if memory is not None:
+            memory.stop_and_update_metrics()
 
     # ------------------------------------------------------------------------------------------
     # set-up
+
+    def _set_up_model(self, model):
+        """What depends on the model (its loss convention, forward's columns, LoRA, debug hooks); run again for
+        each fresh model from model_init. Returns the model to train (the peft model with peft_config)."""
+        a = self.args
+        if self._peft_config is not None:
+            from .lora import wrap
+
+            model = wrap(model, self._peft_config, a.gradient_checkpointing)
+        base = _unwrap_peft(model)
+        if a.use_liger_kernel:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+            _apply_liger_kernel_to_instance(model=base, **(a.liger_kernel_config or {}))
+        if "underflow_overflow" in a.debug:
+            from transformers.debug_utils import DebugUnderflowOverflow
+
+            DebugUnderflowOverflow(base)
+        self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
+        self._causal = self._loss_type == "ForCausalLM"
+        # a KV cache is wasted memory in a loss forward, and while one exists transformers ignores the
+        # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
+        self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
+        self._chunked_head = output_head(model) if a.chunked_loss else None
+        self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
+        self._set_collator(base)
+        return model
+
+    def _set_collator(self, base) -> None:
+        self.data_collator = self._given_collator or PaddingCollator(self._pad_token_id())
+        if self.args.remove_unused_columns and hasattr(base, "config"):
+            self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
+
+    def _set_log_levels(self) -> None:
+        """log_level / log_level_replica, as transformers sets them: the 'stoker' and 'transformers' loggers."""
+        a = self.args
+        if (a.log_level if a.should_log else a.log_level_replica) == "passive":
+            return
+        import logging
+
+        from transformers.utils import logging as hf_logging
+
+        level = a.get_process_log_level()
+        logging.getLogger("stoker").setLevel(level)
+        hf_logging.set_verbosity(level)
+
+    def _check_save_on_each_node(self) -> None:
+        acc = self.accelerator
+        nodes = acc.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+        if self.args.save_on_each_node and nodes > 1:
+            raise ConfigError([f"save_on_each_node=True: this run has {nodes} nodes, and stoker commits each "
+                               "checkpoint once, from the main process, into an output_dir that every node must "
+                               "see (a shared disk); set it to False"], "Trainer inputs")
 
     def _check_inputs(self, model, optimizers) -> None:
         """Problems that need the model and data as well as the arguments, reported together."""
@@ -195,8 +263,7 @@ class Trainer:
             p.append(f"eval_strategy={a.eval_strategy!r}"
                      + (", eval_on_start=True" if a.eval_on_start else "")
                      + ": evaluation needs an eval_dataset (pass one, or set eval_strategy='no')")
-        for name in ("train_dataset", "eval_dataset"):
-            ds = getattr(self, name)
+        for name, ds in self._named_datasets():
             if ds is not None and hasattr(ds, "__len__") and len(ds) == 0:
                 p.append(f"{name}: is empty (0 rows)")
         ds = self.train_dataset
@@ -222,15 +289,21 @@ class Trainer:
             p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                      "(LoRA) to train an adapter on it (QLoRA)")
         if isinstance(model, torch.nn.Module):
-            for name in ("train_dataset", "eval_dataset"):
-                p += self._probe_rows(model, name)
+            for name, ds in self._named_datasets():
+                p += self._probe_rows(model, name, ds)
         if p:
             raise ConfigError(p, "Trainer inputs")
 
-    def _probe_rows(self, model, name: str) -> list[str]:
+    def _named_datasets(self) -> list[tuple[str, Any]]:
+        """The datasets with the names problems are reported under; eval_dataset may be a dict of them."""
+        evals = self.eval_dataset
+        if isinstance(evals, dict):
+            return [("train_dataset", self.train_dataset)] + [(f"eval_dataset[{k!r}]", v) for k, v in evals.items()]
+        return [("train_dataset", self.train_dataset), ("eval_dataset", evals)]
+
+    def _probe_rows(self, model, name: str, ds) -> list[str]:
         """Collate the first rows of a dataset and check them against the model, so that a missing column,
         a wrong label dtype or a collator that returns non-tensors fails here rather than mid-run."""
-        ds = getattr(self, name)
         if ds is None or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
             return []
         rows = [ds[i] for i in range(min(len(ds), 2))]
@@ -282,6 +355,8 @@ class Trainer:
         if find_unused is None:  # as transformers: checkpointed models re-enter forward, which DDP dislikes
             find_unused = not a.gradient_checkpointing if hasattr(model, "config") else True
         ddp = {"find_unused_parameters": find_unused}
+        if a.ddp_static_graph is not None:
+            ddp["static_graph"] = a.ddp_static_graph
         if a.ddp_bucket_cap_mb is not None:
             ddp["bucket_cap_mb"] = a.ddp_bucket_cap_mb
         if a.ddp_broadcast_buffers is not None:
@@ -364,6 +439,16 @@ class Trainer:
             labels = inputs.pop(self.label_names[0], None)
             outputs = model(**inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif self.args.label_smoothing_factor and labels is not None and not labels.is_floating_point():
+            items = num_items_in_batch if num_items_in_batch is not None else count_targets(
+                inputs, self.label_names[0], self._causal)
+            del inputs[self.label_names[0]]
+            base = _unwrap_peft(self.accelerator.unwrap_model(model))
+            if "decoder_input_ids" not in inputs and hasattr(base, "prepare_decoder_input_ids_from_labels"):
+                inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+            outputs = model(**inputs)
+            loss = smoothed_label_loss(self._logits_of(outputs), labels, self.args.label_smoothing_factor,
+                                       self._causal, items)
         elif self._loss_type in _NUM_ITEMS_LOSS_TYPES and num_items_in_batch is not None:
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
             loss = outputs["loss"]
@@ -386,10 +471,11 @@ class Trainer:
         return loss
 
     def _window_items(self, window: list[dict]) -> torch.Tensor:
-        """Target tokens (or samples) in the whole accumulation window, summed over every process."""
+        """Target tokens (or samples) in the whole accumulation window, summed over every process (over this
+        process only with average_tokens_across_devices=False)."""
         total = sum(torch.as_tensor(count_targets(b, self.label_names[0], self._causal), device=self.accelerator.device)
                     for b in window)
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.num_processes > 1 and self.args.average_tokens_across_devices:
             total = self.accelerator.reduce(total, reduction="sum")
         return total.clamp_min(1)  # an all-padding window contributes zero loss, not NaN
 
@@ -402,33 +488,27 @@ class Trainer:
         micro_batch = getattr(self, "_micro_batch", self.args.per_device_train_batch_size)
         return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
 
-    def get_eval_dataloader(self, dataset=None):
-        dataset = dataset if dataset is not None else self.eval_dataset
+    def get_eval_dataloader(self, eval_dataset=None):
+        if isinstance(eval_dataset, str):  # a name in the Trainer's dict of evaluation sets
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluation needs an eval_dataset")
         loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
         return self.accelerator.prepare(loader)
-
-    def create_optimizer_and_scheduler(self, num_training_steps: int, model=None) -> None:
-        from .optim import create_optimizer, create_scheduler
-
-        if self.optimizer is None:
-            self.optimizer = create_optimizer(self.model if model is None else model, self.args)
-        if self.lr_scheduler is None:
-            self.lr_scheduler = create_scheduler(self.optimizer, self.args, num_training_steps)
 
     def _create_deepspeed_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         """An "optimizer" or "scheduler" section of the DeepSpeed config is built by DeepSpeed (Accelerate's
         placeholders stand for it until then); otherwise stoker's own is handed to DeepSpeed."""
         from accelerate.utils import DummyOptim, DummyScheduler
 
-        from .optim import create_optimizer, create_scheduler, parameter_groups
+        from .optim import create_scheduler, parameter_groups
 
         a, config = self.args, self.accelerator.state.deepspeed_plugin.deepspeed_config
         if self.optimizer is None:
             self.optimizer = DummyOptim(parameter_groups(self.model, a.weight_decay), lr=a.learning_rate,
                                         weight_decay=a.weight_decay) if "optimizer" in config else (
-                create_optimizer(self.model, a))
+                self.create_optimizer())
         if self.lr_scheduler is not None:
             return
         if "scheduler" in config:
@@ -453,32 +533,58 @@ class Trainer:
                              f"than per_device_train_batch_size={a.per_device_train_batch_size})")
         return math.ceil(a.num_train_epochs * per_epoch), per_epoch
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs):
         """Train; resume_from_checkpoint is None, True (the newest complete checkpoint) or a checkpoint path.
+        With model_init, each call trains a fresh model; `trial` (an Optuna trial or a dict) is handed to it.
 
         Raises TrainingPreempted (a SystemExit with PREEMPTED_EXIT_CODE) after checkpointing on SIGTERM/SIGUSR1.
         """
+        memory = self._memory_tracker()
+        if memory is not None:
+            memory.start()
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
+        self.is_in_train = True
+        try:
+            return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval, memory)
+        finally:
+            self.is_in_train = False
+
+    # named as transformers names it: its memory tracker recognises the stage by the caller's name
+    def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval, memory):
         acc = self.accelerator
         if self._wrapped_in_place:
             raise RuntimeError(f"train() was called before on this Trainer, and {acc.distributed_type} wrapped the "
                                "model in place (DeepSpeed's engine, FSDP1's flat parameters), which cannot be done "
                                "twice: build a new Trainer and model for another run")
         a = self.args
+        self._ignore_keys_for_eval = ignore_keys_for_eval
         resume_dir = self._resolve_resume(resume_from_checkpoint)
         if resume_dir is not None:
             self._check_checkpoint_kind(resume_dir)
         # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
         s = self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                       is_world_process_zero=self.accelerator.is_main_process)
+        if trial is not None:
+            s.is_hyper_param_search = True
+            s.trial_params = dict(getattr(trial, "params", trial))
+            s.trial_name = str(getattr(trial, "number", ""))
         self.control = TrainerControl()
         self.optimizer, self.lr_scheduler = self._given_optimizers
-        set_seed(a.seed)
+        self.current_flos = 0
+        self._seed()
+        if self.model_init is not None:  # as transformers: a fresh model for every train() call
+            model = self._set_up_model(self.call_model_init(trial))
+            self._enable_gradient_checkpointing(model)
+            acc.free_memory()  # drop Accelerate's references to the previous model
+            self.model = self.model_wrapped = model
         self._micro_batch, self._accumulation = a.per_device_train_batch_size, a.gradient_accumulation_steps
         loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
         if loop is not None:  # may adopt the micro-batch that auto_find_batch_size settled on
             self._check_resume_settings(loop, resume_dir)
+        # checkpoints of this run carry its id; a resumed run continues the id of its checkpoint
+        self._run_id = (loop or {}).get("run_id") or uuid.uuid4().hex
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
         self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
@@ -501,13 +607,12 @@ class Trainer:
 
         s.max_steps, s.train_batch_size = max_steps, self._micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
-        s.logging_steps, s.eval_steps, s.save_steps = (
-            math.ceil(max_steps * v) if v < 1 else int(v) for v in (a.logging_steps, a.eval_steps, a.save_steps))
+        s.compute_steps(a, max_steps)
         start_epoch, skip = 0, 0
         self._reset_accumulators()
         if resume_dir is not None:
             self._load_checkpoint(resume_dir)
-            start_epoch, skip = loop["epoch"], self._resume_skip(loop)
+            start_epoch, skip = loop["epoch"], 0 if a.ignore_data_skip else self._resume_skip(loop)
             if per_epoch:  # resumed with another world size or batch (resume_mismatch='warn'): epochs hold another
                 # number of steps, so count the epochs still needed from here; training stops at max_steps
                 s.num_train_epochs = max(s.num_train_epochs,
@@ -529,8 +634,9 @@ class Trainer:
 
         started = time.perf_counter()
         first_step = s.global_step
-        with self._preemption_signals():
-            total_loss = self._train_loop(per_epoch, start_epoch, skip)
+        with self._preemption_signals(), self._neftune():
+            # resumed from the run's last checkpoint (the same script run again): nothing is left to do
+            total_loss = self._train_loop(per_epoch, start_epoch, skip) if s.global_step < s.max_steps else 0.0
         if self._preempted is not None:
             raise TrainingPreempted(self._preempted, s.global_step)
 
@@ -544,11 +650,56 @@ class Trainer:
             "train_loss": total_loss / max(steps_run - self._nonfinite_total, 1),
             **self._memory_metrics(),
         }
+        self.store_flos()
+        metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
             self._load_model_weights(s.best_model_checkpoint)
+        if memory is not None:
+            memory.stop_and_update_metrics(metrics)
         self.log(metrics)
         self._fire("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
+
+    def _seed(self) -> None:
+        if self.args.full_determinism:
+            from transformers.trainer_utils import enable_full_determinism
+
+            enable_full_determinism(self.args.seed)  # seeds, and deterministic algorithms everywhere
+        else:
+            set_seed(self.args.seed)
+
+    def _memory_tracker(self):
+        """transformers' memory tracker when skip_memory_metrics=False (start and stop it in train, evaluate or
+        predict themselves: it names the stage after its caller)."""
+        if self.args.skip_memory_metrics:
+            return None
+        if self._memory is None:  # one for every stage: an evaluation inside train() is counted in train's
+            from transformers.trainer_utils import TrainerMemoryTracker
+
+            self._memory = TrainerMemoryTracker(skip_memory_metrics=False)
+        return self._memory
+
+    @contextlib.contextmanager
+    def _neftune(self):
+        """NEFTune (neftune_noise_alpha): uniform noise on the input embeddings in training forwards, drawn from
+        torch's RNG (saved with checkpoints, so resumes stay exact)."""
+        alpha = self.args.neftune_noise_alpha
+        if not alpha:
+            yield
+            return
+        embeddings = _unwrap_peft(self.accelerator.unwrap_model(self.model)).get_input_embeddings()
+
+        def add_noise(module, inputs, output):
+            if not module.training:
+                return output
+            bound = alpha / math.sqrt(output.size(1) * output.size(2))
+            return output + torch.zeros_like(output).uniform_(-bound, bound)
+
+        handle = embeddings.register_forward_hook(add_noise)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _train_loop(self, per_epoch, start_epoch: int, skip: int) -> float:
         a, s, acc = self.args, self.state, self.accelerator
@@ -575,6 +726,9 @@ class Trainer:
                     self._log_loss += window_loss
                     self._log_steps += 1
                     self._grad_norm = grad_norm
+                elif not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
+                    self._log_loss += window_loss
+                    self._log_steps += 1
                 optimizer.zero_grad(set_to_none=True)
                 s.global_step += 1
                 s.epoch = epoch + (self._batches_in_epoch / len(self._train_dataloader) if per_epoch else 0)
@@ -650,6 +804,7 @@ class Trainer:
                 window = self._halve_micro_batch(window, e)
         for batch in window:
             self._count_inputs(batch)
+            self.current_flos += float(self.floating_point_ops(batch))
         return loss, window
 
     def _forward_backward(self, model, window: list[dict]) -> torch.Tensor:
@@ -664,17 +819,30 @@ class Trainer:
                     acc.sync_gradients = last
                 # gradients are all-reduced only on the window's last micro-batch
                 with contextlib.nullcontext() if last else acc.no_sync(model):
-                    loss = self.compute_loss(model, dict(batch), num_items_in_batch=num_items)
-                    # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by
-                    # the global item count, so scale back up to get the sum over the global window. DeepSpeed
-                    # would also divide it by the accumulation steps.
-                    acc.backward(loss * acc.num_processes, **({"scale_wrt_gas": False} if deepspeed else {}))
-                window_loss += loss.detach()
+                    window_loss += self.training_step(model, dict(batch), num_items)
                 if not last:
                     self._fire("on_substep_end")
         finally:
             acc.sync_gradients = True  # Accelerate's optimizer ignores step and zero_grad until it is
         return window_loss
+
+    def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its share of the window loss, detached. The loss is
+        normalised by num_items_in_batch, the window's target count over every process, so a subclass that
+        changes the inputs or adds to the loss and calls this keeps the update exact."""
+        acc = self.accelerator
+        model.train()
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
+        # item count, so scale back up to get the sum over the global window. DeepSpeed would also divide it by
+        # the accumulation steps.
+        scale = acc.num_processes if self.args.average_tokens_across_devices else 1
+        acc.backward(loss * scale, **({"scale_wrt_gas": False} if is_deepspeed(acc) else {}))
+        if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
+        return loss.detach()
 
     def _halve_micro_batch(self, window: list[dict], error: Exception) -> list[dict]:
         from accelerate.utils.memory import clear_device_cache
@@ -786,6 +954,8 @@ class Trainer:
         total = self._log_loss.clone()
         if self.accelerator.num_processes > 1:
             total = self.accelerator.reduce(total, reduction="sum")
+            if not self.args.average_tokens_across_devices:  # each process's loss is a mean of its own
+                total /= self.accelerator.num_processes
         self._log_loss.zero_()
         self._log_steps = 0
         return total.item()
@@ -833,8 +1003,11 @@ class Trainer:
         self._excluded += time.perf_counter() - paused
         return logged
 
-    def log(self, logs: dict[str, float]) -> None:
-        """Record logs in state.log_history and hand them to the on_log callbacks."""
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Record logs in state.log_history and hand them to the on_log callbacks. The loop logs through this
+        method, so a subclass that overrides it sees (and may change) every record."""
+        if start_time is not None:  # as transformers: throughput since start_time
+            logs = {**logs, **speed_metrics("train", start_time)}
         record = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
         self.state.log_history.append(record)
         self._fire("on_log", logs=logs)
@@ -872,15 +1045,34 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
 
-    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        metrics = self._evaluation_loop(eval_dataset, metric_key_prefix).metrics
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Metrics of one evaluation set; with a dict of them (given here or to the Trainer) each one's metrics,
+        prefixed with its name (eval_<name>_loss, ...). A name picks one set of the Trainer's dict."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(datasets, dict):
+            metrics = {}
+            for name, dataset in datasets.items():
+                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        memory = self._memory_tracker()
+        if memory is not None:
+            memory.start()
+        # without compute_metrics no predictions are needed, only the loss (as transformers)
+        output = self._run_evaluation(eval_dataset, "Evaluation", True if self.compute_metrics is None else None,
+                                      ignore_keys, metric_key_prefix)
+        metrics = output.metrics
+        if memory is not None:
+            memory.stop_and_update_metrics(metrics)
         self.log(metrics)
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
     def _evaluate_and_track(self) -> bool:
         """Evaluate and update best_metric; True if this evaluation is the new best."""
-        metrics = self.evaluate()
+        metrics = self.evaluate(ignore_keys=self._ignore_keys_for_eval)
         name = self.args.metric_for_best_model
         if name is None:
             return False
@@ -895,25 +1087,34 @@ class Trainer:
             return True
         return False
 
-    def predict(self, test_dataset, metric_key_prefix: str = "test"):
-        output = self._evaluation_loop(test_dataset, metric_key_prefix)
+    def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"):
+        memory = self._memory_tracker()
+        if memory is not None:
+            memory.start()
+        output = self._run_evaluation(test_dataset, "Prediction", None, ignore_keys, metric_key_prefix)
+        if memory is not None:
+            memory.stop_and_update_metrics(output.metrics)
         self._fire("on_predict", metrics=output.metrics)
-        return output
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    def _evaluation_loop(self, dataset, prefix: str):
-        """Run the model over a dataset without gradients. With auto_find_batch_size, an out-of-memory error
-        halves the evaluation batch (never the training batch) and starts the pass over."""
+    def _run_evaluation(self, dataset, description: str, prediction_loss_only, ignore_keys, prefix: str):
+        """evaluation_loop over a dataset, without gradients, plus the speed metrics. With auto_find_batch_size,
+        an out-of-memory error halves the evaluation batch (never the training batch) and starts over."""
         from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
-
         if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
             self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        if not self.is_in_train and (self.args.bf16_full_eval or self.args.fp16_full_eval):
+            self.model_wrapped.to(torch.bfloat16 if self.args.bf16_full_eval else torch.float16)
         model = self.model_wrapped
         was_training = model.training
         model.eval()
         try:
             while True:
+                started = time.time()  # wall-clock, as transformers' speed_metrics measures from
                 try:
-                    return self._evaluation_pass(model, self.get_eval_dataloader(dataset), prefix)
+                    dataloader = self.get_eval_dataloader(dataset)
+                    output = self.evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, prefix)
+                    break
                 except Exception as e:
                     if not (self.args.auto_find_batch_size and should_reduce_batch_size(e)
                             and self._eval_batch_size > 1):
@@ -925,66 +1126,101 @@ class Trainer:
         finally:
             if was_training:
                 model.train()
+        output.metrics.update(speed_metrics(prefix, started, num_samples=output.num_samples,
+                                            num_steps=math.ceil(output.num_samples / self._eval_batch_size)))
+        return output
 
-    def _evaluation_pass(self, model, dataloader, prefix: str):
-        acc = self.accelerator
-        want_predictions = self.compute_metrics is not None or prefix != "eval"
-        self._logits_wanted = want_predictions  # otherwise chunked_loss never computes the logits
+    def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
+        """(loss, logits, labels) of one evaluation batch, without gradients. The loss is the batch's mean over
+        its target tokens (None without labels); logits and labels are None with prediction_loss_only."""
+        label = inputs.get(self.label_names[0])
+        with torch.no_grad():
+            if label is None and (self._loss_type or self.compute_loss_func):
+                loss, outputs = None, model(**inputs, **self._forward_kwargs)  # no labels, so no loss
+            else:
+                items = count_targets(inputs, self.label_names[0], self._causal)
+                loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True,
+                                                  num_items_in_batch=max(items, 1))
+                loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        if ignore_keys is None:
+            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []))
+        if ignore_keys and isinstance(outputs, dict):
+            outputs = {k: v for k, v in outputs.items() if k not in ignore_keys}
+        logits = self._logits_of(outputs)
+        return loss, logits, label
+
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
+        """prediction_step over every batch: the exact mean loss over the target tokens of the dataset, the
+        predictions and labels gathered from every process, and compute_metrics of them."""
+        a, acc, model, prefix = self.args, self.accelerator, self.model_wrapped, metric_key_prefix
+        if prediction_loss_only is None:
+            prediction_loss_only = a.prediction_loss_only
+        self._logits_wanted = not prediction_loss_only  # otherwise chunked_loss never computes the logits
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
-        preds, labels, pending_preds, pending_labels = [], [], [], []
-        started = time.perf_counter()
+        kept = {"predictions": [], "label_ids": [], "inputs": [], "losses": []}
+        pending = {k: [] for k in kept}
+        batch_metrics = None
+
+        def gather(t):  # sequence lengths differ between processes: pad to a common length first
+            return acc.gather_for_metrics(acc.pad_across_processes(t, dim=1, pad_index=-100),
+                                          use_gather_object=a.eval_use_gather_object)
+
+        num_batches = len(dataloader)
         for n, batch in enumerate(dataloader, 1):
-            label = batch.get(self.label_names[0])
-            with torch.no_grad():
-                if label is None and (self._loss_type or self.compute_loss_func):
-                    outputs = model(**batch, **self._forward_kwargs)  # no labels, so no loss: predictions only
-                else:
-                    # each batch's loss is normalised over its own items, then re-weighted by them: the
-                    # result is the exact mean over every target token of the eval set
-                    items = count_targets(batch, self.label_names[0], self._causal)
-                    loss, outputs = self.compute_loss(model, dict(batch), return_outputs=True,
-                                                      num_items_in_batch=items)
-                    genuine = self._genuine_rows(batch)
-                    if genuine is not None and genuine > 0:  # score only this process's real rows: one
-                        batch_part = _split_batch(batch, genuine)[0]  # extra forward, once per pass at most
-                        items = count_targets(batch_part, self.label_names[0], self._causal)
-                        loss = self.compute_loss(model, dict(batch_part), num_items_in_batch=max(items, 1))
-                    if genuine is None or genuine > 0:
-                        loss_sum += loss.double() * items
-                        items_sum += items
-            if want_predictions:
-                logits = self._logits_of(outputs)
+            loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
+            rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+            if loss is not None:
+                # each batch's loss is normalised over its own items, then re-weighted by them: the result is
+                # the exact mean over every target token of the eval set
+                items = count_targets(batch, self.label_names[0], self._causal)
+                genuine = self._genuine_rows(batch)
+                if genuine is not None and genuine > 0:  # score only this process's real rows: one extra
+                    part = _split_batch(batch, genuine)[0]  # forward, once per pass at most
+                    items = count_targets(part, self.label_names[0], self._causal)
+                    loss = self.prediction_step(model, part, True, ignore_keys)[0]
+                if genuine is None or genuine > 0:
+                    loss_sum += loss.double() * items
+                    items_sum += items
+            if not prediction_loss_only:
                 if logits is not None and self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, label)
-                # sequence lengths differ between processes: pad to a common length before gathering
-                gather = lambda t: acc.gather_for_metrics(acc.pad_across_processes(t, dim=1, pad_index=-100))
-                if logits is not None:
-                    pending_preds.append(gather(logits))
-                if label is not None:
-                    pending_labels.append(gather(label))
-                if self.args.eval_accumulation_steps and n % self.args.eval_accumulation_steps == 0:
-                    preds += [t.cpu() for t in pending_preds]
-                    labels += [t.cpu() for t in pending_labels]
-                    pending_preds, pending_labels = [], []
+                step = {"predictions": logits, "label_ids": label,
+                        "inputs": batch.get("input_ids") if "inputs" in a.include_for_metrics else None,
+                        "losses": loss.repeat(rows) if loss is not None and "loss" in a.include_for_metrics
+                        else None}
+                step = {k: gather(v) for k, v in step.items() if v is not None}
+                if a.batch_eval_metrics:  # metrics of the batch now; nothing is kept
+                    if self.compute_metrics is not None:
+                        batch_metrics = self.compute_metrics(_eval_prediction(EvalPrediction, step, a),
+                                                             compute_result=n == num_batches)
+                else:
+                    for k, v in step.items():
+                        pending[k].append(v)
+                    if a.eval_accumulation_steps and n % a.eval_accumulation_steps == 0:
+                        for k in kept:
+                            kept[k] += [t.cpu() for t in pending[k]]
+                            pending[k] = []
             self._fire("on_prediction_step")
-        preds += [t.cpu() for t in pending_preds]
-        labels += [t.cpu() for t in pending_labels]
+        for k in kept:
+            kept[k] += [t.cpu() for t in pending[k]]
 
         metrics = {}
         if acc.num_processes > 1:
             loss_sum, items_sum = acc.reduce(loss_sum, "sum"), acc.reduce(items_sum, "sum")
         if items_sum.item() > 0:
             metrics[f"{prefix}_loss"] = loss_sum.item() / items_sum.item()
-        predictions = _concat_padded(preds)
-        label_ids = _concat_padded(labels)
-        if self.compute_metrics is not None and predictions is not None:
-            for k, v in self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids)).items():
-                metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = v
-        runtime = time.perf_counter() - started
-        metrics[f"{prefix}_runtime"] = round(runtime, 4)
-        metrics[f"{prefix}_samples_per_second"] = round(len(dataloader.dataset) / runtime, 3)
-        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+        joined = {k: _concat_padded(v) if a.eval_do_concat_batches else [_concat_padded([t]) for t in v] or None
+                  for k, v in kept.items()}
+        if self.compute_metrics is not None and not a.batch_eval_metrics and joined["predictions"] is not None:
+            batch_metrics = self.compute_metrics(_eval_prediction(EvalPrediction, joined, a))
+        for k, v in (batch_metrics or {}).items():
+            metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = v
+        return EvalLoopOutput(predictions=joined["predictions"], label_ids=joined["label_ids"], metrics=metrics,
+                              num_samples=self.num_examples(dataloader))
 
     def _genuine_rows(self, batch: dict) -> int | None:
         """How many rows of this process's evaluation batch are real samples; None if all of them are.
@@ -1016,7 +1252,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # saving and resuming
 
-    def save_model(self, output_dir: str | None = None) -> None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for use outside stoker: transformers/peft models with save_pretrained
         (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json."""
         output_dir = output_dir or self.args.output_dir
@@ -1050,8 +1286,8 @@ class Trainer:
         tmp = ckpt.temp_dir_for(final)
         if s.best_global_step == s.global_step:
             s.best_model_checkpoint = final
-        s.stateful_callbacks = {type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks
-                                if callable(getattr(cb, "state", None))}
+        self.store_flos()
+        s.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
         if not parameters_finite(acc, self.model_wrapped):  # decided by every rank together
             raise NonFiniteError(f"refusing to save {os.path.basename(final)}: the model has non-finite parameters")
         # a sharded model's checkpoint holds every rank's shards, and the full model only if asked for (a peft
@@ -1076,8 +1312,9 @@ class Trainer:
                 save_zero_partition(tmp, self.optimizer, acc.process_index)
             if acc.is_main_process:
                 self._write_checkpoint_files(tmp, state_dict, full, sharded)
-            ckpt.save_state(tmp, f"process_{acc.process_index}",
-                            {"rng": _rng_state(), "pending_log": self._pending_log()})
+            if not a.save_only_model:
+                ckpt.save_state(tmp, f"process_{acc.process_index}",
+                                {"rng": _rng_state(), "pending_log": self._pending_log()})
         except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
             failure = e
         self._all_saved(failure, tmp, final)
@@ -1088,10 +1325,23 @@ class Trainer:
             failure = e
         self._all_saved(failure, tmp, final)
         if acc.is_main_process:
-            ckpt.rotate(a.output_dir, a.save_total_limit, keep=s.best_model_checkpoint)
+            self._rotate_checkpoints()
         acc.wait_for_everyone()
         self._fire("on_save")
         return final
+
+    def _rotate_checkpoints(self) -> None:
+        """save_total_limit counts this run's checkpoints only: those an earlier run left in output_dir are kept
+        (as transformers keeps them), unless overwrite_output_dir, which removes them once this run has a
+        complete checkpoint of its own."""
+        a, s = self.args, self.state
+        mine, others = [], []
+        for path in ckpt.list_checkpoints(a.output_dir):
+            (mine if _run_of(path) == self._run_id else others).append(path)
+        ckpt.rotate(a.output_dir, a.save_total_limit, keep=s.best_model_checkpoint, among=mine)
+        if a.overwrite_output_dir:
+            for path in others:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _write_checkpoint_files(self, tmp: str, state_dict: dict | None, full: bool, sharded: bool) -> None:
         """The main process's part of a checkpoint: the model (or what its shards are the weights of), the
@@ -1104,11 +1354,12 @@ class Trainer:
             config = copy.deepcopy(model.config)
             config.architectures = [model_class_name(model)]  # as save_pretrained records it
             config.save_pretrained(tmp)
-        if not sharded and not is_deepspeed(acc):
-            ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
-        ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
-        if acc.scaler is not None:
-            ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
+        if not a.save_only_model:
+            if not sharded and not is_deepspeed(acc):
+                ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
+            ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
+            if acc.scaler is not None:
+                ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             f.write(s.to_json_string())
         ckpt.write_json(tmp, "training_args.json", a.to_dict())
@@ -1164,6 +1415,8 @@ class Trainer:
             "per_device_train_batch_size": self._micro_batch,  # as run: auto_find_batch_size may have halved it
             "gradient_accumulation_steps": self._accumulation,
             "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
+            "run_id": self._run_id,
+            "save_only_model": a.save_only_model,
         }
 
     def _check_resume_settings(self, loop: dict[str, Any], folder: str) -> None:
@@ -1195,25 +1448,44 @@ class Trainer:
         if isinstance(resume, str) and resume.lower() in ("true", "false"):  # from a flag or a config file
             resume = resume.lower() == "true"
         if resume is None or resume is False:
-            existing = ckpt.list_checkpoints(a.output_dir)
-            if existing and not a.overwrite_output_dir:
-                raise ConfigError([f"output_dir={a.output_dir!r}: already holds {len(existing)} checkpoint(s) "
-                                   f"(newest {os.path.basename(existing[-1])}); resume with "
-                                   "train(resume_from_checkpoint=True), or set overwrite_output_dir=True"],
-                                  "Trainer inputs")
+            # a new run, also into an output_dir that holds an earlier run's checkpoints (as transformers 5): each
+            # checkpoint it writes replaces one of the same step atomically (see _rotate_checkpoints for the rest)
             return None
         if resume is True:
+            complete = []
             for path in reversed(ckpt.list_checkpoints(a.output_dir)):
                 problem = ckpt.verify(path)
                 if problem is None:
-                    return path
-                print(f"stoker: warning: skipping {path}: {problem}", file=sys.stderr)
+                    complete.append(path)
+                else:
+                    print(f"stoker: warning: skipping {path}: {problem}", file=sys.stderr)
+            runs = {}
+            for path in complete:
+                runs.setdefault(_run_of(path), []).append(os.path.basename(path))
+            if len(runs) > 1:  # the newest by step may be the other run's: which run goes on is not the user's call
+                listing = "; ".join(", ".join(sorted(names, key=ckpt.checkpoint_step)) for names in runs.values())
+                raise ckpt.CheckpointError(
+                    f"resume_from_checkpoint=True: output_dir={a.output_dir!r} holds the checkpoints of "
+                    f"{len(runs)} different runs ({listing}), and resuming the newest could continue another run "
+                    "than the last one: pass the checkpoint to resume as resume_from_checkpoint='<path>', or "
+                    "remove the other run's checkpoints")
+            if complete:
+                return self._resumable(complete[0])
             print(f"stoker: no complete checkpoint in {a.output_dir}; starting from scratch", file=sys.stderr)
             return None
         problem = ckpt.verify(resume) if os.path.isdir(resume) else "no such folder"
         if problem:
             raise ckpt.CheckpointError(f"resume_from_checkpoint={resume!r}: {problem}")
-        return resume
+        return self._resumable(resume)
+
+    @staticmethod
+    def _resumable(folder: str) -> str:
+        loop = ckpt.read_json(folder, "loop_state.json")
+        if loop.get("save_only_model"):
+            raise ckpt.CheckpointError(f"{folder} was written with save_only_model=True: it holds the model only (no "
+                                       "optimizer, scheduler or RNG state) and cannot be resumed; load its weights "
+                                       "(from_pretrained) to start a new run, or save without save_only_model")
+        return folder
 
     def _load_checkpoint(self, folder: str) -> None:
         """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
@@ -1235,13 +1507,22 @@ class Trainer:
         for name in ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
                      "best_global_step", "best_model_checkpoint", "stateful_callbacks"):
             setattr(s, name, getattr(saved, name))
-        for cb in self.callback_handler.callbacks:
-            values = s.stateful_callbacks.get(type(cb).__name__)
-            if values is not None and callable(getattr(cb, "load_state", None)):
-                cb.load_state(values)
+        if self.args.restore_callback_states_from_checkpoint:
+            missing = restore_callback_states(self.callback_handler.callbacks, s.stateful_callbacks)
+            if missing:
+                print(f"stoker: warning: {folder} holds the state of callbacks {missing}, which this Trainer does not "
+                      "have; their state is not restored", file=sys.stderr)
         own = ckpt.load_state(folder, f"process_{acc.process_index}")
         _set_rng_state(own["rng"])
         self._restore_pending_log(own["pending_log"])
+
+
+def _run_of(checkpoint: str) -> str | None:
+    """The id of the run that wrote a checkpoint (None for one written before stoker recorded it)."""
+    try:
+        return ckpt.read_json(checkpoint, "loop_state.json").get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -1266,6 +1547,13 @@ def _split_batch(batch: dict, rows: int) -> list[dict]:
     first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
     return [{k: v[i:i + rows] if isinstance(v, torch.Tensor) and v.shape[:1] == first.shape[:1] else v
              for k, v in batch.items()} for i in range(0, first.shape[0], rows)]
+
+
+def _eval_prediction(cls, values: dict, args):
+    """An EvalPrediction with the inputs and losses that include_for_metrics asks for."""
+    return cls(predictions=values.get("predictions"), label_ids=values.get("label_ids"),
+               inputs=values.get("inputs") if "inputs" in args.include_for_metrics else None,
+               losses=values.get("losses") if "loss" in args.include_for_metrics else None)
 
 
 def _concat_padded(tensors: list[torch.Tensor], pad: int = -100) -> np.ndarray | None:

@@ -644,10 +644,43 @@ def ddp_adamw(out: str) -> None:
     r.write()
 
 
+def per_process_tokens(out: str) -> None:
+    """average_tokens_across_devices=False: each rank's loss is the mean over its own target tokens and DDP
+    averages the ranks' gradients; that update is computed here by hand from the batch each rank trained on."""
+    import copy
+
+    r = Report(out, "per_process_tokens")
+    seen = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items()})
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=1,
+                         max_grad_norm=0.0, lr_scheduler_type="constant", average_tokens_across_devices=False)
+    by_hand = llama()
+    trainer = Recording(copy.deepcopy(by_hand), args, train_dataset=TRAIN)
+    trainer.train()
+    loss = by_hand(**seen[0]).loss  # transformers' mean over this rank's target tokens
+    loss.backward()
+    mean_loss = loss.detach().clone()
+    torch.distributed.all_reduce(mean_loss)
+    with torch.no_grad():
+        for p in by_hand.parameters():
+            torch.distributed.all_reduce(p.grad)
+            p -= args.learning_rate * p.grad / 2
+    trained = dict(trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters())
+    r.values.update(tokens=int((seen[0]["labels"][:, 1:] != -100).sum()), losses=losses(trainer),
+                    expected_loss=mean_loss.item() / 2,
+                    max_difference=max((p - trained[n]).abs().max().item() for n, p in by_hand.named_parameters()))
+    r.write()
+
+
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
     preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
-    zero1_config_sections)}
+    zero1_config_sections, per_process_tokens)}
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
@@ -35,12 +36,8 @@ OVERLAP = {
 # Fields transformers 5 dropped and stoker keeps, with the defaults transformers 4 had.
 KEPT_FROM_TRANSFORMERS_4 = {"overwrite_output_dir": False, "warmup_ratio": 0.0, "group_by_length": False,
                             "logging_dir": None}
-# Intentional differences in the declared default:
-DEFAULT_EXCEPTIONS = {
-    # transformers 5 declares None because the field is a deprecated alias of activation_checkpointing; its
-    # __post_init__ resolves it to False, which test_resolved_defaults_match_transformers compares.
-    "gradient_checkpointing",
-}
+# Intentional differences in the declared default (none: every shared field declares transformers' default).
+DEFAULT_EXCEPTIONS: set[str] = set()
 # The groups STYLE.md names for the fields (plus where the run writes); stoker may add groups of its own.
 GROUPS = {"output", "duration", "batch", "optimizer", "precision", "memory", "data", "logging", "evaluation",
           "saving", "distributed"}
@@ -126,14 +123,48 @@ def test_optimizer_names_are_transformers_names():
     assert set(OPTIMIZER_NAMES) - {o.value for o in OptimizerNames} == set()
 
 
-def test_every_field_has_help_and_group():
-    used = set()
+def test_every_field_has_help_and_one_group():
+    from stoker.arguments import FIELD_GROUPS
+    from stoker.seq2seq import Seq2SeqTrainingArguments
+
     for f in dataclasses.fields(TrainingArguments):
         assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), f.name
-        group = f.metadata.get("group")
-        assert isinstance(group, str) and group.strip() == group and group, f.name
-        used.add(group)
-    assert GROUPS <= used
+    listed = [name for names in FIELD_GROUPS.values() for name in names]
+    assert len(listed) == len(set(listed))  # no field in two groups
+    assert set(listed) == {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+    assert GROUPS <= set(FIELD_GROUPS)
+
+
+def test_metadata_is_what_argparse_accepts():
+    # transformers' parser hands each field's metadata to argparse.add_argument as keyword arguments
+    import argparse
+
+    accepted = set(inspect.signature(argparse.Action.__init__).parameters) - {"self", "option_strings", "dest"}
+    for f in dataclasses.fields(TrainingArguments):
+        assert set(f.metadata) <= accepted, f.name
+
+
+def test_transformers_parser_reads_flags_and_json(tmp_path):
+    from transformers import HfArgumentParser
+
+    @dataclasses.dataclass
+    class ModelArguments:
+        model_name_or_path: str = "tiny"
+
+    parser = HfArgumentParser((ModelArguments, TrainingArguments))
+    model_args, args = parser.parse_args_into_dataclasses(
+        ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--do_train", "--gradient_checkpointing",
+         "--include_for_metrics", "inputs", "loss", "--log_level", "error", "--learning_rate", "3e-4"])
+    assert model_args.model_name_or_path == "m" and isinstance(args, TrainingArguments)
+    assert (args.do_train, args.do_eval, args.gradient_checkpointing, args.activation_checkpointing) == (
+        True, False, True, True)
+    assert args.include_for_metrics == ["inputs", "loss"] and args.learning_rate == 3e-4
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps({"output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 3,
+                                "label_smoothing_factor": 0.1}))
+    _, from_file = parser.parse_json_file(str(path))
+    assert from_file.do_eval is True  # set by eval_strategy, as transformers does
+    assert from_file.label_smoothing_factor == 0.1 and from_file.eval_steps == 3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,3 +368,51 @@ def test_import_stoker_stays_light():
     lines = out.stdout.strip().splitlines()
     assert json.loads(lines[-2]) == []
     assert json.loads(lines[-1]) is True  # the check itself works: a module that is imported is seen
+
+
+# ---------------------------------------------------------------------------------------------------
+# the process view and helpers transformers' scripts read
+
+
+def test_properties_and_helpers_equal_transformers(tmp_path):
+    import logging
+
+    import transformers
+
+    kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=3, per_device_eval_batch_size=5,
+              log_level="info", log_level_replica="error", hub_token="secret")
+    hf = transformers.TrainingArguments(**kw)
+    ours = TrainingArguments(**kw)
+    for name in ("train_batch_size", "eval_batch_size", "device", "n_gpu", "world_size", "process_index",
+                 "local_process_index", "should_log", "should_save", "parallel_mode"):
+        assert getattr(ours, name) == getattr(hf, name), name
+    assert ours.get_process_log_level() == hf.get_process_log_level() == logging.INFO
+    order = []
+    with ours.main_process_first(desc="tokenising"):
+        order.append("main")
+    assert order == ["main"]
+    assert ours.to_dict()["hub_token"] == hf.to_dict()["hub_token"] == "<HUB_TOKEN>"
+    assert json.loads(ours.to_json_string())["per_device_train_batch_size"] == 3
+    assert all(isinstance(v, (bool, int, float, str)) for v in ours.to_sanitized_dict().values())
+
+
+def test_transformers_post_init_conventions():
+    assert TrainingArguments(eval_strategy="steps", eval_steps=2).do_eval is True
+    assert TrainingArguments().do_eval is False
+    assert TrainingArguments(activation_checkpointing=True).gradient_checkpointing is True
+    assert TrainingArguments(gradient_checkpointing=True).activation_checkpointing is True
+    assert TrainingArguments(group_by_length=True).train_sampling_strategy == "group_by_length"
+    assert TrainingArguments(train_sampling_strategy="group_by_length").group_by_length is True
+    assert TrainingArguments(include_for_metrics="loss").include_for_metrics == ["loss"]
+    assert TrainingArguments(debug="underflow_overflow").debug == ["underflow_overflow"]
+
+
+def test_new_fields_are_validated_together():
+    err = _problems(label_smoothing_factor=1.5, neftune_noise_alpha=0, torch_empty_cache_steps=0, eval_delay=-1,
+                    include_for_metrics=["logits"], log_level="loud", hub_strategy="sometimes",
+                    enable_jit_checkpoint=True, save_on_signal=False, liger_kernel_config={"rope": True})
+    names = [p.split("=")[0] for p in err.problems]
+    assert names == ["log_level", "hub_strategy", "label_smoothing_factor", "neftune_noise_alpha",
+                     "torch_empty_cache_steps", "eval_delay", "include_for_metrics", "enable_jit_checkpoint",
+                     "liger_kernel_config"]
+    assert "accepted: detail, debug, info, warning, error, critical, passive" in str(err)

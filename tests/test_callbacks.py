@@ -233,7 +233,7 @@ def test_early_stopping_stops_after_patience_evaluations(tiny_llama, clm_rows, m
                   callbacks=[early, rec]).train()
     assert rec.counts["on_evaluate"] == 1 + 2
     assert out.global_step == 3
-    assert early.patience_counter == 2
+    assert early.early_stopping_patience_counter == 2
     losses = [m["eval_loss"] for m in rec.metrics]
     assert losses[0] == losses[1] == losses[2]
 
@@ -244,21 +244,36 @@ def test_early_stopping_counter_resets_on_improvement(make_args):
         TrainerState(), TrainerControl()
     for value, counter in ((1.0, 0), (0.995, 1), (0.9, 0), (0.9, 1)):
         cb.on_evaluate(args, state, control, metrics={"eval_loss": value})
-        assert cb.patience_counter == counter
+        assert cb.early_stopping_patience_counter == counter
         assert control.should_training_stop is False
         state.best_metric = value if state.best_metric is None else min(state.best_metric, value)
     cb.on_evaluate(args, state, control, metrics={"eval_loss": 0.95})
-    assert cb.patience_counter == 2 and control.should_training_stop is True
+    assert cb.early_stopping_patience_counter == 2 and control.should_training_stop is True
 
 
-def test_early_stopping_state_round_trip():
-    cb = EarlyStoppingCallback(early_stopping_patience=3)
-    cb.patience_counter = 2
-    saved = json.loads(json.dumps(cb.state()))
-    fresh = EarlyStoppingCallback(early_stopping_patience=3)
-    assert fresh.patience_counter == 0
-    fresh.load_state(saved)
-    assert fresh.patience_counter == 2
+def test_early_stopping_state_is_transformers_exportable_state():
+    from transformers import EarlyStoppingCallback as HFEarlyStopping
+
+    cb = EarlyStoppingCallback(early_stopping_patience=3, early_stopping_threshold=0.5)
+    cb.early_stopping_patience_counter = 2
+    hf = HFEarlyStopping(early_stopping_patience=3, early_stopping_threshold=0.5)
+    hf.early_stopping_patience_counter = 2
+    assert cb.state() == hf.state()
+    assert json.loads(json.dumps(cb.state())) == cb.state()
+
+
+def test_check_metric_value_counts_as_transformers_does(make_args):
+    from transformers import EarlyStoppingCallback as HFEarlyStopping
+
+    state = TrainerState()
+    for greater in (False, True):
+        args = make_args(eval_strategy="steps", metric_for_best_model="accuracy", greater_is_better=greater)
+        ours, theirs = EarlyStoppingCallback(3, 0.1), HFEarlyStopping(3, 0.1)
+        for best, value in ((None, 1.0), (1.0, 1.05), (1.0, 1.2), (1.0, 0.8), (1.0, 0.95), (1.0, 1.0)):
+            state.best_metric = best
+            ours.check_metric_value(args, state, TrainerControl(), value)
+            theirs.check_metric_value(args, state, TrainerControl(), value)
+            assert ours.early_stopping_patience_counter == theirs.early_stopping_patience_counter, (greater, value)
 
 
 def test_early_stopping_needs_a_metric(tiny_llama, clm_rows, make_args):
@@ -317,3 +332,69 @@ def test_metrics_jsonl_has_one_object_per_log(tiny_llama, clm_rows, make_args, t
     assert [r["step"] for r in train_logs] == [2, 4]
     assert all(isinstance(r["loss"], float) for r in train_logs)
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
+
+
+# ---------------------------------------------------------------------------------------------------
+# transformers' state, controls and callbacks
+
+
+def test_trainer_state_json_and_compute_steps_as_transformers(make_args, tmp_path):
+    from transformers import TrainerState as HFState
+
+    state = TrainerState(global_step=7, log_history=[{"loss": 1.5, "step": 7}], best_metric=0.25,
+                         stateful_callbacks={"EarlyStoppingCallback": {"args": {}, "attributes": {"x": 1}}})
+    state.save_to_json(str(tmp_path / "ours.json"))
+    theirs = HFState.load_from_json(str(tmp_path / "ours.json"))
+    assert (theirs.global_step, theirs.log_history, theirs.best_metric) == (7, state.log_history, 0.25)
+    theirs.save_to_json(str(tmp_path / "theirs.json"))
+    assert TrainerState.load_from_json(str(tmp_path / "theirs.json")) == state
+    args = make_args(logging_steps=0.1, eval_strategy="steps", eval_steps=3, save_steps=0.25)
+    ours, hf = TrainerState(), HFState()
+    ours.compute_steps(args, 50)
+    hf.compute_steps(args, 50)
+    assert (ours.logging_steps, ours.eval_steps, ours.save_steps) == (hf.logging_steps, hf.eval_steps,
+                                                                       hf.save_steps) == (5, 3, 13)
+
+
+def test_trainer_control_state_as_transformers():
+    from transformers import TrainerControl as HFControl
+
+    ours, theirs = TrainerControl(should_save=True, should_log=True), HFControl(should_save=True, should_log=True)
+    assert ours.state() == theirs.state()
+
+
+def test_stateful_callbacks_are_keyed_as_transformers_keys_them(tiny_llama, clm_rows, make_args, tmp_path):
+    class Counter(TrainerCallback):
+        def __init__(self, start: int = 0):
+            self.start, self.seen = start, 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seen += 1
+
+        def state(self):
+            return {"args": {"start": self.start}, "attributes": {"seen": self.seen}}
+
+    args = make_args(max_steps=2, save_strategy="steps", save_steps=2, output_dir=str(tmp_path / "run"))
+    Trainer(tiny_llama(), args, train_dataset=clm_rows(8), callbacks=[Counter(1), Counter(5)]).train()
+    saved = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved["Counter"] == [{"args": {"start": 1}, "attributes": {"seen": 2}},
+                                {"args": {"start": 5}, "attributes": {"seen": 2}}]
+    assert saved["TrainerControl"]["args"]["should_training_stop"] is True
+    restored = [Counter(), Counter()]
+    resumed = make_args(max_steps=3, restore_callback_states_from_checkpoint=True, output_dir=str(tmp_path / "run"))
+    Trainer(tiny_llama(), resumed, train_dataset=clm_rows(8), callbacks=restored).train(
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert [(c.start, c.seen) for c in restored] == [(1, 3), (5, 3)]  # restored, then one more step each
+
+
+def test_transformers_printer_and_early_stopping_callbacks(tiny_llama, clm_rows, make_args, capsys):
+    import transformers
+
+    args = make_args(learning_rate=0.0, max_steps=10, eval_strategy="steps", eval_steps=1,
+                     metric_for_best_model="loss", load_best_model_at_end=True, save_strategy="steps", save_steps=1)
+    hf_early = transformers.EarlyStoppingCallback(early_stopping_patience=2)
+    out = Trainer(tiny_llama(), args, train_dataset=clm_rows(16), eval_dataset=clm_rows(4, seed=1),
+                  callbacks=[hf_early, transformers.PrinterCallback]).train()
+    assert out.global_step == 3 and hf_early.early_stopping_patience_counter == 2  # as stoker's own callback
+    printed = capsys.readouterr().out
+    assert printed.count("'eval_loss'") == 3 and "'train_loss'" in printed  # PrinterCallback prints every log

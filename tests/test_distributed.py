@@ -70,7 +70,7 @@ def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "save_failure",
-                 "ddp_adamw", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure"))
+                 "per_process_tokens", "ddp_adamw", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure"))
     return out
 
 
@@ -92,6 +92,13 @@ def test_two_processes_update_like_one_big_batch_and_like_accumulation(two_ranks
     # logged losses are rounded to 6 decimals: two values 1e-7 apart may round 1e-6 apart
     assert [x for _, x in r0["losses"]] == pytest.approx([x for _, x in ref_losses], abs=2e-6)
     assert r0["losses"] == r1["losses"]  # every rank logs the global loss
+
+
+def test_average_tokens_across_devices_false_averages_each_process_mean(two_ranks):
+    r0, r1 = ranks(two_ranks, "per_process_tokens")
+    assert r0["tokens"] != r1["tokens"]  # with equal counts both settings would give the same update
+    assert r0["max_difference"] < 1e-6 and r1["max_difference"] < 1e-6
+    assert r0["losses"] == r1["losses"] and r0["losses"][0][1] == pytest.approx(r0["expected_loss"], abs=2e-6)
 
 
 def test_only_rank_zero_writes_logs_and_checkpoints_but_every_rank_its_rng(two_ranks):

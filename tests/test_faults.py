@@ -181,7 +181,9 @@ def test_every_checkpoint_file_is_json_or_safetensors(tmp_path):
             with safe_open(str(path), "pt") as f:
                 assert list(f.keys())
     state = json.loads((folder / "trainer_state.json").read_text())
-    assert state["stateful_callbacks"]["EarlyStoppingCallback"] == {"patience_counter": 0}
+    assert state["stateful_callbacks"]["EarlyStoppingCallback"] == {
+        "args": {"early_stopping_patience": 3, "early_stopping_threshold": 0.0},
+        "attributes": {"early_stopping_patience_counter": 0}}
 
 
 # --- failed and interrupted saves ------------------------------------------------------------------
@@ -417,11 +419,17 @@ def test_resume_restores_best_metric_and_early_stopping(tmp_path):
     t.train()
     assert t.state.global_step == 4  # lr 0: no improvement after the first evaluation, patience 3
     again = EarlyStoppingCallback(early_stopping_patience=3)
-    r = Trainer(llama(), make_args(tmp_path, **kw), train_dataset=rows(8), eval_dataset=rows(4), callbacks=[again])
+    r = Trainer(llama(), make_args(tmp_path, restore_callback_states_from_checkpoint=True, **kw),
+                train_dataset=rows(8), eval_dataset=rows(4), callbacks=[again])
     r.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     assert r.state.best_metric == t.state.best_metric
     assert r.state.best_model_checkpoint.endswith("checkpoint-1")
     assert r.state.global_step == 4  # the restored patience counter (2) stops it after one more evaluation
+    # transformers' default: callback states stay as passed in, so the counter starts again from 0
+    fresh = EarlyStoppingCallback(early_stopping_patience=3)
+    r = Trainer(llama(), make_args(tmp_path, **kw), train_dataset=rows(8), eval_dataset=rows(4), callbacks=[fresh])
+    r.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert r.state.global_step == 6 and fresh.early_stopping_patience_counter == 3
 
 
 # --- bad input ---------------------------------------------------------------------------------------

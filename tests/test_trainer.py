@@ -401,14 +401,6 @@ def test_inputs_are_checked_together_before_any_work(tmp_path):
     assert "eval_dataset" in msg and "train_dataset: is empty" in msg and "optimizers" in msg
 
 
-def test_existing_checkpoints_are_not_trained_over(tmp_path):
-    os.makedirs(tmp_path / "out" / "checkpoint-3")
-    t = Trainer(llama(), args(tmp_path, max_steps=1), train_dataset=rows(4))
-    with pytest.raises(ConfigError, match="overwrite_output_dir"):
-        t.train()
-    assert os.path.isdir(tmp_path / "out" / "checkpoint-3")
-
-
 def test_rotation_never_deletes_the_best_or_the_newest(tmp_path):
     from stoker.checkpoint import rotate
 

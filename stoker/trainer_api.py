@@ -1,0 +1,299 @@
+"""transformers.Trainer's public methods around the loop: what example scripts and subclasses call besides
+train / evaluate / predict (metrics files, process checks, optimizer parts, FLOPs, model cards, model_init,
+hyperparameter search). The loop itself lives in stoker.trainer; `Trainer` inherits these.
+
+Where transformers' own helper does exactly what is needed (the metrics files, the model card) it is called,
+so the files are the same; it is imported inside the method, as importing transformers costs seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+
+from .arguments import ConfigError
+
+
+class TrainerAPI:
+    # ------------------------------------------------------------------------------------------
+    # processes
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    def get_total_train_batch_size(self, args=None) -> int:
+        """Samples per optimizer step over every process."""
+        args = args or self.args
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Build the Accelerator anew from the arguments (after changing them, say)."""
+        self.accelerator = self._build_accelerator(self.model, self._given_optimizers)
+
+    def set_initial_training_values(self, args, dataloader) -> tuple[int, int, int, int, int, int | None, int]:
+        """(num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
+        steps_in_epoch, max_steps) of a run over `dataloader`, as transformers computes them."""
+        max_steps, accumulation = args.max_steps, args.gradient_accumulation_steps
+        try:
+            len_dataloader = len(dataloader)
+        except TypeError:
+            len_dataloader = None
+        total = self.get_total_train_batch_size(args)
+        if len_dataloader:
+            per_epoch = max(math.ceil(len_dataloader / accumulation), 1)
+            if max_steps <= 0:
+                max_steps = math.ceil(args.num_train_epochs * per_epoch)
+                epochs = math.ceil(args.num_train_epochs)
+                samples = self.num_examples(dataloader) * args.num_train_epochs
+            else:
+                epochs, samples = math.ceil(max_steps / per_epoch), max_steps * total
+            examples = self.num_examples(dataloader)
+        elif max_steps > 0:  # no length: as many passes as max_steps needs
+            epochs, per_epoch, examples, samples = sys.maxsize, max_steps, total * max_steps, total * max_steps
+        else:
+            raise ValueError("max_steps must be > 0 for a dataloader without a length")
+        steps_in_epoch = len_dataloader if len_dataloader is not None else max_steps * accumulation
+        return epochs, per_epoch, examples, samples, total, steps_in_epoch, max_steps
+
+    def get_tp_size(self) -> int:
+        return 1  # stoker runs no tensor parallelism (parallelism_config is refused)
+
+    def get_cp_size(self) -> int:
+        return 1  # nor context parallelism
+
+    def get_sp_size(self) -> int:
+        return 1  # nor sequence parallelism
+
+    def compute_loss_context_manager(self):
+        """Context around compute_loss; Accelerate's prepared model already runs under autocast."""
+        return contextlib.ExitStack()
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        return self.accelerator.autocast()
+
+    def end(self) -> None:
+        """Finish: wait for every process and end the process group (call once, at the end of a script)."""
+        self.accelerator.end_training()
+
+    # ------------------------------------------------------------------------------------------
+    # metrics and state files (transformers' helpers, so the files are the same)
+
+    def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
+        from transformers.trainer_pt_utils import metrics_format
+
+        return metrics_format(metrics)
+
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        from transformers.trainer_pt_utils import log_metrics
+
+        log_metrics(self, split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        """Write output_dir/{split}_results.json and merge into all_results.json (main process only)."""
+        from transformers.trainer_pt_utils import save_metrics
+
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+        save_metrics(self, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """Write output_dir/trainer_state.json (main process only)."""
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+
+    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
+                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
+        """Write a draft model card, output_dir/README.md, from the run's arguments and logged metrics
+        (transformers' TrainingSummary; nothing is fetched from the Hub)."""
+        from transformers import Trainer as HFTrainer
+        from transformers.trainer_utils import SchedulerType
+
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        scheduler = self.args.lr_scheduler_type
+        self.args.lr_scheduler_type = SchedulerType(scheduler)  # the summary reads the enum's .value
+        try:
+            HFTrainer.create_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
+                                        finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                                        dataset=dataset, dataset_args=dataset_args)
+        finally:
+            self.args.lr_scheduler_type = scheduler
+
+    def push_to_hub(self, *args, **kwargs):
+        raise RuntimeError("push_to_hub: stoker does not upload to the Hugging Face Hub (it never uses the network); "
+                           f"upload {self.args.output_dir!r} yourself, e.g. `hf upload <repo> {self.args.output_dir}`")
+
+    def init_hf_repo(self, *args, **kwargs):
+        self.push_to_hub()
+
+    # ------------------------------------------------------------------------------------------
+    # model, optimizer and schedule
+
+    def call_model_init(self, trial=None) -> torch.nn.Module:
+        """A fresh model from model_init, which takes no argument or the hyperparameter-search trial."""
+        n = len(inspect.signature(self.model_init).parameters)
+        if n > 1:
+            raise ValueError(f"model_init takes {n} arguments; it must take none, or one (the trial)")
+        model = self.model_init(trial) if n == 1 else self.model_init()
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model_init returned {type(model).__name__}; it must return a torch.nn.Module")
+        return model
+
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        from .optim import decay_parameter_names
+
+        return decay_parameter_names(model)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]]:
+        from .optim import optimizer_cls_and_kwargs
+
+        return optimizer_cls_and_kwargs(args)
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The optimizer (unless one was given): args.optim, or Trainer(optimizer_cls_and_kwargs=...), over two
+        groups, with and without weight decay. A subclass may override it; train() calls it."""
+        if self.optimizer is None:
+            from .optim import parameter_groups
+
+            cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args)
+            groups = parameter_groups(self.model if model is None else model, self.args.weight_decay)
+            if not groups:
+                raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+            self.optimizer = cls(groups, **kwargs)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            from .optim import create_scheduler
+
+            self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int, model: torch.nn.Module | None = None) -> None:
+        self.create_optimizer(model)
+        self.create_scheduler(num_training_steps, self.optimizer)
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        if self.optimizer is None:
+            raise ValueError("get_learning_rates: there is no optimizer yet; it is built by train()")
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_optimizer_group(self, param: torch.nn.Parameter | None = None):
+        """The optimizer's parameter group holding `param`, or every group's parameters."""
+        if self.optimizer is None:
+            raise ValueError("get_optimizer_group: there is no optimizer yet; it is built by train()")
+        if param is not None:
+            for group in self.optimizer.param_groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------------------------------
+    # data
+
+    def get_test_dataloader(self, test_dataset):
+        return self.get_eval_dataloader(test_dataset)
+
+    def num_examples(self, dataloader) -> int:
+        try:
+            return len(dataloader.dataset)
+        except (AttributeError, TypeError):  # no dataset, or one without a length
+            return len(dataloader) * self.args.per_device_train_batch_size
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device=None) -> tuple[list, torch.Tensor | None]:
+        """The next num_batches micro-batches and the target tokens (or samples) in them over every process:
+        the num_items_in_batch that training_step normalises the loss by."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, (self._window_items(batches) if batches else None)
+
+    # ------------------------------------------------------------------------------------------
+    # FLOPs (state.total_flos, as transformers counts them: 6 x parameters x tokens)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """6 x the main input's tokens x the non-embedding parameters (0 for a model without num_parameters);
+        override it for another estimate."""
+        model = self.model
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(model, "num_parameters"):
+            return 0
+        if getattr(self, "_flops_model", None) is not model:  # counted once per model: it visits every parameter
+            self._flops_model, self._flops_parameters = model, model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self._flops_parameters
+
+    def store_flos(self) -> None:
+        flos = torch.tensor(float(self.current_flos), device=self.accelerator.device, dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            flos = self.accelerator.reduce(flos, reduction="sum")
+        self.state.total_flos += flos.item()
+        self.current_flos = 0
+
+    # ------------------------------------------------------------------------------------------
+    # hyperparameter search
+
+    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
+                              direction: str | list[str] = "minimize", backend=None, hp_name=None, **kwargs):
+        """Search hyperparameters with Optuna: each trial sets the arguments hp_space(trial) returns, trains a
+        fresh model from model_init into output_dir/run-<trial>, evaluates, and reports compute_objective of the
+        metrics (default: eval_loss, or the sum of the other metrics if there are any). Returns a BestRun."""
+        from transformers.trainer_utils import BestRun, default_compute_objective
+
+        if backend not in (None, "optuna"):
+            raise ConfigError([f"backend={backend!r}: stoker searches with Optuna only; pass backend='optuna' or "
+                               "None"], "hyperparameter_search")
+        try:
+            import optuna
+        except ImportError as e:
+            raise ImportError("hyperparameter_search needs Optuna, which is not installed: pip install optuna") from e
+        if self.model_init is None:
+            raise ConfigError(["model_init: hyperparameter_search trains a fresh model per trial; pass "
+                               "Trainer(model_init=...)"], "hyperparameter_search")
+        hp_space = hp_space or _default_optuna_space
+        compute_objective = compute_objective or default_compute_objective
+        base_args = self.args
+
+        def objective(trial):
+            params = hp_space(trial)
+            unknown = [k for k in params if not hasattr(base_args, k)]
+            if unknown:
+                raise ConfigError([f"{k}: not a TrainingArguments field" for k in unknown], "hyperparameter_search")
+            run = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
+            self.args = dataclasses.replace(base_args, output_dir=os.path.join(base_args.output_dir, run), **params)
+            try:
+                self.train(trial=trial)
+                metrics = self.evaluate()
+            finally:
+                self.args = base_args
+            self.objective = compute_objective(metrics)
+            return self.objective
+
+        study = optuna.create_study(direction=direction, **kwargs)
+        study.optimize(objective, n_trials=n_trials)
+        best = study.best_trial
+        return BestRun(str(best.number), best.value, best.params)
+
+
+def _default_optuna_space(trial) -> dict[str, float]:
+    # transformers' default_hp_space_optuna
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
+            "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
+            "seed": trial.suggest_int("seed", 1, 40),
+            "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [4, 8, 16, 32, 64])}
