@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import math
 import os
 import random
@@ -19,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,12 +71,7 @@ from .distributed import (
     zero_stage,
 )
 from .lora import trainable_parameters
-from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head
-
-# transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
-# (transformers.loss.loss_utils); other models return a mean over their micro-batch and are rescaled.
-_NUM_ITEMS_LOSS_TYPES = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification")
-
+from .loss import chunked_causal_lm_loss, chunked_loss_problems, model_family, output_head
 
 # Exit code after a checkpoint on SIGTERM/SIGUSR1: EX_TEMPFAIL, "temporary failure, try again" (requeue and
 # resume with resume_from_checkpoint=True).
@@ -107,6 +103,15 @@ def window_sizes(num_batches: int, accumulation: int) -> list[int]:
     """Micro-batches in each optimizer step of an epoch of num_batches: full windows, then a short one."""
     full, rest = divmod(num_batches, accumulation)
     return [accumulation] * full + ([rest] if rest else [])
+
+
+def _accepts_num_items(model) -> bool:
+    """Whether forward can be given num_items_in_batch at all (by name or through **kwargs); a model that says
+    it does not (transformers' accepts_loss_kwargs=False) is believed."""
+    if getattr(model, "accepts_loss_kwargs", None) is False:
+        return False
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "num_items_in_batch" or p.kind == p.VAR_KEYWORD for p in params)
 
 
 def _unwrap_peft(model):
@@ -142,8 +147,12 @@ class Trainer:
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.processing_class = processing_class
         base = _unwrap_peft(model)
-        self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
-        self._causal = self._loss_type == "ForCausalLM"
+        self._is_transformers = hasattr(base, "config")
+        self._family = model_family(model) if isinstance(model, torch.nn.Module) else "other"
+        self._causal = self._family == "causal_lm"  # its loss skips each row's first label: counted so
+        # whether forward divides its summed loss by a `num_items_in_batch` it is given: decided by a probe on the
+        # first batch (_probe_num_items), since many models accept the argument and ignore it
+        self._honours_num_items = None if isinstance(model, torch.nn.Module) and _accepts_num_items(base) else False
         # a KV cache is wasted memory in a loss forward, and while one exists transformers ignores the
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": False} if "use_cache" in forward_columns(base) else {}
@@ -189,9 +198,8 @@ class Trainer:
             p.append(f"eval_strategy={a.eval_strategy!r}"
                      + (", eval_on_start=True" if a.eval_on_start else "")
                      + ": evaluation needs an eval_dataset (pass one, or set eval_strategy='no')")
-        for name in ("train_dataset", "eval_dataset"):
-            ds = getattr(self, name)
-            if ds is not None and hasattr(ds, "__len__") and len(ds) == 0:
+        for name, ds in self._datasets():
+            if hasattr(ds, "__len__") and len(ds) == 0:
                 p.append(f"{name}: is empty (0 rows)")
         ds = self.train_dataset
         if ds is not None and not hasattr(ds, "__len__"):
@@ -216,33 +224,53 @@ class Trainer:
             p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                      "(LoRA) to train an adapter on it (QLoRA)")
         if isinstance(model, torch.nn.Module):
-            for name in ("train_dataset", "eval_dataset"):
-                p += self._probe_rows(model, name)
+            for name, ds in self._datasets():
+                p += self._probe_rows(model, name, ds)
         if p:
             raise ConfigError(p, "Trainer inputs")
 
-    def _probe_rows(self, model, name: str) -> list[str]:
+    def _datasets(self) -> list[tuple[str, Any]]:
+        """(name, dataset) of the train dataset and every eval dataset (a dict of them as transformers takes)."""
+        found = [("train_dataset", self.train_dataset)]
+        if isinstance(self.eval_dataset, Mapping):
+            found += [(f"eval_dataset[{k!r}]", ds) for k, ds in self.eval_dataset.items()]
+        else:
+            found.append(("eval_dataset", self.eval_dataset))
+        return [(name, ds) for name, ds in found if ds is not None]
+
+    def _probe_rows(self, model, name: str, ds) -> list[str]:
         """Collate the first rows of a dataset and check them against the model, so that a missing column,
         a wrong label dtype or a collator that returns non-tensors fails here rather than mid-run."""
-        ds = getattr(self, name)
-        if ds is None or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
+        if isinstance(ds, torch.utils.data.IterableDataset):
+            rows = list(itertools.islice(iter(ds), 2))
+        elif hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
+            rows = [ds[i] for i in range(min(len(ds), 2))]
+        else:
             return []
-        rows = [ds[i] for i in range(min(len(ds), 2))]
+        if not rows:
+            return [] if hasattr(ds, "__len__") else [f"{name}: yields no rows"]  # an empty one: reported above
         try:
             batch = self.data_collator(rows)
         except Exception as e:
             return [f"{name}: the data collator failed on its first rows: {type(e).__name__}: {e}"]
-        if not isinstance(batch, dict):
-            return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict of tensors"]
+        if not isinstance(batch, Mapping):
+            return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict (a Mapping) "
+                    "of tensors"]
         p = []
         loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
         if loose:
             p.append(f"{name}: the data collator returned non-tensor values for {loose}")
-        columns = sorted(rows[0]) if isinstance(rows[0], dict) else []
+        columns = sorted(rows[0]) if isinstance(rows[0], Mapping) else []
         forward = inspect.signature(_unwrap_peft(model).forward).parameters.values()
-        if self._loss_type is not None:
-            if "input_ids" not in batch and "inputs_embeds" not in batch:
+        if self._is_transformers:
+            accepted = {q.name for q in forward}
+            if "input_ids" in accepted and "input_ids" not in batch and "inputs_embeds" not in batch:
                 p.append(f"{name}: rows have columns {columns}; {type(model).__name__} needs 'input_ids'")
+            if (name == "train_dataset" and "labels" in accepted and self.compute_loss_func is None
+                    and not any(k in batch for k in self.label_names)):
+                p.append(f"{name}: rows have columns {columns}; {type(model).__name__} computes its loss from "
+                         f"{self.label_names[0]!r} (a 'label' or 'label_ids' column is renamed to it), which the "
+                         "batches lack")
         elif self.compute_loss_func is None:
             required = [q.name for q in forward if q.default is q.empty and q.kind in (q.POSITIONAL_OR_KEYWORD,
                                                                                      q.KEYWORD_ONLY)]
@@ -250,14 +278,15 @@ class Trainer:
             if missing:
                 p.append(f"{name}: rows have columns {columns}; {type(model).__name__}.forward needs {missing}")
         labels = batch.get(self.label_names[0])
-        if self._loss_type in _NUM_ITEMS_LOSS_TYPES and isinstance(labels, torch.Tensor):
+        if self._family in ("causal_lm", "token") and isinstance(labels, torch.Tensor):
+            kind = type(_unwrap_peft(model)).__name__
             if labels.is_floating_point():
-                p.append(f"{name}: {self.label_names[0]} has dtype {labels.dtype}; {self._loss_type} needs integer "
+                p.append(f"{name}: {self.label_names[0]} has dtype {labels.dtype}; {kind} needs integer "
                          "token ids (-100 for ignored positions)")
             ids = batch.get("input_ids")
-            if isinstance(ids, torch.Tensor) and labels.shape != ids.shape:
+            if isinstance(ids, torch.Tensor) and labels.shape != ids.shape and "shift_labels" not in batch:
                 p.append(f"{name}: {self.label_names[0]} has shape {list(labels.shape)} but input_ids has "
-                         f"{list(ids.shape)}; {self._loss_type} needs one label per token")
+                         f"{list(ids.shape)}; {kind} needs one label per token")
         return p
 
     def _build_accelerator(self, model, optimizers=(None, None)):
@@ -343,9 +372,9 @@ class Trainer:
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The micro-batch's share of the window loss: sum of its item losses / num_items_in_batch.
 
-        transformers models with a token loss receive num_items_in_batch and do the division themselves;
-        other models return a mean over their own items, which is rescaled by local items / window items,
-        so that B x A micro-batches give exactly the update of one batch of B*A.
+        A model whose forward divides by a num_items_in_batch it is given (as found by _probe_num_items)
+        receives it; any other returns a mean over its own items, which is rescaled by local items / window
+        items, so that B x A micro-batches give exactly the update of one batch of B*A.
         With chunked_loss, a causal LM's loss comes from its hidden states (stoker.loss) unless the caller
         needs the logits (an evaluation whose metrics want predictions).
         """
@@ -358,9 +387,9 @@ class Trainer:
             labels = inputs.pop(self.label_names[0], None)
             outputs = model(**inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif self._loss_type in _NUM_ITEMS_LOSS_TYPES and num_items_in_batch is not None:
+        elif num_items_in_batch is not None and self._divides_by_num_items(model, inputs):
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-            loss = outputs["loss"]
+            loss = self._loss_of(outputs)
         else:
             outputs = model(**inputs)
             loss = self._loss_of(outputs)
@@ -369,15 +398,63 @@ class Trainer:
                 loss = loss * (local / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
+    def _divides_by_num_items(self, model, inputs: dict) -> bool:
+        if self._honours_num_items is None:
+            self._honours_num_items = self._probe_num_items(model, inputs)
+        # still None: a batch without targets, whose loss only a model dividing by the count makes 0, not NaN
+        return self._honours_num_items is not False
+
+    def _probe_num_items(self, model, inputs: dict) -> bool | None:
+        """Whether the model's loss is its summed item losses divided by num_items_in_batch: two forwards of one
+        batch, with counts 1 and 2, without gradients. transformers 5 heads that take **kwargs but return a mean
+        anyway (BERT's masked-LM and token-classification heads) fail it, as does a model that raises on the
+        argument. None when this batch cannot tell (no targets: both losses 0 or NaN).
+
+        Both forwards draw the same dropout masks and leave the random state and the buffers (batch-norm
+        statistics) as they found them, so the run stays reproducible and resumable. The model stays in
+        training mode: an eval-mode forward repacks bitsandbytes' 4-bit CPU weights for inference only."""
+        device = self.accelerator.device
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        devices = [device] if device.type == "cuda" else []
+
+        def loss_with(count: int) -> torch.Tensor:
+            with torch.random.fork_rng(devices=devices):
+                return self._loss_of(model(**inputs, num_items_in_batch=torch.tensor(count, device=device)))
+
+        try:
+            with torch.no_grad():
+                one, two = loss_with(1), loss_with(2)
+        except TypeError:
+            return False
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+        if not torch.isfinite(one) or one == 0:
+            return None
+        return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
+
     @staticmethod
     def _loss_of(outputs) -> torch.Tensor:
+        """The loss of a model's outputs: a tensor, a dict / ModelOutput's 'loss', or a tuple's first entry when
+        it is a scalar (the loss first, as transformers models return tuples)."""
+        loss = Trainer._loss_or_none(outputs)
+        if loss is None:
+            raise ValueError("the model returned no loss: return a loss tensor, a dict / ModelOutput with 'loss' "
+                             "or a tuple with the loss first, pass labels in the batch, or give "
+                             "Trainer(compute_loss_func=...)")
+        return loss
+
+    @staticmethod
+    def _loss_or_none(outputs) -> torch.Tensor | None:
         if isinstance(outputs, torch.Tensor):
             return outputs
-        loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
-        if loss is None:
-            raise ValueError("the model returned no loss: return a loss tensor or a dict / ModelOutput with "
-                             "'loss', pass labels in the batch, or give Trainer(compute_loss_func=...)")
-        return loss
+        if isinstance(outputs, Mapping):  # a ModelOutput is one
+            return outputs.get("loss")
+        if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and (
+                outputs[0].dim() == 0):
+            return outputs[0]
+        return getattr(outputs, "loss", None)
 
     def _window_items(self, window: list[dict]) -> torch.Tensor:
         """Target tokens (or samples) in the whole accumulation window, summed over every process."""
@@ -504,10 +581,11 @@ class Trainer:
         if resume_dir is not None:
             self._load_checkpoint(resume_dir)
             start_epoch, skip = loop["epoch"], self._resume_skip(loop)
-            if per_epoch:  # resumed with another world size or batch (resume_mismatch='warn'): epochs hold another
-                # number of steps, so count the epochs still needed from here; training stops at max_steps
-                s.num_train_epochs = max(s.num_train_epochs,
-                                         start_epoch + 1 + math.ceil((max_steps - s.global_step) / per_epoch))
+            if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
+                # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
+                left_in_epoch = len(window_sizes(max(len(self._train_dataloader) - skip, 0), self._accumulation))
+                s.num_train_epochs = start_epoch + 1 + max(
+                    math.ceil((max_steps - s.global_step - left_in_epoch) / per_epoch), 0)
         if s.is_world_process_zero:
             print(f"[stoker] {type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / max(total, 1):.2f}%)", file=sys.stderr)
@@ -519,6 +597,7 @@ class Trainer:
             os.makedirs(a.output_dir, exist_ok=True)
             for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
                 shutil.rmtree(stale, ignore_errors=True)
+        self._last_saved_step = None
         self._fire("on_train_begin", train_dataloader=self._train_dataloader)
         if a.eval_on_start and resume_dir is None:
             self._evaluate_and_track()
@@ -526,18 +605,19 @@ class Trainer:
         started = time.perf_counter()
         first_step = s.global_step
         with self._preemption_signals():
-            total_loss = self._train_loop(per_epoch, start_epoch, skip)
+            self._train_loop(per_epoch, start_epoch, skip)
         if self._preempted is not None:
             raise TrainingPreempted(self._preempted, s.global_step)
 
         runtime = time.perf_counter() - started
         steps_run = max(s.global_step - first_step, 1)
+        # over the whole run, a resumed one included: the losses before the checkpoint came back with it
         metrics = {
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(self._samples_seen / runtime, 3),
             "train_steps_per_second": round(steps_run / runtime, 3),
             "train_tokens_per_second": round(self._tokens_seen / runtime, 3),
-            "train_loss": total_loss / max(steps_run - self._nonfinite_total, 1),
+            "train_loss": self._total_loss / max(s.global_step - self._nonfinite_total, 1),
             **self._memory_metrics(),
         }
         if a.load_best_model_at_end and s.best_model_checkpoint:
@@ -546,11 +626,9 @@ class Trainer:
         self._fire("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
 
-    def _train_loop(self, per_epoch, start_epoch: int, skip: int) -> float:
+    def _train_loop(self, per_epoch, start_epoch: int, skip: int) -> None:
         a, s, acc = self.args, self.state, self.accelerator
         model, optimizer = self.model_wrapped, self.optimizer
-        total_loss = 0.0
-        self._last_saved_step = None
         self._window_started, self._excluded = time.perf_counter(), 0.0
         model.train()
         for epoch in range(start_epoch, s.num_train_epochs):
@@ -566,7 +644,9 @@ class Trainer:
                     self._fire("on_pre_optimizer_step")
                     optimizer.step()
                     self._fire("on_optimizer_step")
-                    if not acc.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with inf gradients
+                    self._step_lr = self._learning_rate()  # the rate this step used, which is the one logged
+                    # fp16 loss scaling skips steps with inf gradients; a plateau schedule steps after evaluation
+                    if not acc.optimizer_step_was_skipped and not self._steps_on_metric():
                         self.lr_scheduler.step()
                     self._log_loss += window_loss
                     self._log_steps += 1
@@ -579,20 +659,20 @@ class Trainer:
                     self._preempted = self._signal  # alone, act on a signal as soon as the step is done
                 if self._preempted is not None:  # checkpoint this step, then leave
                     self.control.should_save = self.control.should_training_stop = True
-                total_loss += self._maybe_log_save_evaluate()
+                self._maybe_log_save_evaluate()
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
             skip = 0
             if per_epoch and self._batches_in_epoch >= len(self._train_dataloader):
                 s.epoch = epoch + 1
             self._fire("on_epoch_end")
-            total_loss += self._maybe_log_save_evaluate()
+            self._maybe_log_save_evaluate()
             self.control.should_epoch_stop = False
             if self.control.should_training_stop or s.global_step >= s.max_steps:
                 break
-        if self._log_steps:  # loss of steps after the last log
-            total_loss += self._reduce_log_loss()
-        return total_loss
+        if self._log_steps:  # loss and tokens of steps after the last log
+            self._total_loss += self._reduce_log_loss()
+        self._fold_token_counts()
 
     def _epoch_windows(self, epoch: int, skip: int) -> Iterator[list[dict]]:
         """The epoch's optimizer-step windows from micro-batch `skip` on; the last window may be shorter.
@@ -605,7 +685,7 @@ class Trainer:
             loader = self._train_loader_at(epoch, self._batches_in_epoch)
             size, window = self._micro_batch, []
             for batch in self._data_clock.timed(loader):  # sums the time spent waiting for batches
-                window.append(batch)
+                window.append(dict(batch))  # a transformers collator's BatchEncoding is a Mapping, not a dict
                 if len(window) == self._accumulation:
                     yield window
                     window = []
@@ -750,7 +830,8 @@ class Trainer:
         each checkpoint, so that a resumed run logs the same numbers as the run that was never stopped."""
         device = self.accelerator.device
         self._log_loss = torch.zeros((), device=device)
-        self._log_steps, self._grad_norm = 0, None
+        self._log_steps, self._grad_norm, self._step_lr = 0, None, None
+        self._total_loss = 0.0  # every logged loss of the run, over every process: train_loss's numerator
         self._tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
         self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
         self._nonfinite_run, self._nonfinite_total = 0, 0
@@ -759,13 +840,14 @@ class Trainer:
 
     def _pending_log(self) -> dict[str, Any]:
         return {"loss": self._log_loss, "steps": self._log_steps, "tokens": self._tokens,
-                "samples": self._samples_seen - self._samples_at_log, "nonfinite_total": self._nonfinite_total,
-                "nonfinite_run": self._nonfinite_run}
+                "total_loss": self._total_loss, "samples": self._samples_seen - self._samples_at_log,
+                "nonfinite_total": self._nonfinite_total, "nonfinite_run": self._nonfinite_run}
 
     def _restore_pending_log(self, pending: dict[str, Any]) -> None:
         device = self.accelerator.device
         self._log_loss, self._tokens = pending["loss"].to(device), pending["tokens"].to(device)
         self._log_steps, self._samples_seen = pending["steps"], pending["samples"]
+        self._total_loss = pending.get("total_loss", 0.0)
         self._nonfinite_total, self._nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
 
     def _count_inputs(self, batch: dict) -> None:
@@ -777,6 +859,19 @@ class Trainer:
         first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         self._samples_seen += first.shape[0] * self.accelerator.num_processes if first is not None else 0
 
+    def _fold_token_counts(self) -> tuple[int, int]:
+        """Input tokens since the last call (non-padding, all), summed over every process and added to the
+        run's counts. A host sync, so done when logging and once at the end rather than per step."""
+        counts = self._tokens.clone()
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        tokens, all_tokens = (int(c) for c in counts.tolist())
+        self._tokens.zero_()
+        self._tokens_seen += tokens
+        mode = self.args.include_num_input_tokens_seen
+        self.state.num_input_tokens_seen += tokens if mode == "non_padding" else all_tokens if mode == "all" else 0
+        return tokens, all_tokens
+
     def _reduce_log_loss(self) -> float:
         """Sum of window losses since the last log (over every process), then reset. A host sync."""
         total = self._log_loss.clone()
@@ -786,28 +881,21 @@ class Trainer:
         self._log_steps = 0
         return total.item()
 
-    def _maybe_log_save_evaluate(self) -> float:
-        """Act on the control flags; returns the loss sum folded into the log (0 if nothing was logged)."""
+    def _maybe_log_save_evaluate(self) -> None:
+        """Act on the control flags."""
         c, s = self.control, self.state
-        logged = 0.0
         if c.should_log and (self._log_steps or self._nonfinite_total):
             steps = self._log_steps
             logged = self._reduce_log_loss() if steps else 0.0
-            counts = self._tokens.clone()
-            if self.accelerator.num_processes > 1:
-                counts = self.accelerator.reduce(counts, reduction="sum")
-            tokens, all_tokens = (int(c) for c in counts.tolist())
-            self._tokens.zero_()
-            self._tokens_seen += tokens
-            mode = self.args.include_num_input_tokens_seen
-            s.num_input_tokens_seen += tokens if mode == "non_padding" else all_tokens if mode == "all" else 0
+            self._total_loss += logged
+            tokens, all_tokens = self._fold_token_counts()
             elapsed = max(time.perf_counter() - self._window_started - self._excluded, 1e-9)
             logs = {"loss": round(logged / steps, 6)} if steps else {}
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             if self._nonfinite_total:
                 logs["nonfinite_steps_skipped"] = self._nonfinite_total
-            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+            logs["learning_rate"] = self._step_lr if self._step_lr is not None else self._learning_rate()
             logs["tokens_per_second"] = round(tokens / elapsed, 2)
             logs["samples_per_second"] = round((self._samples_seen - self._samples_at_log) / elapsed, 3)
             logs.update(self._throughput_diagnostics(tokens, all_tokens, self._samples_seen - self._samples_at_log,
@@ -827,7 +915,6 @@ class Trainer:
                 self._save_checkpoint()
                 self._last_saved_step = s.global_step
         self._excluded += time.perf_counter() - paused
-        return logged
 
     def log(self, logs: dict[str, float]) -> None:
         """Record logs in state.log_history and hand them to the on_log callbacks."""
@@ -869,27 +956,59 @@ class Trainer:
     # evaluation and prediction
 
     def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        metrics = self._evaluation_loop(eval_dataset, metric_key_prefix).metrics
+        """Metrics over eval_dataset (default: the Trainer's). A dict of datasets (or the name of one of the
+        Trainer's) is evaluated one by one, each logged with the prefix `<metric_key_prefix>_<name>_`."""
+        given = eval_dataset is not None
+        dataset = eval_dataset if given else self.eval_dataset
+        if isinstance(dataset, str):
+            if not isinstance(self.eval_dataset, Mapping) or dataset not in self.eval_dataset:
+                known = sorted(self.eval_dataset) if isinstance(self.eval_dataset, Mapping) else []
+                raise KeyError(f"eval_dataset={dataset!r}: the Trainer's eval datasets are named {known}")
+            dataset = self.eval_dataset[dataset]
+        if isinstance(dataset, Mapping):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, metric_key_prefix=f"{metric_key_prefix}_{name}"))
+            return metrics
+        metrics = self._evaluation_loop(dataset, metric_key_prefix).metrics
         self.log(metrics)
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
     def _evaluate_and_track(self) -> bool:
-        """Evaluate and update best_metric; True if this evaluation is the new best."""
+        """Evaluate, step a plateau schedule on the metric and update best_metric; True if this evaluation is
+        the new best."""
         metrics = self.evaluate()
         name = self.args.metric_for_best_model
+        if self._steps_on_metric():  # as transformers: on metric_for_best_model, else eval_loss
+            self.lr_scheduler.step(self._metric(metrics, name or "loss"))
         if name is None:
             return False
+        value, s, best = self._metric(metrics, name), self.state, self.state.best_metric
+        better = best is None or (value > best if self.args.greater_is_better else value < best)
+        if better and math.isfinite(value):
+            s.best_metric, s.best_global_step = value, s.global_step
+            if self._last_saved_step == s.global_step:  # evaluated after this step's checkpoint was written
+                s.best_model_checkpoint = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}{s.global_step}")
+            return True
+        return False
+
+    @staticmethod
+    def _metric(metrics: dict[str, float], name: str) -> float:
         key = name if name.startswith("eval_") else f"eval_{name}"
         if key not in metrics:
             raise KeyError(f"metric_for_best_model={name!r}: {key!r} is not among the evaluation metrics "
                            f"{sorted(metrics)}")
-        value, best = metrics[key], self.state.best_metric
-        better = best is None or (value > best if self.args.greater_is_better else value < best)
-        if better and math.isfinite(value):
-            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
-            return True
-        return False
+        return metrics[key]
+
+    def _steps_on_metric(self) -> bool:
+        """Whether the schedule steps on an evaluation metric (ReduceLROnPlateau) rather than on every step."""
+        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    def _learning_rate(self) -> float:
+        if self._steps_on_metric() or not hasattr(self.lr_scheduler, "get_last_lr"):
+            return self.optimizer.param_groups[0]["lr"]
+        return self.lr_scheduler.get_last_lr()[0]
 
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
         output = self._evaluation_loop(test_dataset, metric_key_prefix)
@@ -931,12 +1050,22 @@ class Trainer:
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         preds, labels, pending_preds, pending_labels = [], [], [], []
+        rows_seen = 0
         started = time.perf_counter()
         for n, batch in enumerate(dataloader, 1):
-            label = batch.get(self.label_names[0])
+            batch = dict(batch)  # a transformers collator's BatchEncoding
+            label = self._labels_of(batch)
+            loss = None
             with torch.no_grad():
-                if label is None and (self._loss_type or self.compute_loss_func):
+                if label is None and (self._is_transformers or self.compute_loss_func):
                     outputs = model(**batch, **self._forward_kwargs)  # no labels, so no loss: predictions only
+                elif label is None:  # a plain module: its own loss, if it returns one (a mean over its rows)
+                    outputs = model(**batch)
+                    loss = self._loss_or_none(outputs)
+                    if loss is not None:
+                        rows = count_targets(batch, None, False)
+                        loss_sum += loss.double() * rows
+                        items_sum += rows
                 else:
                     # each batch's loss is normalised over its own items, then re-weighted by them: the
                     # result is the exact mean over every target token of the eval set
@@ -951,23 +1080,24 @@ class Trainer:
                     if genuine is None or genuine > 0:
                         loss_sum += loss.double() * items
                         items_sum += items
+            rows_seen += count_targets(batch, None, False)
             if want_predictions:
-                logits = self._logits_of(outputs)
+                logits = self._predictions_of(outputs, has_loss=label is not None or loss is not None)
                 if logits is not None and self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, label)
                 # sequence lengths differ between processes: pad to a common length before gathering
                 gather = lambda t: acc.gather_for_metrics(acc.pad_across_processes(t, dim=1, pad_index=-100))
                 if logits is not None:
-                    pending_preds.append(gather(logits))
+                    pending_preds.append(_nested(gather, logits))
                 if label is not None:
-                    pending_labels.append(gather(label))
+                    pending_labels.append(_nested(gather, label))
                 if self.args.eval_accumulation_steps and n % self.args.eval_accumulation_steps == 0:
-                    preds += [t.cpu() for t in pending_preds]
-                    labels += [t.cpu() for t in pending_labels]
+                    preds += [_nested(torch.Tensor.cpu, t) for t in pending_preds]
+                    labels += [_nested(torch.Tensor.cpu, t) for t in pending_labels]
                     pending_preds, pending_labels = [], []
             self._fire("on_prediction_step")
-        preds += [t.cpu() for t in pending_preds]
-        labels += [t.cpu() for t in pending_labels]
+        preds += [_nested(torch.Tensor.cpu, t) for t in pending_preds]
+        labels += [_nested(torch.Tensor.cpu, t) for t in pending_labels]
 
         metrics = {}
         if acc.num_processes > 1:
@@ -981,7 +1111,7 @@ class Trainer:
                 metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = v
         runtime = time.perf_counter() - started
         metrics[f"{prefix}_runtime"] = round(runtime, 4)
-        metrics[f"{prefix}_samples_per_second"] = round(len(dataloader.dataset) / runtime, 3)
+        metrics[f"{prefix}_samples_per_second"] = round(rows_seen * acc.num_processes / runtime, 3)
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
     def _genuine_rows(self, batch: dict) -> int | None:
@@ -1000,16 +1130,30 @@ class Trainer:
         genuine = min(max(state.remainder - acc.process_index * rows, 0), rows)
         return None if genuine == rows else genuine
 
-    @staticmethod
-    def _logits_of(outputs):
+    def _labels_of(self, batch: dict):
+        """The batch's labels as transformers.Trainer collects them: one tensor, or a tuple with one per entry of
+        label_names; None unless every one of them is present."""
+        found = tuple(batch.get(name) for name in self.label_names)
+        if any(t is None for t in found):
+            return None
+        return found[0] if len(found) == 1 else found
+
+    def _predictions_of(self, outputs, has_loss: bool):
+        """The predictions in a model's outputs, as transformers.Trainer takes them: every entry of a dict /
+        ModelOutput but the loss and the config's keys_to_ignore_at_inference, or a tuple after its loss; one
+        entry is returned as itself, several as a tuple."""
         if isinstance(outputs, torch.Tensor):
-            return None  # a bare loss
-        if isinstance(outputs, dict) or hasattr(outputs, "keys"):
-            if "logits" in outputs:
-                return outputs["logits"]
-            rest = [v for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)]
-            return rest[0] if rest else None
-        return None
+            return None if has_loss else outputs  # a bare loss, or bare logits
+        ignore = {"loss", *(getattr(getattr(_unwrap_peft(self.model), "config", None), "keys_to_ignore_at_inference",
+                                    None) or ())}
+        if isinstance(outputs, Mapping):
+            found = tuple(v for k, v in outputs.items() if k not in ignore)
+        else:
+            found = tuple(outputs[1:] if has_loss else outputs)
+        found = tuple(v for v in found if _is_nested_tensors(v))  # a KV cache object is no prediction
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else found
 
     # ------------------------------------------------------------------------------------------
     # saving and resuming
@@ -1046,8 +1190,9 @@ class Trainer:
         a, s, acc = self.args, self.state, self.accelerator
         final = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.global_step}")
         tmp = ckpt.temp_dir_for(final)
-        if s.best_global_step == s.global_step:
-            s.best_model_checkpoint = final
+        if s.best_global_step is not None and (s.best_global_step == s.global_step or os.path.isdir(
+                os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.best_global_step}"))):
+            s.best_model_checkpoint = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.best_global_step}")
         s.stateful_callbacks = {type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks
                                 if callable(getattr(cb, "state", None))}
         if not parameters_finite(acc, self.model_wrapped):  # decided by every rank together
@@ -1266,10 +1411,26 @@ def _split_batch(batch: dict, rows: int) -> list[dict]:
              for k, v in batch.items()} for i in range(0, first.shape[0], rows)]
 
 
-def _concat_padded(tensors: list[torch.Tensor], pad: int = -100) -> np.ndarray | None:
-    """Concatenate batches along dim 0, padding later dims to the largest (sequence lengths vary)."""
+def _is_nested_tensors(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return len(value) > 0 and all(_is_nested_tensors(v) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+def _nested(fn, value):
+    """fn applied to every tensor of a tensor or a (nested) tuple of them."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_nested(fn, v) for v in value)
+    return fn(value)
+
+
+def _concat_padded(tensors: list, pad: int = -100):
+    """Concatenate batches along dim 0, padding later dims to the largest (sequence lengths vary); batches of
+    (nested) tuples give a tuple of arrays, as transformers' nested_concat does."""
     if not tensors:
         return None
+    if isinstance(tensors[0], (tuple, list)):
+        return type(tensors[0])(_concat_padded([t[i] for t in tensors], pad) for i in range(len(tensors[0])))
     if tensors[0].dim() == 0:
         return torch.stack(tensors).numpy()
     shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
