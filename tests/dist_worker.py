@@ -632,6 +632,20 @@ def fsdp_save_failure(out: str) -> None:
     r.write()
 
 
+def families(out: str) -> None:
+    """Every model family of tests/parity/families.py, 2 x batch 4 over 16 rows: compared by the test with one
+    process x batch 8."""
+    from tests.parity.families import FAMILIES, params, train_family
+
+    r = Report(out, "families")
+    for name in FAMILIES:
+        trainer = train_family(name, os.path.join(r.folder, name), 16, per_device_train_batch_size=4)
+        r.values[name] = {"global_step": trainer.state.global_step, "params": param_digest(trainer.model),
+                          "losses": losses(trainer)}
+        r.save_tensors(name, params(trainer))
+    r.write()
+
+
 def ddp_adamw(out: str) -> None:
     """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
     parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
@@ -647,7 +661,7 @@ def ddp_adamw(out: str) -> None:
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
     preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
-    zero1_config_sections)}
+    zero1_config_sections, families)}
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "save_failure",
-                 "ddp_adamw", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure"))
+                 "ddp_adamw", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure", "families"))
     return out
 
 
@@ -92,6 +92,21 @@ def test_two_processes_update_like_one_big_batch_and_like_accumulation(two_ranks
     # logged losses are rounded to 6 decimals: two values 1e-7 apart may round 1e-6 apart
     assert [x for _, x in r0["losses"]] == pytest.approx([x for _, x in ref_losses], abs=2e-6)
     assert r0["losses"] == r1["losses"]  # every rank logs the global loss
+
+
+def test_two_processes_update_like_one_process_for_every_family(two_ranks, tmp_path):
+    """2 x batch 4 == 1 x batch 8 for every family of tests/parity/families.py (causal LMs whose loss divides by
+    num_items_in_batch, BERT heads and seq2seq models that return a mean, a plain module returning a tuple)."""
+    from tests.parity.families import FAMILIES, params, train_family
+
+    r0, r1 = ranks(two_ranks, "families")
+    for name in FAMILIES:
+        one = train_family(name, str(tmp_path / name), 16, per_device_train_batch_size=8)
+        assert r0[name]["global_step"] == r1[name]["global_step"] == one.state.global_step == 2
+        assert_params_close(load_file(str(two_ranks / "families" / f"{name}.safetensors")), params(one), atol=1e-6)
+        assert r0[name]["params"] == r1[name]["params"]
+        assert [x for _, x in r0[name]["losses"]] == pytest.approx(
+            [r["loss"] for r in one.state.log_history if "loss" in r], abs=2e-6)
 
 
 def test_only_rank_zero_writes_logs_and_checkpoints_but_every_rank_its_rng(two_ranks):

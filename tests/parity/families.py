@@ -153,3 +153,22 @@ def rows(name: str, n: int, seed: int = 0) -> list[dict]:
         else:
             out.append({"input_ids": ids, "labels": rng.randrange(4)})
     return out
+
+
+def train_family(name: str, out: str, n_rows: int, **overrides):
+    """Train family `name` from seed 0 on n_rows rows with SGD at a constant rate, no clipping (so that the
+    update is the gradient itself, scaled); returns the Trainer."""
+    from stoker import Trainer, TrainingArguments
+
+    values = dict(output_dir=out, report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1,
+                  max_grad_norm=0.0, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", seed=7,
+                  num_train_epochs=1)
+    trainer = Trainer(FAMILIES[name](0), TrainingArguments(**{**values, **overrides}),
+                      train_dataset=rows(name, n_rows, 1))
+    trainer.train()
+    return trainer
+
+
+def params(trainer) -> dict:
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    return {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
