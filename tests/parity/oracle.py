@@ -110,3 +110,12 @@ def by_hand_sgd(family: str, steps: int, lr: float = 0.5, max_grad_norm: float =
                     p -= lr * p.grad
         losses.append(loss.item())
     return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def assert_logs_close(ours: list[dict], theirs: list[dict], rel: float = 1e-5) -> None:
+    """The same log records, key by key, numbers within rel."""
+    import pytest
+
+    assert [sorted(r) for r in ours] == [sorted(r) for r in theirs]
+    for mine, other in zip(ours, theirs, strict=True):
+        assert mine == pytest.approx(other, rel=rel, abs=1e-7)
