@@ -1190,9 +1190,8 @@ class Trainer:
         a, s, acc = self.args, self.state, self.accelerator
         final = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.global_step}")
         tmp = ckpt.temp_dir_for(final)
-        if s.best_global_step is not None and (s.best_global_step == s.global_step or os.path.isdir(
-                os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.best_global_step}"))):
-            s.best_model_checkpoint = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.best_global_step}")
+        if s.best_global_step == s.global_step:  # (an evaluation after this save sets it in _evaluate_and_track)
+            s.best_model_checkpoint = final
         s.stateful_callbacks = {type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks
                                 if callable(getattr(cb, "state", None))}
         if not parameters_finite(acc, self.model_wrapped):  # decided by every rank together

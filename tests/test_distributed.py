@@ -70,7 +70,7 @@ def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "save_failure",
-                 "ddp_adamw", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure", "families"))
+                 "ddp_adamw", "families", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure"))
     return out
 
 
