@@ -149,7 +149,11 @@ class Trainer:
         base = _unwrap_peft(model)
         self._is_transformers = hasattr(base, "config")
         self._family = model_family(model) if isinstance(model, torch.nn.Module) else "other"
-        self._causal = self._family == "causal_lm"  # its loss skips each row's first label: counted so
+        # a causal LM's loss skips each row's first label, which the item count must skip too. Known from
+        # transformers' model mappings; for any other model with one label per token, None until a probe of the
+        # first batch (_probe_shift) tells
+        self._causal = (True if self._family == "causal_lm" else
+                        None if self._family == "other" and compute_loss_func is None else False)
         # whether forward divides its summed loss by a `num_items_in_batch` it is given: decided by a probe on the
         # first batch (_probe_num_items), since many models accept the argument and ignore it
         self._honours_num_items = None if isinstance(model, torch.nn.Module) and _accepts_num_items(base) else False
@@ -404,35 +408,72 @@ class Trainer:
         # still None: a batch without targets, whose loss only a model dividing by the count makes 0, not NaN
         return self._honours_num_items is not False
 
+    def _decide_shift(self, model, batch: dict) -> None:
+        """Settle self._causal for a model of no known family from a batch with labels (on every process at the
+        same point, as it may take a collective)."""
+        labels, ids = batch.get(self.label_names[0]), batch.get("input_ids")
+        if not (isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape
+                and labels.dim() == 2 and not labels.is_floating_point()):
+            self._causal = False  # not one integer label per input token: nothing to shift
+            return
+        verdict = self._probe_shift(model, batch, labels)
+        acc = self.accelerator
+        votes = torch.tensor([verdict is True, verdict is False], dtype=torch.float32, device=acc.device)
+        if acc.num_processes > 1:  # a process whose batch could not tell follows the others
+            votes = acc.reduce(votes, reduction="sum")
+        self._causal = False if votes[1] > 0 else True if votes[0] > 0 else None
+
+    def _probe_shift(self, model, batch: dict, labels: torch.Tensor) -> bool | None:
+        """Whether the model shifts its labels inside (token t predicting label t+1, as a causal LM does): its
+        loss does not change when the first label of every row is ignored. None when the batch cannot tell (no
+        row's first label is a target, or no scalar loss)."""
+        if not (labels[:, 0] != -100).any():
+            return None
+        cut = labels.clone()
+        cut[:, 0] = -100
+        inputs = {**batch, **self._forward_kwargs}
+        with self._probe_forwards(model) as forward:
+            whole = self._loss_or_none(forward(**inputs))
+            first_ignored = self._loss_or_none(forward(**{**inputs, self.label_names[0]: cut}))
+        if whole is None or first_ignored is None or whole.dim() != 0 or not torch.isfinite(whole):
+            return None
+        return bool(torch.isclose(whole.double(), first_ignored.double(), rtol=1e-6, atol=0))
+
     def _probe_num_items(self, model, inputs: dict) -> bool | None:
         """Whether the model's loss is its summed item losses divided by num_items_in_batch: two forwards of one
-        batch, with counts 1 and 2, without gradients. transformers 5 heads that take **kwargs but return a mean
-        anyway (BERT's masked-LM and token-classification heads) fail it, as does a model that raises on the
-        argument. None when this batch cannot tell (no targets: both losses 0 or NaN).
-
-        Both forwards draw the same dropout masks and leave the random state and the buffers (batch-norm
-        statistics) as they found them, so the run stays reproducible and resumable. The model stays in
-        training mode: an eval-mode forward repacks bitsandbytes' 4-bit CPU weights for inference only."""
+        batch, with counts 1 and 2. transformers 5 heads that take **kwargs but return a mean anyway (BERT's
+        masked-LM and token-classification heads, T5) fail it, as does a model that raises on the argument.
+        None when this batch cannot tell (no targets: both losses 0 or NaN)."""
         device = self.accelerator.device
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        devices = [device] if device.type == "cuda" else []
-
-        def loss_with(count: int) -> torch.Tensor:
-            with torch.random.fork_rng(devices=devices):
-                return self._loss_of(model(**inputs, num_items_in_batch=torch.tensor(count, device=device)))
-
         try:
-            with torch.no_grad():
-                one, two = loss_with(1), loss_with(2)
+            with self._probe_forwards(model) as forward:
+                one, two = (self._loss_of(forward(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                            for n in (1, 2))
         except TypeError:
             return False
+        if not torch.isfinite(one) or one == 0:
+            return None
+        return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
+
+    @contextlib.contextmanager
+    def _probe_forwards(self, model):
+        """A forward function for probes that leaves no trace: no gradients, the same dropout masks in every
+        call and the random state as it was, and the buffers (batch-norm statistics) put back, so the run stays
+        reproducible and resumable. The model stays in training mode: an eval-mode forward repacks
+        bitsandbytes' 4-bit CPU weights for inference only."""
+        device = self.accelerator.device
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
+        def forward(**inputs):
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                return model(**inputs)
+
+        try:
+            yield forward
         finally:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-        if not torch.isfinite(one) or one == 0:
-            return None
-        return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
 
     @staticmethod
     def _loss_of(outputs) -> torch.Tensor:
@@ -731,6 +772,8 @@ class Trainer:
     def _forward_backward(self, model, window: list[dict]) -> torch.Tensor:
         acc = self.accelerator
         deepspeed = is_deepspeed(acc)
+        if self._causal is None:
+            self._decide_shift(model, window[0])
         num_items = self._window_items(window)
         window_loss = torch.zeros((), device=acc.device)
         try:
@@ -1069,6 +1112,8 @@ class Trainer:
                 else:
                     # each batch's loss is normalised over its own items, then re-weighted by them: the
                     # result is the exact mean over every target token of the eval set
+                    if self._causal is None:
+                        self._decide_shift(model, batch)
                     items = count_targets(batch, self.label_names[0], self._causal)
                     loss, outputs = self.compute_loss(model, dict(batch), return_outputs=True,
                                                       num_items_in_batch=items)

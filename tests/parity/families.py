@@ -123,13 +123,34 @@ class TupleModel(nn.Module):
         return nn.functional.cross_entropy(logits, labels), logits
 
 
+class ShiftingModule(nn.Module):
+    """A plain causal LM: shifts its labels inside (token t predicts label t+1) and returns the mean over the
+    shifted targets, with no num_items_in_batch to be given. Its family is found by a probe."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        hidden = self.embed(input_ids)
+        # each position also sees the one before it, so the model is causal and not trivially per-token
+        hidden = hidden + self.mix(nn.functional.pad(hidden, (0, 0, 1, 0))[:, :-1])
+        logits = self.head(torch.tanh(hidden))
+        if labels is None:
+            return {"logits": logits}
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
 FAMILIES = {
     "gpt2": _seeded(_gpt2), "llama": _seeded(_llama), "qwen2": _seeded(_qwen2), "opt": _seeded(_opt),
     "gpt_neox": _seeded(_gpt_neox), "bert_mlm": _seeded(_bert_mlm), "bert_tokens": _seeded(_bert_tokens),
     "bert_sequence": _seeded(_bert_sequence), "t5": _seeded(_t5), "bart": _seeded(_bart),
-    "tuple_module": _seeded(TupleModel),
+    "tuple_module": _seeded(TupleModel), "shifting_module": _seeded(ShiftingModule),
 }
-CAUSAL = ("gpt2", "llama", "qwen2", "opt", "gpt_neox")
+CAUSAL = ("gpt2", "llama", "qwen2", "opt", "gpt_neox", "shifting_module")
 SEQ2SEQ = ("t5", "bart")
 
 

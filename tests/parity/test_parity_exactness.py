@@ -25,6 +25,15 @@ def test_accumulation_updates_like_one_big_batch(tmp_path, family):
     assert losses[0] == pytest.approx(losses[1], abs=2e-6)
 
 
+@pytest.mark.parametrize("family, shifts", [("shifting_module", True), ("tuple_module", False), ("gpt2", True),
+                                            ("bert_mlm", False), ("t5", False)])
+def test_a_model_that_shifts_its_labels_inside_is_counted_as_a_causal_lm(tmp_path, family, shifts):
+    """Known families come from transformers' model mappings; a plain module's from a probe (its loss is
+    unchanged when every row's first label is ignored), and its window is counted over the shifted labels."""
+    trainer = train_family(family, str(tmp_path), 8, per_device_train_batch_size=8, max_steps=1)
+    assert trainer._causal is shifts
+
+
 @pytest.mark.parametrize("family, divides", [("gpt2", True), ("llama", True), ("bert_mlm", False),
                                              ("bert_tokens", False), ("t5", False), ("tuple_module", False)])
 def test_num_items_in_batch_is_passed_only_to_models_that_divide_by_it(tmp_path, family, divides):
