@@ -12,7 +12,8 @@ from tests.parity.oracle import assert_logs_close, flatten, run
 @pytest.mark.parametrize("overrides", [
     dict(num_train_epochs=1, max_steps=3, eval_steps=2, logging_steps=2, save_steps=2),
     dict(num_train_epochs=3, eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch"),
-], ids=["max_steps_not_a_multiple_of_eval_steps", "epoch_strategies"])
+    dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, eval_steps=2, save_steps=2),
+], ids=["max_steps_not_a_multiple_of_eval_steps", "epoch_strategies", "accumulation"])
 def test_event_sequence_checkpoints_and_state_equal_transformers(tmp_path, overrides):
     hf = run("hf", "llama", str(tmp_path / "hf"), **overrides)
     ours = run("stoker", "llama", str(tmp_path / "ours"), **overrides)
@@ -84,3 +85,31 @@ def test_best_checkpoint_is_tracked_when_evaluation_lands_on_an_already_saved_st
     assert s.best_global_step == min(evals, key=evals.get)
     assert s.best_model_checkpoint == str(tmp_path / "out" / f"checkpoint-{s.best_global_step}")
     assert (tmp_path / "out" / f"checkpoint-{s.best_global_step}").is_dir()
+
+
+def test_a_given_plateau_scheduler_steps_after_evaluation_and_is_checkpointed(tmp_path):
+    import torch
+
+    from stoker import Trainer
+    from tests.test_trainer import args, llama, rows
+
+    def run(name, resume=None):
+        model = llama()
+        optimizer = torch.optim.SGD(model.parameters(), lr=8.0)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        trainer = Trainer(model, args(tmp_path / name, per_device_train_batch_size=4, num_train_epochs=4,
+                                      eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=3),
+                          train_dataset=rows(8, seed=1), eval_dataset=rows(4, seed=2), optimizers=(optimizer, plateau))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = run("a")
+    rates = [r["learning_rate"] for r in whole.state.log_history if "learning_rate" in r]
+    evals = [r["eval_loss"] for r in whole.state.log_history if "eval_loss" in r]
+    expected, lr, best = [], 8.0, float("inf")
+    for loss in evals:  # patience 0: every evaluation that is not a new best halves the rate of the next step
+        expected.append(lr)
+        lr, best = (lr, loss) if loss < best * (1 - 1e-4) else (lr * 0.5, best)
+    assert rates == expected[:len(rates)] and min(rates) < 8.0
+    resumed = run("a", resume=str(tmp_path / "a" / "out" / "checkpoint-3"))
+    assert [r["learning_rate"] for r in resumed.state.log_history if "learning_rate" in r] == rates
