@@ -403,25 +403,34 @@ class Trainer:
         return (loss, outputs) if return_outputs else loss
 
     def _divides_by_num_items(self, model, inputs: dict) -> bool:
-        if self._honours_num_items is None:
-            self._honours_num_items = self._probe_num_items(model, inputs)
+        if self._honours_num_items is None and self.accelerator.num_processes == 1:  # compute_loss called alone
+            self._decide_loss_family(model, inputs)
         # still None: a batch without targets, whose loss only a model dividing by the count makes 0, not NaN
         return self._honours_num_items is not False
 
-    def _decide_shift(self, model, batch: dict) -> None:
-        """Settle self._causal for a model of no known family from a batch with labels (on every process at the
-        same point, as it may take a collective)."""
-        labels, ids = batch.get(self.label_names[0]), batch.get("input_ids")
-        if not (isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape
-                and labels.dim() == 2 and not labels.is_floating_point()):
-            self._causal = False  # not one integer label per input token: nothing to shift
-            return
-        verdict = self._probe_shift(model, batch, labels)
+    def _decide_loss_family(self, model, batch: dict) -> None:
+        """Settle what is still unknown of how the model's loss is normalised (self._causal for a model of no
+        known family, self._honours_num_items) from a batch with labels. Called by every process at the same
+        point (a window's start, an evaluation batch), since the probes' forwards may hold collectives (DDP's
+        buffer broadcast, FSDP's gathers) and the verdicts are shared: a process whose batch cannot tell
+        follows the others."""
         acc = self.accelerator
-        votes = torch.tensor([verdict is True, verdict is False], dtype=torch.float32, device=acc.device)
-        if acc.num_processes > 1:  # a process whose batch could not tell follows the others
-            votes = acc.reduce(votes, reduction="sum")
-        self._causal = False if votes[1] > 0 else True if votes[0] > 0 else None
+
+        def shared(verdict: bool | None) -> bool | None:
+            votes = torch.tensor([verdict is True, verdict is False], dtype=torch.float32, device=acc.device)
+            if acc.num_processes > 1:
+                votes = acc.reduce(votes, reduction="sum")
+            return False if votes[1] > 0 else True if votes[0] > 0 else None
+
+        if self._causal is None:
+            labels, ids = batch.get(self.label_names[0]), batch.get("input_ids")
+            if isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape and (
+                    labels.dim() == 2 and not labels.is_floating_point()):
+                self._causal = shared(self._probe_shift(model, batch, labels))
+            else:
+                self._causal = False  # not one integer label per input token: nothing to shift
+        if self._honours_num_items is None and self.compute_loss_func is None and self._chunked_head is None:
+            self._honours_num_items = shared(self._probe_num_items(model, {**batch, **self._forward_kwargs}))
 
     def _probe_shift(self, model, batch: dict, labels: torch.Tensor) -> bool | None:
         """Whether the model shifts its labels inside (token t predicting label t+1, as a causal LM does): its
@@ -772,8 +781,8 @@ class Trainer:
     def _forward_backward(self, model, window: list[dict]) -> torch.Tensor:
         acc = self.accelerator
         deepspeed = is_deepspeed(acc)
-        if self._causal is None:
-            self._decide_shift(model, window[0])
+        if self._causal is None or self._honours_num_items is None:
+            self._decide_loss_family(model, window[0])
         num_items = self._window_items(window)
         window_loss = torch.zeros((), device=acc.device)
         try:
@@ -1112,8 +1121,8 @@ class Trainer:
                 else:
                     # each batch's loss is normalised over its own items, then re-weighted by them: the
                     # result is the exact mean over every target token of the eval set
-                    if self._causal is None:
-                        self._decide_shift(model, batch)
+                    if self._causal is None or self._honours_num_items is None:
+                        self._decide_loss_family(model, batch)
                     items = count_targets(batch, self.label_names[0], self._causal)
                     loss, outputs = self.compute_loss(model, dict(batch), return_outputs=True,
                                                       num_items_in_batch=items)
