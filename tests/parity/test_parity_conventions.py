@@ -76,18 +76,23 @@ def test_glue_style_label_column_is_kept_and_renamed_as_transformers_does(tmp_pa
     assert trainer.state.log_history[0]["loss"] == pytest.approx(ours["logs"][0]["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("family, make_collator", [
-    ("bert_tokens", lambda tok, m: __import__("transformers").DataCollatorForTokenClassification(tok)),
-    ("t5", lambda tok, m: __import__("transformers").DataCollatorForSeq2Seq(tok, model=m)),
-    ("llama", lambda tok, m: __import__("transformers").DataCollatorWithFlattening()),
-    ("llama", lambda tok, m: __import__("transformers").default_data_collator),
-], ids=["token_classification", "seq2seq", "flattening", "default_data_collator"])
-def test_transformers_collators_train_as_with_transformers_trainer(tmp_path, family, make_collator):
+def make_collator(kind: str, tok, model):
+    import transformers
+
+    return {"token_classification": lambda: transformers.DataCollatorForTokenClassification(tok),
+            "seq2seq": lambda: transformers.DataCollatorForSeq2Seq(tok, model=model),
+            "flattening": transformers.DataCollatorWithFlattening,
+            "default": lambda: transformers.default_data_collator}[kind]()
+
+
+@pytest.mark.parametrize("family, kind", [("bert_tokens", "token_classification"), ("t5", "seq2seq"),
+                                          ("llama", "flattening"), ("llama", "default")])
+def test_transformers_collators_train_as_with_transformers_trainer(tmp_path, family, kind):
     tok = tokenizer()
     data = rows(family, 8, 5)
-    if make_collator(tok, None) is __import__("transformers").default_data_collator:  # equal lengths only
+    if kind == "default":  # stacks without padding: rows of one length
         data = [{"input_ids": r["input_ids"][:3], "labels": r["labels"][:3]} for r in data]
-    hf, ours = both(family, tmp_path, data, lambda m: make_collator(tok, m))
+    hf, ours = both(family, tmp_path, data, lambda m: make_collator(kind, tok, m))
     assert_same_training(hf, ours)
 
 
