@@ -114,6 +114,12 @@ def _accepts_num_items(model) -> bool:
     return any(p.name == "num_items_in_batch" or p.kind == p.VAR_KEYWORD for p in params)
 
 
+def _label_arguments(model) -> list[str]:
+    from transformers.utils import find_labels
+
+    return find_labels(type(model))
+
+
 def _unwrap_peft(model):
     return model.get_base_model() if ckpt.is_peft_model(model) else model
 
@@ -162,7 +168,10 @@ class Trainer:
         self._forward_kwargs = {"use_cache": False} if "use_cache" in forward_columns(base) else {}
         self._chunked_head = output_head(model) if self.args.chunked_loss else None
         self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
-        self.label_names = self.args.label_names or ["labels"]
+        # as transformers: the forward arguments named like labels (start_positions and end_positions for
+        # question answering)
+        self.label_names = self.args.label_names or (_label_arguments(base) if self._is_transformers else None) or [
+            "labels"]
         self.data_collator = data_collator or PaddingCollator(self._pad_token_id())
         if self.args.remove_unused_columns and hasattr(base, "config"):
             self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
@@ -270,10 +279,10 @@ class Trainer:
             accepted = {q.name for q in forward}
             if "input_ids" in accepted and "input_ids" not in batch and "inputs_embeds" not in batch:
                 p.append(f"{name}: rows have columns {columns}; {type(model).__name__} needs 'input_ids'")
-            if (name == "train_dataset" and "labels" in accepted and self.compute_loss_func is None
+            if (name == "train_dataset" and set(self.label_names) <= accepted and self.compute_loss_func is None
                     and not any(k in batch for k in self.label_names)):
                 p.append(f"{name}: rows have columns {columns}; {type(model).__name__} computes its loss from "
-                         f"{self.label_names[0]!r} (a 'label' or 'label_ids' column is renamed to it), which the "
+                         f"{self.label_names} (a 'label' or 'label_ids' column is renamed to 'labels'), which the "
                          "batches lack")
         elif self.compute_loss_func is None:
             required = [q.name for q in forward if q.default is q.empty and q.kind in (q.POSITIONAL_OR_KEYWORD,

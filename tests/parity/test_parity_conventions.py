@@ -161,7 +161,9 @@ class Stream(torch.utils.data.IterableDataset):
 
 def test_iterable_datasets_train_evaluate_and_predict(tmp_path):
     train, held_out = rows("llama", 12, 1), rows("llama", 5, 2)
-    seen = recorder(__import__("stoker").TrainerCallback)
+    from stoker import TrainerCallback
+
+    seen = recorder(TrainerCallback)
     trainer = Trainer(FAMILIES["llama"](0), args(tmp_path, max_steps=4, per_device_train_batch_size=4,
                                                  per_device_eval_batch_size=2, eval_strategy="steps", eval_steps=2),
                       train_dataset=Stream(train), eval_dataset=Stream(held_out), callbacks=[seen])
@@ -218,7 +220,7 @@ def test_bad_input_gets_one_clear_error_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="data collator returned tuple; it must return a dict"):
         Trainer(FAMILIES["llama"](0), args(tmp_path), train_dataset=data,
                 data_collator=lambda rs: (torch.zeros(len(rs), 3),))
-    with pytest.raises(ConfigError, match="computes its loss from 'labels'.*which the batches lack"):
+    with pytest.raises(ConfigError, match=r"computes its loss from \['labels'\].*which the batches lack"):
         Trainer(FAMILIES["llama"](0), args(tmp_path), train_dataset=[{"input_ids": r["input_ids"]} for r in data])
     with pytest.raises(ConfigError, match="max_steps=-1: a train_dataset without a length"):
         Trainer(FAMILIES["llama"](0), args(tmp_path), train_dataset=Stream(data))
@@ -236,3 +238,34 @@ def test_bad_input_gets_one_clear_error_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="the model returned no loss"):
         trainer.train()
     assert torch.equal(trainer.model.w.weight, weight)
+
+
+def test_question_answering_labels_are_found_and_evaluated_as_transformers_does(tmp_path):
+    """label_names default to the model's label arguments (start_positions, end_positions), as transformers."""
+    import random
+
+    import transformers
+
+    import stoker
+    from stoker.data import PaddingCollator
+    from tests.parity.families import _bert_config
+
+    rng = random.Random(0)
+    data = []
+    for _ in range(6):
+        ids = [rng.randint(3, 63) for _ in range(rng.randint(4, 12))]
+        start = rng.randrange(len(ids))
+        data.append({"input_ids": ids, "start_positions": start, "end_positions": rng.randrange(start, len(ids))})
+    results = {}
+    for name, module in (("hf", transformers), ("stoker", stoker)):
+        torch.manual_seed(0)
+        model = transformers.BertForQuestionAnswering(_bert_config())
+        trainer = module.Trainer(model, module.TrainingArguments(output_dir=str(tmp_path / name), report_to="none",
+                                                                 per_device_eval_batch_size=6),
+                                 data_collator=PaddingCollator())
+        results[name] = trainer.predict(data)
+    ours, hf = results["stoker"], results["hf"]
+    assert ours.metrics["test_loss"] == pytest.approx(hf.metrics["test_loss"], rel=1e-5)
+    for a, b in zip(ours.predictions, hf.predictions, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert [a.tolist() for a in ours.label_ids] == [b.tolist() for b in hf.label_ids]
