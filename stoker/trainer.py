@@ -322,7 +322,10 @@ class Trainer:
             ddp["bucket_cap_mb"] = a.ddp_bucket_cap_mb
         if a.ddp_broadcast_buffers is not None:
             ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
-        config = {"use_seedable_sampler": True, **(a.accelerator_config or {})}
+        # dispatch_batches=False: every process reads an IterableDataset itself and keeps its share of each global
+        # batch (Accelerate's default for one has the main process read and concatenate whole batches, which
+        # fails on rows of different lengths); map-style datasets are read so either way
+        config = {"use_seedable_sampler": True, "dispatch_batches": False, **(a.accelerator_config or {})}
         sharding = sharding_plugins(a, model, optimizers)  # {}, an FSDP or a DeepSpeed plugin; refuses what
         # cannot run here
         deepspeed = "deepspeed_plugin" in sharding

@@ -646,6 +646,29 @@ def families(out: str) -> None:
     r.write()
 
 
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+def iterable(out: str) -> None:
+    """An IterableDataset for training (max_steps), evaluation and prediction: compared by the test with one
+    process reading the same stream in batches of 8."""
+    r = Report(out, "iterable")
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=3,
+                         lr_scheduler_type="constant")
+    trainer = Trainer(llama(), args, train_dataset=Stream(TRAIN))
+    trainer.train()
+    pred = trainer.predict(Stream(EVAL7))
+    r.values.update(global_step=trainer.state.global_step, losses=losses(trainer), test_loss=pred.metrics["test_loss"])
+    r.save_tensors("final", final_params(trainer))
+    r.save_tensors("predict7", {"predictions": torch.as_tensor(pred.predictions)})
+    r.write()
+
+
 def ddp_adamw(out: str) -> None:
     """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
     parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
@@ -661,7 +684,7 @@ def ddp_adamw(out: str) -> None:
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
     preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
-    zero1_config_sections, families)}
+    zero1_config_sections, families, iterable)}
 
 
 def main() -> None:
