@@ -49,7 +49,7 @@ def test_same_numbers_as_transformers_trainer(runs, family):
     assert [a.tolist() for a in flatten(ours["label_ids"])] == [a.tolist() for a in flatten(hf["label_ids"])]
 
 
-@pytest.mark.parametrize("family", ["llama", "bert_sequence", "t5", "tuple_module"])
+@pytest.mark.parametrize("family", HF_EXACT)
 def test_same_events_checkpoints_and_trainer_state_as_transformers_trainer(runs, family):
     hf, ours = runs(family, "hf"), runs(family, "stoker")
     assert ours["events"] == hf["events"]
