@@ -1127,7 +1127,10 @@ class Trainer:
                     outputs = model(**batch)
                     loss = self._loss_or_none(outputs)
                     if loss is not None:
-                        rows = count_targets(batch, None, False)
+                        genuine = self._genuine_rows(batch)
+                        if genuine:  # this process's real rows only, as below
+                            loss = self._loss_of(model(**_split_batch(batch, genuine)[0]))
+                        rows = count_targets(batch, None, False) if genuine is None else genuine
                         loss_sum += loss.double() * rows
                         items_sum += rows
                 else:
