@@ -80,3 +80,15 @@ def test_hand_computed_update_for_other_families(family):
     with tempfile.TemporaryDirectory() as out:
         ours = run("stoker", family, out)
     assert_params_close(ours["params"], params, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["bert_mlm", "bert_tokens", "bert_sequence", "t5", "bart"])
+def test_accumulation_gives_the_single_batch_update_where_transformers_accumulation_does_not(runs, tmp_path, family):
+    """These models take num_items_in_batch through **kwargs and return a mean anyway: transformers.Trainer's
+    accumulated update is off, stoker's equals the one-batch update (which transformers gets right)."""
+    whole = runs(family, "hf")
+    split = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    ours = run("stoker", family, str(tmp_path / "ours"), **split)
+    assert_params_close(ours["params"], whole["params"], atol=1e-5)
+    theirs = run("hf", family, str(tmp_path / "hf"), **split)["params"]
+    assert max((theirs[k] - whole["params"][k]).abs().max().item() for k in theirs) > 1e-3
