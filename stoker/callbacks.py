@@ -233,12 +233,12 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_evaluate = True
         if args.save_strategy == "steps" and _is_due(step, state.save_steps):
             control.should_save = True
-        if step >= state.max_steps:
+        if step >= state.max_steps:  # as transformers: the loss of steps after the last log goes into train_loss
             control.should_training_stop = True
+            if args.eval_strategy == "steps" and not _is_due(step, state.eval_steps):
+                control.should_evaluate = True  # always end with the metrics of the final model
             if args.save_strategy == "steps":
                 control.should_save = True  # always end with a checkpoint of the final step
-            if args.logging_strategy == "steps":
-                control.should_log = True
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):

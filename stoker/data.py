@@ -38,6 +38,7 @@ class PaddingCollator:
     def __call__(self, features: list[Mapping]) -> dict[str, torch.Tensor]:
         if not isinstance(features[0], Mapping):
             raise TypeError(f"collator: rows must be dicts of columns, got {type(features[0]).__name__}")
+        features = [rename_label_columns(f) for f in features]
         batch = {}
         for key in features[0]:
             values = [_as_tensor(key, f[key]) for f in features]
@@ -65,6 +66,19 @@ class PaddingCollator:
         return out
 
 
+# the column names datasets give labels (GLUE-style `label`, older `label_ids`), which transformers' collators
+# hand to the model as `labels`
+LABEL_COLUMNS = ("label", "label_ids")
+
+
+def rename_label_columns(row: Mapping) -> Mapping:
+    """A row with its `label` / `label_ids` column named `labels`, as transformers' collators do."""
+    found = [k for k in LABEL_COLUMNS if k in row]
+    if not found or "labels" in row:
+        return row
+    return {("labels" if k == found[0] else k): v for k, v in row.items()}
+
+
 class ColumnFilter:
     """Wraps a collator so that it only sees the columns the model accepts (remove_unused_columns)."""
 
@@ -73,7 +87,8 @@ class ColumnFilter:
         self.keep = keep
 
     def __call__(self, features):
-        return self.collator([{k: v for k, v in f.items() if k in self.keep} for f in features])
+        # `label` and `label_ids` are kept for the collator to rename, as transformers.Trainer keeps them
+        return self.collator([{k: v for k, v in f.items() if k in self.keep or k in LABEL_COLUMNS} for f in features])
 
 
 def forward_columns(model: torch.nn.Module) -> set[str]:
@@ -111,8 +126,11 @@ def _lengths(dataset, column: str) -> list[int]:
 
 def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> DataLoader:
     """A DataLoader honouring every dataloader_* field. Training data is shuffled by a RandomSampler that
-    Accelerate replaces with its seedable sampler (order = f(data_seed, epoch)) when it prepares the loader."""
-    if not train or args.train_sampling_strategy == "sequential":
+    Accelerate replaces with its seedable sampler (order = f(data_seed, epoch)) when it prepares the loader.
+    An IterableDataset takes no sampler: it yields its rows in its own order."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        sampler = None
+    elif not train or args.train_sampling_strategy == "sequential":
         sampler = SequentialSampler(dataset)
     elif args.group_by_length:
         sampler = LengthGroupedSampler(_lengths(dataset, args.length_column_name), batch_size, args.data_seed)
@@ -129,7 +147,7 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
         pin_memory=args.dataloader_pin_memory and torch.cuda.is_available() and not args.use_cpu,
         persistent_workers=args.dataloader_persistent_workers and workers > 0,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
-        drop_last=args.dataloader_drop_last if train else False,
+        drop_last=args.dataloader_drop_last,  # evaluation too, as transformers.Trainer applies it
         # iterator creation draws worker seeds from this generator instead of the global RNG, which
         # would otherwise shift dropout masks after a resume (reseeded per epoch by the Trainer)
         generator=torch.Generator().manual_seed(args.data_seed) if train else None,
@@ -145,7 +163,9 @@ def count_targets(batch: Mapping, label_name: str | None, causal: bool) -> int |
     if labels is None or not isinstance(labels, torch.Tensor):
         first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
         return first.shape[0]
-    if causal:
+    if isinstance(batch.get("shift_labels"), torch.Tensor):  # shifted by the collator (padding-free batches)
+        labels = batch["shift_labels"]
+    elif causal:
         labels = labels[..., 1:]
     if labels.is_floating_point():
         return labels.shape[0]  # regression targets: one item per sample
@@ -153,8 +173,10 @@ def count_targets(batch: Mapping, label_name: str | None, causal: bool) -> int |
 
 
 def count_input_tokens(batch: Mapping) -> int | torch.Tensor:
-    if "attention_mask" in batch:
-        return batch["attention_mask"].sum()
-    if "input_ids" in batch:
+    """Non-padding input tokens, as an integer whatever the dtype of the mask (float masks and float input_ids
+    of models that take them are integer-valued)."""
+    if isinstance(batch.get("attention_mask"), torch.Tensor):
+        return batch["attention_mask"].sum().round().long()
+    if isinstance(batch.get("input_ids"), torch.Tensor):
         return batch["input_ids"].numel()
     return 0

@@ -153,12 +153,40 @@ def output_head(model: nn.Module) -> nn.Module | None:
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def _transformers_task_names(kind: str) -> set[str]:
+    from transformers.models.auto import modeling_auto
+
+    names = set()
+    for value in getattr(modeling_auto, f"MODEL_FOR_{kind}_MAPPING_NAMES").values():
+        names.update((value,) if isinstance(value, str) else value)
+    return names
+
+
+def model_family(model: nn.Module) -> str:
+    """What the model's loss is over, from what the model is rather than from `loss_type` (None for GPT-2 in
+    transformers 5): "causal_lm" (labels shifted inside: token t predicts label t+1), "seq2seq" (decoder
+    targets, unshifted), "token" (one label per input token, unshifted: masked LM, token classification) or
+    "other" (one label per sample, or a plain module). A subclass of a transformers class keeps its family.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    classes = {c.__name__ for c in type(base).__mro__ if c.__module__.startswith("transformers.")}
+    if not classes or not hasattr(base, "config"):
+        return "other"
+    if getattr(base.config, "is_encoder_decoder", False) or classes & _transformers_task_names("SEQ_TO_SEQ_CAUSAL_LM"):
+        return "seq2seq"
+    if classes & _transformers_task_names("CAUSAL_LM") or getattr(base, "loss_type", None) == "ForCausalLM":
+        return "causal_lm"
+    if classes & (_transformers_task_names("MASKED_LM") | _transformers_task_names("TOKEN_CLASSIFICATION")):
+        return "token"
+    return "other"
+
+
 def chunked_loss_problems(model: nn.Module) -> list[str]:
     """Why chunked_loss=True cannot be used with this model (empty if it can)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base, "loss_type", None) != "ForCausalLM" or not hasattr(base, "config"):
-        return [f"chunked_loss=True: {type(base).__name__} is not a transformers causal LM (loss_type "
-                "'ForCausalLM'); the chunked loss replaces that loss only"]
+    if model_family(model) != "causal_lm":
+        return [f"chunked_loss=True: {type(base).__name__} is not a transformers causal LM; the chunked loss "
+                "replaces that loss only"]
     head = output_head(model)
     if not isinstance(head, nn.Linear) or not head.weight.is_floating_point():
         kind = f"{type(head).__module__}.{type(head).__qualname__}"

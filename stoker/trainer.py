@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import math
 import os
 import random
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -73,14 +74,9 @@ from .distributed import (
     zero_stage,
 )
 from .lora import trainable_parameters
-from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head, smoothed_label_loss
+from .loss import chunked_causal_lm_loss, chunked_loss_problems, model_family, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
 from .trainer_api import TrainerAPI
-
-# transformers loss types whose loss function sums token losses and divides by `num_items_in_batch`
-# (transformers.loss.loss_utils); other models return a mean over their micro-batch and are rescaled.
-_NUM_ITEMS_LOSS_TYPES = ("ForCausalLM", "ForMaskedLM", "ForTokenClassification")
-
 
 # Exit code after a checkpoint on SIGTERM/SIGUSR1: EX_TEMPFAIL, "temporary failure, try again" (requeue and
 # resume with resume_from_checkpoint=True).
@@ -112,6 +108,21 @@ def window_sizes(num_batches: int, accumulation: int) -> list[int]:
     """Micro-batches in each optimizer step of an epoch of num_batches: full windows, then a short one."""
     full, rest = divmod(num_batches, accumulation)
     return [accumulation] * full + ([rest] if rest else [])
+
+
+def _accepts_num_items(model) -> bool:
+    """Whether forward can be given num_items_in_batch at all (by name or through **kwargs); a model that says
+    it does not (transformers' accepts_loss_kwargs=False) is believed."""
+    if getattr(model, "accepts_loss_kwargs", None) is False:
+        return False
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "num_items_in_batch" or p.kind == p.VAR_KEYWORD for p in params)
+
+
+def _label_arguments(model) -> list[str]:
+    from transformers.utils import find_labels
+
+    return find_labels(type(model))
 
 
 def _unwrap_peft(model):
@@ -158,7 +169,6 @@ class Trainer(TrainerAPI):
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.processing_class = processing_class
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.label_names = self.args.label_names or ["labels"]
         self._given_collator = data_collator
         model = self._set_up_model(model)
         if self.args.packing or self.args.padding_free:  # packs the train set once and picks the collator
@@ -219,8 +229,19 @@ class Trainer(TrainerAPI):
             from transformers.debug_utils import DebugUnderflowOverflow
 
             DebugUnderflowOverflow(base)
-        self._loss_type = getattr(base, "loss_type", None) if hasattr(base, "config") else None
-        self._causal = self._loss_type == "ForCausalLM"
+        self._is_transformers = hasattr(base, "config")
+        self._family = model_family(model) if isinstance(model, torch.nn.Module) else "other"
+        # a causal LM's loss skips each row's first label, which the item count must skip too. Known from
+        # transformers' model mappings; for any other model with one label per token, None until a probe of the
+        # first batch (_probe_shift) tells
+        self._causal = (True if self._family == "causal_lm" else
+                        None if self._family == "other" and self.compute_loss_func is None else False)
+        # whether forward divides its summed loss by a `num_items_in_batch` it is given: decided by a probe on the
+        # first batch (_probe_num_items), since many models accept the argument and ignore it
+        self._honours_num_items = None if isinstance(model, torch.nn.Module) and _accepts_num_items(base) else False
+        # as transformers: the forward arguments named like labels (start_positions and end_positions for
+        # question answering)
+        self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
         # a KV cache is wasted memory in a loss forward, and while one exists transformers ignores the
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
@@ -263,8 +284,8 @@ class Trainer(TrainerAPI):
             p.append(f"eval_strategy={a.eval_strategy!r}"
                      + (", eval_on_start=True" if a.eval_on_start else "")
                      + ": evaluation needs an eval_dataset (pass one, or set eval_strategy='no')")
-        for name, ds in self._named_datasets():
-            if ds is not None and hasattr(ds, "__len__") and len(ds) == 0:
+        for name, ds in self._datasets():
+            if hasattr(ds, "__len__") and len(ds) == 0:
                 p.append(f"{name}: is empty (0 rows)")
         ds = self.train_dataset
         if ds is not None and not hasattr(ds, "__len__"):
@@ -289,39 +310,53 @@ class Trainer(TrainerAPI):
             p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                      "(LoRA) to train an adapter on it (QLoRA)")
         if isinstance(model, torch.nn.Module):
-            for name, ds in self._named_datasets():
+            for name, ds in self._datasets():
                 p += self._probe_rows(model, name, ds)
         if p:
             raise ConfigError(p, "Trainer inputs")
 
-    def _named_datasets(self) -> list[tuple[str, Any]]:
-        """The datasets with the names problems are reported under; eval_dataset may be a dict of them."""
-        evals = self.eval_dataset
-        if isinstance(evals, dict):
-            return [("train_dataset", self.train_dataset)] + [(f"eval_dataset[{k!r}]", v) for k, v in evals.items()]
-        return [("train_dataset", self.train_dataset), ("eval_dataset", evals)]
+    def _datasets(self) -> list[tuple[str, Any]]:
+        """(name, dataset) of the train dataset and every eval dataset (a dict of them as transformers takes)."""
+        found = [("train_dataset", self.train_dataset)]
+        if isinstance(self.eval_dataset, Mapping):
+            found += [(f"eval_dataset[{k!r}]", ds) for k, ds in self.eval_dataset.items()]
+        else:
+            found.append(("eval_dataset", self.eval_dataset))
+        return [(name, ds) for name, ds in found if ds is not None]
 
     def _probe_rows(self, model, name: str, ds) -> list[str]:
         """Collate the first rows of a dataset and check them against the model, so that a missing column,
         a wrong label dtype or a collator that returns non-tensors fails here rather than mid-run."""
-        if ds is None or not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
+        if isinstance(ds, torch.utils.data.IterableDataset):
+            rows = list(itertools.islice(iter(ds), 2))
+        elif hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
+            rows = [ds[i] for i in range(min(len(ds), 2))]
+        else:
             return []
-        rows = [ds[i] for i in range(min(len(ds), 2))]
+        if not rows:
+            return [] if hasattr(ds, "__len__") else [f"{name}: yields no rows"]  # an empty one: reported above
         try:
             batch = self.data_collator(rows)
         except Exception as e:
             return [f"{name}: the data collator failed on its first rows: {type(e).__name__}: {e}"]
-        if not isinstance(batch, dict):
-            return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict of tensors"]
+        if not isinstance(batch, Mapping):
+            return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict (a Mapping) "
+                    "of tensors"]
         p = []
         loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
         if loose:
             p.append(f"{name}: the data collator returned non-tensor values for {loose}")
-        columns = sorted(rows[0]) if isinstance(rows[0], dict) else []
+        columns = sorted(rows[0]) if isinstance(rows[0], Mapping) else []
         forward = inspect.signature(_unwrap_peft(model).forward).parameters.values()
-        if self._loss_type is not None:
-            if "input_ids" not in batch and "inputs_embeds" not in batch:
+        if self._is_transformers:
+            accepted = {q.name for q in forward}
+            if "input_ids" in accepted and "input_ids" not in batch and "inputs_embeds" not in batch:
                 p.append(f"{name}: rows have columns {columns}; {type(model).__name__} needs 'input_ids'")
+            if (name == "train_dataset" and set(self.label_names) <= accepted and self.compute_loss_func is None
+                    and not any(k in batch for k in self.label_names)):
+                p.append(f"{name}: rows have columns {columns}; {type(model).__name__} computes its loss from "
+                         f"{self.label_names} (a 'label' or 'label_ids' column is renamed to 'labels'), which the "
+                         "batches lack")
         elif self.compute_loss_func is None:
             required = [q.name for q in forward if q.default is q.empty and q.kind in (q.POSITIONAL_OR_KEYWORD,
                                                                                      q.KEYWORD_ONLY)]
@@ -329,14 +364,15 @@ class Trainer(TrainerAPI):
             if missing:
                 p.append(f"{name}: rows have columns {columns}; {type(model).__name__}.forward needs {missing}")
         labels = batch.get(self.label_names[0])
-        if self._loss_type in _NUM_ITEMS_LOSS_TYPES and isinstance(labels, torch.Tensor):
+        if self._family in ("causal_lm", "token") and isinstance(labels, torch.Tensor):
+            kind = type(_unwrap_peft(model)).__name__
             if labels.is_floating_point():
-                p.append(f"{name}: {self.label_names[0]} has dtype {labels.dtype}; {self._loss_type} needs integer "
+                p.append(f"{name}: {self.label_names[0]} has dtype {labels.dtype}; {kind} needs integer "
                          "token ids (-100 for ignored positions)")
             ids = batch.get("input_ids")
-            if isinstance(ids, torch.Tensor) and labels.shape != ids.shape:
+            if isinstance(ids, torch.Tensor) and labels.shape != ids.shape and "shift_labels" not in batch:
                 p.append(f"{name}: {self.label_names[0]} has shape {list(labels.shape)} but input_ids has "
-                         f"{list(ids.shape)}; {self._loss_type} needs one label per token")
+                         f"{list(ids.shape)}; {kind} needs one label per token")
         return p
 
     def _build_accelerator(self, model, optimizers=(None, None)):
@@ -361,7 +397,10 @@ class Trainer(TrainerAPI):
             ddp["bucket_cap_mb"] = a.ddp_bucket_cap_mb
         if a.ddp_broadcast_buffers is not None:
             ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
-        config = {"use_seedable_sampler": True, **(a.accelerator_config or {})}
+        # dispatch_batches=False: every process reads an IterableDataset itself and keeps its share of each global
+        # batch (Accelerate's default for one has the main process read and concatenate whole batches, which
+        # fails on rows of different lengths); map-style datasets are read so either way
+        config = {"use_seedable_sampler": True, "dispatch_batches": False, **(a.accelerator_config or {})}
         sharding = sharding_plugins(a, model, optimizers)  # {}, an FSDP or a DeepSpeed plugin; refuses what
         # cannot run here
         deepspeed = "deepspeed_plugin" in sharding
@@ -424,9 +463,9 @@ class Trainer(TrainerAPI):
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The micro-batch's share of the window loss: sum of its item losses / num_items_in_batch.
 
-        transformers models with a token loss receive num_items_in_batch and do the division themselves;
-        other models return a mean over their own items, which is rescaled by local items / window items,
-        so that B x A micro-batches give exactly the update of one batch of B*A.
+        A model whose forward divides by a num_items_in_batch it is given (as found by _probe_num_items)
+        receives it; any other returns a mean over its own items, which is rescaled by local items / window
+        items, so that B x A micro-batches give exactly the update of one batch of B*A.
         With chunked_loss, a causal LM's loss comes from its hidden states (stoker.loss) unless the caller
         needs the logits (an evaluation whose metrics want predictions).
         """
@@ -447,11 +486,11 @@ class Trainer(TrainerAPI):
             if "decoder_input_ids" not in inputs and hasattr(base, "prepare_decoder_input_ids_from_labels"):
                 inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
             outputs = model(**inputs)
-            loss = smoothed_label_loss(self._logits_of(outputs), labels, self.args.label_smoothing_factor,
+            loss = smoothed_label_loss(_logits_of(outputs), labels, self.args.label_smoothing_factor,
                                        self._causal, items)
-        elif self._loss_type in _NUM_ITEMS_LOSS_TYPES and num_items_in_batch is not None:
+        elif num_items_in_batch is not None and self._divides_by_num_items(model, inputs):
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-            loss = outputs["loss"]
+            loss = self._loss_of(outputs)
         else:
             outputs = model(**inputs)
             loss = self._loss_of(outputs)
@@ -460,15 +499,109 @@ class Trainer(TrainerAPI):
                 loss = loss * (local / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
+    def _divides_by_num_items(self, model, inputs: dict) -> bool:
+        if self._honours_num_items is None and self.accelerator.num_processes == 1:  # compute_loss called alone
+            self._decide_loss_family(model, inputs)
+        # still None: a batch without targets, whose loss only a model dividing by the count makes 0, not NaN
+        return self._honours_num_items is not False
+
+    def _decide_loss_family(self, model, batch: dict) -> None:
+        """Settle what is still unknown of how the model's loss is normalised (self._causal for a model of no
+        known family, self._honours_num_items) from a batch with labels. Called by every process at the same
+        point (a window's start, an evaluation batch), since the probes' forwards may hold collectives (DDP's
+        buffer broadcast, FSDP's gathers) and the verdicts are shared: a process whose batch cannot tell
+        follows the others."""
+        acc = self.accelerator
+
+        def shared(verdict: bool | None) -> bool | None:
+            votes = torch.tensor([verdict is True, verdict is False], dtype=torch.float32, device=acc.device)
+            if acc.num_processes > 1:
+                votes = acc.reduce(votes, reduction="sum")
+            return False if votes[1] > 0 else True if votes[0] > 0 else None
+
+        if self._causal is None:
+            labels, ids = batch.get(self.label_names[0]), batch.get("input_ids")
+            if isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape and (
+                    labels.dim() == 2 and not labels.is_floating_point()):
+                self._causal = shared(self._probe_shift(model, batch, labels))
+            else:
+                self._causal = False  # not one integer label per input token: nothing to shift
+        if self._honours_num_items is None and self.compute_loss_func is None and self._chunked_head is None:
+            self._honours_num_items = shared(self._probe_num_items(model, {**batch, **self._forward_kwargs}))
+
+    def _probe_shift(self, model, batch: dict, labels: torch.Tensor) -> bool | None:
+        """Whether the model shifts its labels inside (token t predicting label t+1, as a causal LM does): its
+        loss does not change when the first label of every row is ignored. None when the batch cannot tell (no
+        row's first label is a target, or no scalar loss)."""
+        if not (labels[:, 0] != -100).any():
+            return None
+        cut = labels.clone()
+        cut[:, 0] = -100
+        inputs = {**batch, **self._forward_kwargs}
+        with self._probe_forwards(model) as forward:
+            whole = self._loss_or_none(forward(**inputs))
+            first_ignored = self._loss_or_none(forward(**{**inputs, self.label_names[0]: cut}))
+        if whole is None or first_ignored is None or whole.dim() != 0 or not torch.isfinite(whole):
+            return None
+        return bool(torch.isclose(whole.double(), first_ignored.double(), rtol=1e-6, atol=0))
+
+    def _probe_num_items(self, model, inputs: dict) -> bool | None:
+        """Whether the model's loss is its summed item losses divided by num_items_in_batch: two forwards of one
+        batch, with counts 1 and 2. transformers 5 heads that take **kwargs but return a mean anyway (BERT's
+        masked-LM and token-classification heads, T5) fail it, as does a model that raises on the argument.
+        None when this batch cannot tell (no targets: both losses 0 or NaN)."""
+        device = self.accelerator.device
+        try:
+            with self._probe_forwards(model) as forward:
+                one, two = (self._loss_of(forward(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                            for n in (1, 2))
+        except TypeError:
+            return False
+        if not torch.isfinite(one) or one == 0:
+            return None
+        return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
+
+    @contextlib.contextmanager
+    def _probe_forwards(self, model):
+        """A forward function for probes that leaves no trace: no gradients, the same dropout masks in every
+        call and the random state as it was, and the buffers (batch-norm statistics) put back, so the run stays
+        reproducible and resumable. The model stays in training mode: an eval-mode forward repacks
+        bitsandbytes' 4-bit CPU weights for inference only."""
+        device = self.accelerator.device
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
+        def forward(**inputs):
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                return model(**inputs)
+
+        try:
+            yield forward
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+
     @staticmethod
     def _loss_of(outputs) -> torch.Tensor:
+        """The loss of a model's outputs: a tensor, a dict / ModelOutput's 'loss', or a tuple's first entry when
+        it is a scalar (the loss first, as transformers models return tuples)."""
+        loss = Trainer._loss_or_none(outputs)
+        if loss is None:
+            raise ValueError("the model returned no loss: return a loss tensor, a dict / ModelOutput with 'loss' "
+                             "or a tuple with the loss first, pass labels in the batch, or give "
+                             "Trainer(compute_loss_func=...)")
+        return loss
+
+    @staticmethod
+    def _loss_or_none(outputs) -> torch.Tensor | None:
         if isinstance(outputs, torch.Tensor):
             return outputs
-        loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
-        if loss is None:
-            raise ValueError("the model returned no loss: return a loss tensor or a dict / ModelOutput with "
-                             "'loss', pass labels in the batch, or give Trainer(compute_loss_func=...)")
-        return loss
+        if isinstance(outputs, Mapping):  # a ModelOutput is one
+            return outputs.get("loss")
+        if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and (
+                outputs[0].dim() == 0):
+            return outputs[0]
+        return getattr(outputs, "loss", None)
 
     def _window_items(self, window: list[dict]) -> torch.Tensor:
         """Target tokens (or samples) in the whole accumulation window, summed over every process (over this
@@ -613,10 +746,11 @@ class Trainer(TrainerAPI):
         if resume_dir is not None:
             self._load_checkpoint(resume_dir)
             start_epoch, skip = loop["epoch"], 0 if a.ignore_data_skip else self._resume_skip(loop)
-            if per_epoch:  # resumed with another world size or batch (resume_mismatch='warn'): epochs hold another
-                # number of steps, so count the epochs still needed from here; training stops at max_steps
-                s.num_train_epochs = max(s.num_train_epochs,
-                                         start_epoch + 1 + math.ceil((max_steps - s.global_step) / per_epoch))
+            if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
+                # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
+                left_in_epoch = len(window_sizes(max(len(self._train_dataloader) - skip, 0), self._accumulation))
+                s.num_train_epochs = start_epoch + 1 + max(
+                    math.ceil((max_steps - s.global_step - left_in_epoch) / per_epoch), 0)
         if s.is_world_process_zero:
             print(f"[stoker] {type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                   f"({100 * trainable / max(total, 1):.2f}%)", file=sys.stderr)
@@ -628,6 +762,7 @@ class Trainer(TrainerAPI):
             os.makedirs(a.output_dir, exist_ok=True)
             for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
                 shutil.rmtree(stale, ignore_errors=True)
+        self._last_saved_step = None
         self._fire("on_train_begin", train_dataloader=self._train_dataloader)
         if a.eval_on_start and resume_dir is None:
             self._evaluate_and_track()
@@ -636,18 +771,20 @@ class Trainer(TrainerAPI):
         first_step = s.global_step
         with self._preemption_signals(), self._neftune():
             # resumed from the run's last checkpoint (the same script run again): nothing is left to do
-            total_loss = self._train_loop(per_epoch, start_epoch, skip) if s.global_step < s.max_steps else 0.0
+            if s.global_step < s.max_steps:
+                self._train_loop(per_epoch, start_epoch, skip)
         if self._preempted is not None:
             raise TrainingPreempted(self._preempted, s.global_step)
 
         runtime = time.perf_counter() - started
         steps_run = max(s.global_step - first_step, 1)
+        # over the whole run, a resumed one included: the losses before the checkpoint came back with it
         metrics = {
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(self._samples_seen / runtime, 3),
             "train_steps_per_second": round(steps_run / runtime, 3),
             "train_tokens_per_second": round(self._tokens_seen / runtime, 3),
-            "train_loss": total_loss / max(steps_run - self._nonfinite_total, 1),
+            "train_loss": self._total_loss / max(s.global_step - self._nonfinite_total, 1),
             **self._memory_metrics(),
         }
         self.store_flos()
@@ -701,11 +838,9 @@ class Trainer(TrainerAPI):
         finally:
             handle.remove()
 
-    def _train_loop(self, per_epoch, start_epoch: int, skip: int) -> float:
+    def _train_loop(self, per_epoch, start_epoch: int, skip: int) -> None:
         a, s, acc = self.args, self.state, self.accelerator
         model, optimizer = self.model_wrapped, self.optimizer
-        total_loss = 0.0
-        self._last_saved_step = None
         self._window_started, self._excluded = time.perf_counter(), 0.0
         model.train()
         for epoch in range(start_epoch, s.num_train_epochs):
@@ -721,7 +856,9 @@ class Trainer(TrainerAPI):
                     self._fire("on_pre_optimizer_step")
                     optimizer.step()
                     self._fire("on_optimizer_step")
-                    if not acc.optimizer_step_was_skipped:  # fp16 loss scaling skips steps with inf gradients
+                    self._step_lr = self._learning_rate()  # the rate this step used, which is the one logged
+                    # fp16 loss scaling skips steps with inf gradients; a plateau schedule steps after evaluation
+                    if not acc.optimizer_step_was_skipped and not self._steps_on_metric():
                         self.lr_scheduler.step()
                     self._log_loss += window_loss
                     self._log_steps += 1
@@ -737,20 +874,20 @@ class Trainer(TrainerAPI):
                     self._preempted = self._signal  # alone, act on a signal as soon as the step is done
                 if self._preempted is not None:  # checkpoint this step, then leave
                     self.control.should_save = self.control.should_training_stop = True
-                total_loss += self._maybe_log_save_evaluate()
+                self._maybe_log_save_evaluate()
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
             skip = 0
             if per_epoch and self._batches_in_epoch >= len(self._train_dataloader):
                 s.epoch = epoch + 1
             self._fire("on_epoch_end")
-            total_loss += self._maybe_log_save_evaluate()
+            self._maybe_log_save_evaluate()
             self.control.should_epoch_stop = False
             if self.control.should_training_stop or s.global_step >= s.max_steps:
                 break
-        if self._log_steps:  # loss of steps after the last log
-            total_loss += self._reduce_log_loss()
-        return total_loss
+        if self._log_steps:  # loss and tokens of steps after the last log
+            self._total_loss += self._reduce_log_loss()
+        self._fold_token_counts()
 
     def _epoch_windows(self, epoch: int, skip: int) -> Iterator[list[dict]]:
         """The epoch's optimizer-step windows from micro-batch `skip` on; the last window may be shorter.
@@ -763,7 +900,7 @@ class Trainer(TrainerAPI):
             loader = self._train_loader_at(epoch, self._batches_in_epoch)
             size, window = self._micro_batch, []
             for batch in self._data_clock.timed(loader):  # sums the time spent waiting for batches
-                window.append(batch)
+                window.append(dict(batch))  # a transformers collator's BatchEncoding is a Mapping, not a dict
                 if len(window) == self._accumulation:
                     yield window
                     window = []
@@ -810,6 +947,8 @@ class Trainer(TrainerAPI):
     def _forward_backward(self, model, window: list[dict]) -> torch.Tensor:
         acc = self.accelerator
         deepspeed = is_deepspeed(acc)
+        if self._causal is None or self._honours_num_items is None:
+            self._decide_loss_family(model, window[0])
         num_items = self._window_items(window)
         window_loss = torch.zeros((), device=acc.device)
         try:
@@ -922,7 +1061,8 @@ class Trainer(TrainerAPI):
         each checkpoint, so that a resumed run logs the same numbers as the run that was never stopped."""
         device = self.accelerator.device
         self._log_loss = torch.zeros((), device=device)
-        self._log_steps, self._grad_norm = 0, None
+        self._log_steps, self._grad_norm, self._step_lr = 0, None, None
+        self._total_loss = 0.0  # every logged loss of the run, over every process: train_loss's numerator
         self._tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
         self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
         self._nonfinite_run, self._nonfinite_total = 0, 0
@@ -931,13 +1071,14 @@ class Trainer(TrainerAPI):
 
     def _pending_log(self) -> dict[str, Any]:
         return {"loss": self._log_loss, "steps": self._log_steps, "tokens": self._tokens,
-                "samples": self._samples_seen - self._samples_at_log, "nonfinite_total": self._nonfinite_total,
-                "nonfinite_run": self._nonfinite_run}
+                "total_loss": self._total_loss, "samples": self._samples_seen - self._samples_at_log,
+                "nonfinite_total": self._nonfinite_total, "nonfinite_run": self._nonfinite_run}
 
     def _restore_pending_log(self, pending: dict[str, Any]) -> None:
         device = self.accelerator.device
         self._log_loss, self._tokens = pending["loss"].to(device), pending["tokens"].to(device)
         self._log_steps, self._samples_seen = pending["steps"], pending["samples"]
+        self._total_loss = pending.get("total_loss", 0.0)
         self._nonfinite_total, self._nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
 
     def _count_inputs(self, batch: dict) -> None:
@@ -948,6 +1089,19 @@ class Trainer(TrainerAPI):
                                                      device=self._tokens.device)])
         first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         self._samples_seen += first.shape[0] * self.accelerator.num_processes if first is not None else 0
+
+    def _fold_token_counts(self) -> tuple[int, int]:
+        """Input tokens since the last call (non-padding, all), summed over every process and added to the
+        run's counts. A host sync, so done when logging and once at the end rather than per step."""
+        counts = self._tokens.clone()
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        tokens, all_tokens = (int(c) for c in counts.tolist())
+        self._tokens.zero_()
+        self._tokens_seen += tokens
+        mode = self.args.include_num_input_tokens_seen
+        self.state.num_input_tokens_seen += tokens if mode == "non_padding" else all_tokens if mode == "all" else 0
+        return tokens, all_tokens
 
     def _reduce_log_loss(self) -> float:
         """Sum of window losses since the last log (over every process), then reset. A host sync."""
@@ -960,28 +1114,21 @@ class Trainer(TrainerAPI):
         self._log_steps = 0
         return total.item()
 
-    def _maybe_log_save_evaluate(self) -> float:
-        """Act on the control flags; returns the loss sum folded into the log (0 if nothing was logged)."""
+    def _maybe_log_save_evaluate(self) -> None:
+        """Act on the control flags."""
         c, s = self.control, self.state
-        logged = 0.0
         if c.should_log and (self._log_steps or self._nonfinite_total):
             steps = self._log_steps
             logged = self._reduce_log_loss() if steps else 0.0
-            counts = self._tokens.clone()
-            if self.accelerator.num_processes > 1:
-                counts = self.accelerator.reduce(counts, reduction="sum")
-            tokens, all_tokens = (int(c) for c in counts.tolist())
-            self._tokens.zero_()
-            self._tokens_seen += tokens
-            mode = self.args.include_num_input_tokens_seen
-            s.num_input_tokens_seen += tokens if mode == "non_padding" else all_tokens if mode == "all" else 0
+            self._total_loss += logged
+            tokens, all_tokens = self._fold_token_counts()
             elapsed = max(time.perf_counter() - self._window_started - self._excluded, 1e-9)
             logs = {"loss": round(logged / steps, 6)} if steps else {}
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             if self._nonfinite_total:
                 logs["nonfinite_steps_skipped"] = self._nonfinite_total
-            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+            logs["learning_rate"] = self._step_lr if self._step_lr is not None else self._learning_rate()
             logs["tokens_per_second"] = round(tokens / elapsed, 2)
             logs["samples_per_second"] = round((self._samples_seen - self._samples_at_log) / elapsed, 3)
             logs.update(self._throughput_diagnostics(tokens, all_tokens, self._samples_seen - self._samples_at_log,
@@ -1001,7 +1148,6 @@ class Trainer(TrainerAPI):
                 self._save_checkpoint()
                 self._last_saved_step = s.global_step
         self._excluded += time.perf_counter() - paused
-        return logged
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record logs in state.log_history and hand them to the on_log callbacks. The loop logs through this
@@ -1050,9 +1196,12 @@ class Trainer(TrainerAPI):
         """Metrics of one evaluation set; with a dict of them (given here or to the Trainer) each one's metrics,
         prefixed with its name (eval_<name>_loss, ...). A name picks one set of the Trainer's dict."""
         if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, Mapping) or eval_dataset not in self.eval_dataset:
+                known = sorted(self.eval_dataset) if isinstance(self.eval_dataset, Mapping) else []
+                raise KeyError(f"eval_dataset={eval_dataset!r}: the Trainer's eval datasets are named {known}")
             eval_dataset = self.eval_dataset[eval_dataset]
         datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(datasets, dict):
+        if isinstance(datasets, Mapping):
             metrics = {}
             for name, dataset in datasets.items():
                 metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
@@ -1071,21 +1220,39 @@ class Trainer(TrainerAPI):
         return metrics
 
     def _evaluate_and_track(self) -> bool:
-        """Evaluate and update best_metric; True if this evaluation is the new best."""
+        """Evaluate, step a plateau schedule on the metric and update best_metric; True if this evaluation is
+        the new best."""
         metrics = self.evaluate(ignore_keys=self._ignore_keys_for_eval)
         name = self.args.metric_for_best_model
+        if self._steps_on_metric():  # as transformers: on metric_for_best_model, else eval_loss
+            self.lr_scheduler.step(self._metric(metrics, name or "loss"))
         if name is None:
             return False
+        value, s, best = self._metric(metrics, name), self.state, self.state.best_metric
+        better = best is None or (value > best if self.args.greater_is_better else value < best)
+        if better and math.isfinite(value):
+            s.best_metric, s.best_global_step = value, s.global_step
+            if self._last_saved_step == s.global_step:  # evaluated after this step's checkpoint was written
+                s.best_model_checkpoint = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}{s.global_step}")
+            return True
+        return False
+
+    @staticmethod
+    def _metric(metrics: dict[str, float], name: str) -> float:
         key = name if name.startswith("eval_") else f"eval_{name}"
         if key not in metrics:
             raise KeyError(f"metric_for_best_model={name!r}: {key!r} is not among the evaluation metrics "
                            f"{sorted(metrics)}")
-        value, best = metrics[key], self.state.best_metric
-        better = best is None or (value > best if self.args.greater_is_better else value < best)
-        if better and math.isfinite(value):
-            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
-            return True
-        return False
+        return metrics[key]
+
+    def _steps_on_metric(self) -> bool:
+        """Whether the schedule steps on an evaluation metric (ReduceLROnPlateau) rather than on every step."""
+        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    def _learning_rate(self) -> float:
+        if self._steps_on_metric() or not hasattr(self.lr_scheduler, "get_last_lr"):
+            return self.optimizer.param_groups[0]["lr"]
+        return self.lr_scheduler.get_last_lr()[0]
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"):
         memory = self._memory_tracker()
@@ -1131,25 +1298,31 @@ class Trainer(TrainerAPI):
         return output
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
-        """(loss, logits, labels) of one evaluation batch, without gradients. The loss is the batch's mean over
-        its target tokens (None without labels); logits and labels are None with prediction_loss_only."""
-        label = inputs.get(self.label_names[0])
+        """(loss, logits, labels) of one evaluation batch, without gradients. The loss is the batch's mean over its
+        target tokens (a plain module given no labels: the mean it returns, if any; else None); logits are the
+        predictions transformers.Trainer would take (a tuple for several outputs), labels one tensor or a tuple
+        with one per label_names entry; logits and labels are None with prediction_loss_only."""
+        inputs = dict(inputs)  # a transformers collator's BatchEncoding
+        label = self._labels_of(inputs)
+        loss = None
         with torch.no_grad():
-            if label is None and (self._loss_type or self.compute_loss_func):
-                loss, outputs = None, model(**inputs, **self._forward_kwargs)  # no labels, so no loss
+            if label is None and (self._is_transformers or self.compute_loss_func):
+                outputs = model(**inputs, **self._forward_kwargs)  # no labels, so no loss: predictions only
+            elif label is None:  # a plain module: its own loss, if it returns one (a mean over its rows)
+                outputs = model(**inputs)
+                loss = self._loss_or_none(outputs)
             else:
+                if self._causal is None or self._honours_num_items is None:
+                    self._decide_loss_family(model, inputs)
                 items = count_targets(inputs, self.label_names[0], self._causal)
                 loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True,
                                                   num_items_in_batch=max(items, 1))
-                loss = loss.detach()
+        loss = loss.detach() if loss is not None else None
         if prediction_loss_only:
             return loss, None, None
-        if ignore_keys is None:
-            ignore_keys = list(getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", []))
-        if ignore_keys and isinstance(outputs, dict):
+        if ignore_keys and isinstance(outputs, Mapping):
             outputs = {k: v for k, v in outputs.items() if k not in ignore_keys}
-        logits = self._logits_of(outputs)
-        return loss, logits, label
+        return loss, self._predictions_of(outputs, has_loss=loss is not None), label
 
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
@@ -1169,13 +1342,15 @@ class Trainer(TrainerAPI):
             return acc.gather_for_metrics(acc.pad_across_processes(t, dim=1, pad_index=-100),
                                           use_gather_object=a.eval_use_gather_object)
 
-        num_batches = len(dataloader)
+        rows_seen = 0  # an IterableDataset has no length to count its samples by
         for n, batch in enumerate(dataloader, 1):
+            batch = dict(batch)  # a transformers collator's BatchEncoding
             loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
-            rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+            rows = count_targets(batch, None, False)
+            rows_seen += rows
             if loss is not None:
-                # each batch's loss is normalised over its own items, then re-weighted by them: the result is
-                # the exact mean over every target token of the eval set
+                # each batch's loss is normalised over its own items (target tokens; rows for a plain module
+                # without labels), then re-weighted by them: the exact mean over every item of the eval set
                 items = count_targets(batch, self.label_names[0], self._causal)
                 genuine = self._genuine_rows(batch)
                 if genuine is not None and genuine > 0:  # score only this process's real rows: one extra
@@ -1192,21 +1367,21 @@ class Trainer(TrainerAPI):
                         "inputs": batch.get("input_ids") if "inputs" in a.include_for_metrics else None,
                         "losses": loss.repeat(rows) if loss is not None and "loss" in a.include_for_metrics
                         else None}
-                step = {k: gather(v) for k, v in step.items() if v is not None}
+                step = {k: _nested(gather, v) for k, v in step.items() if v is not None}
                 if a.batch_eval_metrics:  # metrics of the batch now; nothing is kept
                     if self.compute_metrics is not None:
                         batch_metrics = self.compute_metrics(_eval_prediction(EvalPrediction, step, a),
-                                                             compute_result=n == num_batches)
+                                                             compute_result=acc.gradient_state.end_of_dataloader)
                 else:
                     for k, v in step.items():
                         pending[k].append(v)
                     if a.eval_accumulation_steps and n % a.eval_accumulation_steps == 0:
                         for k in kept:
-                            kept[k] += [t.cpu() for t in pending[k]]
+                            kept[k] += [_nested(torch.Tensor.cpu, t) for t in pending[k]]
                             pending[k] = []
             self._fire("on_prediction_step")
         for k in kept:
-            kept[k] += [t.cpu() for t in pending[k]]
+            kept[k] += [_nested(torch.Tensor.cpu, t) for t in pending[k]]
 
         metrics = {}
         if acc.num_processes > 1:
@@ -1219,8 +1394,10 @@ class Trainer(TrainerAPI):
             batch_metrics = self.compute_metrics(_eval_prediction(EvalPrediction, joined, a))
         for k, v in (batch_metrics or {}).items():
             metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = v
+        num_samples = (self.num_examples(dataloader) if hasattr(dataloader.dataset, "__len__")
+                       else rows_seen * acc.num_processes)
         return EvalLoopOutput(predictions=joined["predictions"], label_ids=joined["label_ids"], metrics=metrics,
-                              num_samples=self.num_examples(dataloader))
+                              num_samples=num_samples)
 
     def _genuine_rows(self, batch: dict) -> int | None:
         """How many rows of this process's evaluation batch are real samples; None if all of them are.
@@ -1238,16 +1415,30 @@ class Trainer(TrainerAPI):
         genuine = min(max(state.remainder - acc.process_index * rows, 0), rows)
         return None if genuine == rows else genuine
 
-    @staticmethod
-    def _logits_of(outputs):
+    def _labels_of(self, batch: dict):
+        """The batch's labels as transformers.Trainer collects them: one tensor, or a tuple with one per entry of
+        label_names; None unless every one of them is present."""
+        found = tuple(batch.get(name) for name in self.label_names)
+        if any(t is None for t in found):
+            return None
+        return found[0] if len(found) == 1 else found
+
+    def _predictions_of(self, outputs, has_loss: bool):
+        """The predictions in a model's outputs, as transformers.Trainer takes them: every entry of a dict /
+        ModelOutput but the loss and the config's keys_to_ignore_at_inference, or a tuple after its loss; one
+        entry is returned as itself, several as a tuple."""
         if isinstance(outputs, torch.Tensor):
-            return None  # a bare loss
-        if isinstance(outputs, dict) or hasattr(outputs, "keys"):
-            if "logits" in outputs:
-                return outputs["logits"]
-            rest = [v for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)]
-            return rest[0] if rest else None
-        return None
+            return None if has_loss else outputs  # a bare loss, or bare logits
+        ignore = {"loss", *(getattr(getattr(_unwrap_peft(self.model), "config", None), "keys_to_ignore_at_inference",
+                                    None) or ())}
+        if isinstance(outputs, Mapping):
+            found = tuple(v for k, v in outputs.items() if k not in ignore)
+        else:
+            found = tuple(outputs[1:] if has_loss else outputs)
+        found = tuple(v for v in found if _is_nested_tensors(v))  # a KV cache object is no prediction
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else found
 
     # ------------------------------------------------------------------------------------------
     # saving and resuming
@@ -1284,7 +1475,7 @@ class Trainer(TrainerAPI):
         a, s, acc = self.args, self.state, self.accelerator
         final = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.global_step}")
         tmp = ckpt.temp_dir_for(final)
-        if s.best_global_step == s.global_step:
+        if s.best_global_step == s.global_step:  # (an evaluation after this save sets it in _evaluate_and_track)
             s.best_model_checkpoint = final
         self.store_flos()
         s.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
@@ -1556,10 +1747,33 @@ def _eval_prediction(cls, values: dict, args):
                losses=values.get("losses") if "loss" in args.include_for_metrics else None)
 
 
-def _concat_padded(tensors: list[torch.Tensor], pad: int = -100) -> np.ndarray | None:
-    """Concatenate batches along dim 0, padding later dims to the largest (sequence lengths vary)."""
+def _logits_of(outputs) -> torch.Tensor:
+    """The logits of a model called without labels: a dict / ModelOutput's, or a tuple's first entry."""
+    if isinstance(outputs, Mapping):
+        return outputs["logits"]
+    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+
+
+def _is_nested_tensors(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return len(value) > 0 and all(_is_nested_tensors(v) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
+def _nested(fn, value):
+    """fn applied to every tensor of a tensor or a (nested) tuple of them."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_nested(fn, v) for v in value)
+    return fn(value)
+
+
+def _concat_padded(tensors: list, pad: int = -100):
+    """Concatenate batches along dim 0, padding later dims to the largest (sequence lengths vary); batches of
+    (nested) tuples give a tuple of arrays, as transformers' nested_concat does."""
     if not tensors:
         return None
+    if isinstance(tensors[0], (tuple, list)):
+        return type(tensors[0])(_concat_padded([t[i] for t in tensors], pad) for i in range(len(tensors[0])))
     if tensors[0].dim() == 0:
         return torch.stack(tensors).numpy()
     shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]

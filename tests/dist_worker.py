@@ -632,6 +632,43 @@ def fsdp_save_failure(out: str) -> None:
     r.write()
 
 
+def families(out: str) -> None:
+    """Every model family of tests/parity/families.py, 2 x batch 4 over 16 rows: compared by the test with one
+    process x batch 8."""
+    from tests.parity.families import FAMILIES, params, train_family
+
+    r = Report(out, "families")
+    for name in FAMILIES:
+        trainer = train_family(name, os.path.join(r.folder, name), 16, per_device_train_batch_size=4)
+        r.values[name] = {"global_step": trainer.state.global_step, "params": param_digest(trainer.model),
+                          "losses": losses(trainer)}
+        r.save_tensors(name, params(trainer))
+    r.write()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+def iterable(out: str) -> None:
+    """An IterableDataset for training (max_steps), evaluation and prediction: compared by the test with one
+    process reading the same stream in batches of 8."""
+    r = Report(out, "iterable")
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=3,
+                         lr_scheduler_type="constant")
+    trainer = Trainer(llama(), args, train_dataset=Stream(TRAIN))
+    trainer.train()
+    pred = trainer.predict(Stream(EVAL7))
+    r.values.update(global_step=trainer.state.global_step, losses=losses(trainer), test_loss=pred.metrics["test_loss"])
+    r.save_tensors("final", final_params(trainer))
+    r.save_tensors("predict7", {"predictions": torch.as_tensor(pred.predictions)})
+    r.write()
+
+
 def ddp_adamw(out: str) -> None:
     """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
     parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
@@ -680,7 +717,7 @@ def per_process_tokens(out: str) -> None:
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
     preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
-    zero1_config_sections, per_process_tokens)}
+    zero1_config_sections, per_process_tokens, families, iterable)}
 
 
 def main() -> None:

@@ -70,7 +70,8 @@ def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "save_failure",
-                 "per_process_tokens", "ddp_adamw", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure"))
+                 "per_process_tokens", "ddp_adamw", "families", "iterable", "fsdp1", "lora_fsdp2", "fsdp2",
+                 "fsdp_save_failure"))
     return out
 
 
@@ -99,6 +100,43 @@ def test_average_tokens_across_devices_false_averages_each_process_mean(two_rank
     assert r0["tokens"] != r1["tokens"]  # with equal counts both settings would give the same update
     assert r0["max_difference"] < 1e-6 and r1["max_difference"] < 1e-6
     assert r0["losses"] == r1["losses"] and r0["losses"][0][1] == pytest.approx(r0["expected_loss"], abs=2e-6)
+
+
+def test_two_processes_update_like_one_process_for_every_family(two_ranks, tmp_path):
+    """2 x batch 4 == 1 x batch 8 for every family of tests/parity/families.py (causal LMs whose loss divides by
+    num_items_in_batch, BERT heads and seq2seq models that return a mean, a plain module returning a tuple)."""
+    from tests.parity.families import FAMILIES, params, train_family
+
+    r0, r1 = ranks(two_ranks, "families")
+    for name in FAMILIES:
+        one = train_family(name, str(tmp_path / name), 16, per_device_train_batch_size=8)
+        assert r0[name]["global_step"] == r1[name]["global_step"] == one.state.global_step == 2
+        assert_params_close(load_file(str(two_ranks / "families" / f"{name}.safetensors")), params(one), atol=1e-6)
+        assert r0[name]["params"] == r1[name]["params"]
+        assert [x for _, x in r0[name]["losses"]] == pytest.approx(
+            [r["loss"] for r in one.state.log_history if "loss" in r], abs=2e-6)
+
+
+def test_an_iterable_dataset_trains_and_predicts_over_two_processes_like_one(two_ranks, tmp_path):
+    """Each process reads the stream and keeps its share of every global batch (rows of different lengths)."""
+    r0, r1 = ranks(two_ranks, "iterable")
+    one = Trainer(llama(), w.training_args(str(tmp_path), per_device_train_batch_size=8, max_steps=3,
+                                           lr_scheduler_type="constant"), train_dataset=w.Stream(w.TRAIN))
+    one.train()
+    assert r0["global_step"] == r1["global_step"] == 3
+    assert_params_close(load_file(str(two_ranks / "iterable" / "final.safetensors")), params_of(one), atol=1e-6)
+    assert [x for _, x in r0["losses"]] == pytest.approx([r["loss"] for r in one.state.log_history if "loss" in r],
+                                                         abs=2e-6)
+    pred = one.predict(w.Stream(w.EVAL7))
+    assert r0["test_loss"] == r1["test_loss"]
+    # a stream has no length to cut the last batch's filler by (as with transformers.Trainer): its 7 rows come
+    # back in order, then the first row again to fill rank 1's last batch
+    streamed = load_file(str(two_ranks / "iterable" / "predict7.safetensors"))["predictions"]
+    assert streamed.shape[0] == 8
+    alone = torch.as_tensor(pred.predictions)
+    for i, row in enumerate(w.EVAL7 + w.EVAL7[:1]):  # the logits of each row's tokens (padding depends on the batch)
+        n = len(row["input_ids"])
+        torch.testing.assert_close(streamed[i, :n], alone[i % 7, :n], atol=1e-5, rtol=0)
 
 
 def test_only_rank_zero_writes_logs_and_checkpoints_but_every_rank_its_rng(two_ranks):

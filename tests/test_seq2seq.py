@@ -105,7 +105,9 @@ def test_evaluation_generates_for_compute_metrics_and_training_runs(name, tmp_pa
 
 def test_without_predict_with_generate_predictions_are_logits(tmp_path):
     out = Seq2SeqTrainer(t5(), args(tmp_path), data_collator=collate).predict(pairs(4))
-    assert out.predictions.shape == (4, 5, 64)
+    # as transformers: every output but the loss, so the logits and the encoder's last hidden state
+    logits, encoder_states = out.predictions
+    assert logits.shape == (4, 5, 64) and encoder_states.shape[0] == 4
 
 
 def test_generation_config_from_a_local_folder_and_bad_values(tmp_path):
