@@ -1394,8 +1394,10 @@ class Trainer(TrainerAPI):
             batch_metrics = self.compute_metrics(_eval_prediction(EvalPrediction, joined, a))
         for k, v in (batch_metrics or {}).items():
             metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = v
-        num_samples = (self.num_examples(dataloader) if hasattr(dataloader.dataset, "__len__")
-                       else rows_seen * acc.num_processes)
+        try:
+            num_samples = self.num_examples(dataloader)
+        except TypeError:  # a stream has no length (also inside Accelerate's shard of it): count what came
+            num_samples = rows_seen * acc.num_processes
         return EvalLoopOutput(predictions=joined["predictions"], label_ids=joined["label_ids"], metrics=metrics,
                               num_samples=num_samples)
 
