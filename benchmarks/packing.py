@@ -35,6 +35,7 @@ It is a measurement, not a test: it prints and exits 0. About four minutes on 2 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -53,7 +54,7 @@ from stoker.data import IGNORE_INDEX, PaddingCollator
 from stoker.packing import pack_rows, padding_fraction
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import quiet, reset_accelerate_state  # noqa: E402  (the shared measuring helpers)
+from measuring import quiet, reset_accelerate_state  # noqa: E402  (the shared measuring helpers)
 
 MAX_LENGTH = 512
 PROMPT_SHARE = 0.3
@@ -158,15 +159,16 @@ def computed_padding(job: Job, rows: list[dict]) -> dict[str, float]:
     }
 
 
-def time_ways(job: Job, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per way: wall-clock and process CPU seconds of each timed train call."""
-    rows = sft_rows(job)
-    wall, cpu = {name: [] for name in WAYS}, {name: [] for name in WAYS}
+def timed_runs(ways: dict[str, Callable], rows: list[dict], repeats: int,
+               warmup_rows: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per way (way(rows, output_dir) builds the train call): wall-clock and process CPU seconds of each timed
+    call, after one untimed warm-up round on `warmup_rows` rows; the ways alternate within every round."""
+    wall, cpu = {name: [] for name in ways}, {name: [] for name in ways}
     with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(repeats + 1):  # round 0 is the untimed warm-up, on a few rows
-            for name, build in WAYS.items():
+        for round_ in range(repeats + 1):
+            for n, (name, build) in enumerate(ways.items()):
                 with quiet():
-                    train = build(job, rows if round_ else rows[:16], os.path.join(tmp, build.__name__))
+                    train = build(rows if round_ else rows[:warmup_rows], os.path.join(tmp, f"{round_}-{n}"))
                     gc.collect()
                     started, started_cpu = time.perf_counter(), time.process_time()
                     train()
@@ -175,6 +177,12 @@ def time_ways(job: Job, repeats: int) -> tuple[dict[str, list[float]], dict[str,
                     wall[name].append(elapsed)
                     cpu[name].append(elapsed_cpu)
     return wall, cpu
+
+
+def time_ways(job: Job, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per way: wall-clock and process CPU seconds of each timed train call."""
+    ways = {name: functools.partial(build, job) for name, build in WAYS.items()}
+    return timed_runs(ways, sft_rows(job), repeats, warmup_rows=16)
 
 
 def recipe_job(rows: int | None) -> tuple[dict[str, Callable], list[dict], dict]:
@@ -229,19 +237,7 @@ def recipe_job(rows: int | None) -> tuple[dict[str, Callable], list[dict], dict]
 def time_recipe_job(rows: int | None, repeats: int) -> str:
     ways, data, info = recipe_job(rows)
     targets = target_tokens(data)
-    wall, cpu = {name: [] for name in ways}, {name: [] for name in ways}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(repeats + 1):  # round 0 is the untimed warm-up, on a few rows
-            for name, build in ways.items():
-                with quiet():
-                    train = build(data if round_ else data[:64], os.path.join(tmp, str(round_)))
-                    gc.collect()
-                    started, started_cpu = time.perf_counter(), time.process_time()
-                    train()
-                    elapsed, elapsed_cpu = time.perf_counter() - started, time.process_time() - started_cpu
-                if round_:
-                    wall[name].append(elapsed)
-                    cpu[name].append(elapsed_cpu)
+    wall, cpu = timed_runs(ways, data, repeats, warmup_rows=64)
     lengths = [len(r["input_ids"]) for r in data]
     packed = [len(r["input_ids"]) for r in pack_rows(data, info["packing_length"])]
     padding = {"transformers.Trainer, dynamic padding": padding_fraction(lengths, batch_size=info["batch"]),
