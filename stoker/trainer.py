@@ -774,6 +774,10 @@ class Trainer(TrainerAPI):
             if s.global_step < s.max_steps:
                 self._train_loop(per_epoch, start_epoch, skip)
         if self._preempted is not None:
+            if acc.num_processes > 1:  # the process exits next: a gloo group torn down by interpreter shutdown can
+                # abort it ("terminate called without an active exception") and lose exit code 75
+                acc.wait_for_everyone()
+                acc.state.destroy_process_group()
             raise TrainingPreempted(self._preempted, s.global_step)
 
         runtime = time.perf_counter() - started
