@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .errors import ConfigError
+
 # Names that `transformers.get_scheduler` accepts ("greedy" needs a metric and is not offered).
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -55,15 +57,6 @@ RESUME_MISMATCH = ("error", "warn")
 # Dict-valued fields that may arrive as a JSON string from the command line.
 JSON_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config", "fsdp_config",
                "deepspeed", "activation_checkpointing_kwargs", "liger_kernel_config", "parallelism_config")
-
-
-class ConfigError(ValueError):
-    """Every problem found in a configuration, reported together. `.problems` lists them one per entry."""
-
-    def __init__(self, problems: list[str], what: str = "configuration"):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid {what} ({len(self.problems)} problem(s)):\n{lines}")
 
 
 def suggest(value: str, choices) -> str:
@@ -338,7 +331,7 @@ class TrainingArguments:
         "Stop with an error after this many consecutive non-finite steps, whatever nonfinite_policy says."))
     save_on_signal: bool = field(default=True, metadata=_help(
         "On SIGTERM or SIGUSR1 (preemption, SLURM time limits), finish the optimizer step, write a checkpoint "
-        "and exit with code 75 (stoker.trainer.PREEMPTED_EXIT_CODE); resume with resume_from_checkpoint=True."))
+        "and exit with code 75 (stoker.errors.PREEMPTED_EXIT_CODE); resume with resume_from_checkpoint=True."))
     resume_mismatch: str = field(default="error", metadata=_help(
         "When a checkpoint was written with other batch size, accumulation, world size, dataset length or "
         "seeds: 'error' refuses to resume, 'warn' continues with the new settings (no longer exact)."))

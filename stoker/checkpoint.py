@@ -22,14 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import CheckpointError
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 PREFIX = "checkpoint-"
 _STEP_RE = re.compile(rf"^{PREFIX}(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, corrupted or does not fit the run."""
 
 
 # ---------------------------------------------------------------------------------------------------

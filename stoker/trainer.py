@@ -29,7 +29,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import diagnostics
-from .arguments import ConfigError, TrainingArguments
+from .arguments import TrainingArguments
 from .callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -73,29 +73,16 @@ from .distributed import (
     wants_cpu,
     zero_stage,
 )
+from .errors import (
+    ConfigError,
+    NonFiniteError,
+    TrainingPreempted,
+    exit_with_code_after_preemption,
+)
 from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, model_family, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
 from .trainer_api import TrainerAPI
-
-# Exit code after a checkpoint on SIGTERM/SIGUSR1: EX_TEMPFAIL, "temporary failure, try again" (requeue and
-# resume with resume_from_checkpoint=True).
-PREEMPTED_EXIT_CODE = 75
-
-
-class TrainingPreempted(SystemExit):
-    """Raised by train() once the checkpoint after a SIGTERM/SIGUSR1 is committed; exits with code 75."""
-
-    def __init__(self, signum: int, step: int):
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.signum, self.step = signum, step
-
-    def __str__(self):
-        return f"preempted by signal {self.signum}: checkpoint-{self.step} saved; exiting with {PREEMPTED_EXIT_CODE}"
-
-
-class NonFiniteError(RuntimeError):
-    """Training stopped on a non-finite loss or gradient norm (see nonfinite_policy)."""
 
 
 def set_seed(seed: int) -> None:
@@ -774,10 +761,9 @@ class Trainer(TrainerAPI):
             if s.global_step < s.max_steps:
                 self._train_loop(per_epoch, start_epoch, skip)
         if self._preempted is not None:
-            if acc.num_processes > 1:  # the process exits next: a gloo group torn down by interpreter shutdown can
-                # abort it ("terminate called without an active exception") and lose exit code 75
+            if acc.num_processes > 1:  # every rank has its share of the checkpoint on disk once all are here
                 acc.wait_for_everyone()
-                acc.state.destroy_process_group()
+                exit_with_code_after_preemption()
             raise TrainingPreempted(self._preempted, s.global_step)
 
         runtime = time.perf_counter() - started

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from stoker.trainer import TrainingPreempted  # noqa: E402
+from stoker.errors import TrainingPreempted  # noqa: E402
 from tests.test_trainer import llama, rows  # noqa: E402
 
 # 24 training rows = 3 optimizer steps of a global batch of 8; 7 and 3 held-out rows do not divide evenly
@@ -534,7 +534,7 @@ def zero_nonfinite(out: str) -> None:
     """A NaN gradient at step 2 under ZeRO-2 and ZeRO-3 (only rank 1's, before the reduction), with the default
     policy (skip) and with nonfinite_policy='stop'."""
     from stoker.distributed import parameters_finite
-    from stoker.trainer import NonFiniteError
+    from stoker.errors import NonFiniteError
 
     without_deepspeed_shm_build()
     r = Report(out, "zero_nonfinite")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from stoker import Trainer
 from stoker import checkpoint as ckpt
-from stoker.trainer import PREEMPTED_EXIT_CODE
+from stoker.errors import PREEMPTED_EXIT_CODE
 from tests import dist_worker as w
 from tests.test_trainer import llama
 

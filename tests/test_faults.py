@@ -16,7 +16,7 @@ from torch import nn
 
 from stoker import ConfigError, EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 from stoker import checkpoint as ckpt
-from stoker.trainer import PREEMPTED_EXIT_CODE, NonFiniteError, TrainingPreempted
+from stoker.errors import PREEMPTED_EXIT_CODE, NonFiniteError, TrainingPreempted
 from tests.test_trainer import llama, rows
 
 
@@ -102,6 +102,38 @@ def _flip_a_byte(folder):
 
 def _drop_manifest(folder):
     (folder / ckpt.MANIFEST).unlink()
+
+
+ABORTING_TEARDOWN = """
+import os, sys
+from stoker import errors
+
+class CommunicationLibrary:  # stands in for a gloo or NCCL group that aborts when freed at interpreter exit
+    def __del__(self, abort=os.abort):  # bound now: module globals are gone by the time it runs
+        abort()
+
+library = CommunicationLibrary()
+if sys.argv[1] == "preempted":
+    errors.exit_with_code_after_preemption()
+raise errors.TrainingPreempted(15, 3)
+"""
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_preempted_multi_process_run_exits_75_even_if_its_teardown_aborts(tmp_path, committed):
+    """After every rank has its share of the checkpoint, the exit code is 75 whatever the teardown of the
+    process does afterwards (without that guarantee, the abort wins: the control case)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(ABORTING_TEARDOWN)
+    proc = subprocess.run([sys.executable, str(script), "preempted" if committed else "plain"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    if committed:
+        assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr
+    else:
+        assert proc.returncode == -signal.SIGABRT, proc.stderr
 
 
 @pytest.mark.parametrize("damage, reason", [(_truncate, "bytes"), (_flip_a_byte, "sha256"),

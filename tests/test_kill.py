@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from stoker import checkpoint as ckpt
-from stoker.trainer import PREEMPTED_EXIT_CODE
+from stoker.errors import PREEMPTED_EXIT_CODE
 
 WORKER = Path(__file__).with_name("worker.py")
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from stoker import Trainer, TrainerCallback
-from stoker.checkpoint import CheckpointError
+from stoker.errors import CheckpointError
 
 
 def rows(n: int, seed: int = 0, length: int | None = None) -> list[dict]:

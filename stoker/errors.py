@@ -1,0 +1,70 @@
+"""The exceptions stoker raises on purpose. A leaf module: it imports nothing from stoker, so every other module
+can import it at the top."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+
+# Exit code after a checkpoint on SIGTERM/SIGUSR1: EX_TEMPFAIL, "temporary failure, try again" (requeue and
+# resume with resume_from_checkpoint=True).
+PREEMPTED_EXIT_CODE = 75
+
+
+class ConfigError(ValueError):
+    """Every problem found in a configuration, reported together. `.problems` lists them one per entry."""
+
+    def __init__(self, problems: list[str], what: str = "configuration"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid {what} ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupted or does not fit the run."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped on a non-finite loss or gradient norm (see nonfinite_policy)."""
+
+
+class TrainingPreempted(SystemExit):
+    """Raised by train() once the checkpoint after a SIGTERM/SIGUSR1 is committed; exits with code 75."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.signum, self.step = signum, step
+
+    def __str__(self):
+        return f"preempted by signal {self.signum}: checkpoint-{self.step} saved; exiting with {PREEMPTED_EXIT_CODE}"
+
+
+_exit_code_after_preemption: int | None = None
+
+
+def exit_with_code_after_preemption() -> None:
+    """Make this process end with PREEMPTED_EXIT_CODE once the interpreter exits.
+
+    Called by a multi-process run after every rank has committed its share of the checkpoint. The teardown of
+    a communication library at interpreter exit (gloo's or NCCL's threads, freed after Python's objects) can
+    abort the process now and then ("terminate called without an active exception"), and a scheduler then
+    sees SIGABRT instead of "checkpointed: run me again". Nothing is left to lose at that point, so the process
+    leaves with os._exit after the other atexit handlers, logging's included, have run.
+    """
+    global _exit_code_after_preemption
+    _exit_code_after_preemption = PREEMPTED_EXIT_CODE
+
+
+@atexit.register  # registered at import, so it runs after the handlers registered later (atexit is LIFO)
+def _leave_after_preemption() -> None:
+    if _exit_code_after_preemption is None:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream has nothing left to write
+            pass
+    os._exit(_exit_code_after_preemption)
