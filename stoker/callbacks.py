@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arguments import suggest
+from .log import logger
 
 # Events in the order they are documented above. `TrainerCallback` has exactly these methods (tested).
 EVENTS = (
@@ -191,7 +192,7 @@ class CallbackHandler:
                              + ", ".join(f"{m}{suggest(m, EVENTS)}" for m in unknown)
                              + f"; events are: {', '.join(EVENTS)}")
         if any(type(c) is type(cb) for c in self.callbacks):
-            print(f"stoker: warning: a {type(cb).__name__} is already registered; adding another", file=sys.stderr)
+            logger.warning(f"a {type(cb).__name__} is already registered; adding another")
         self.callbacks.append(cb)
 
     def pop(self, callback):

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .arguments import CONFIG_SUFFIXES, ConfigError, TrainingArguments, load_config_file, parse_config
+from .log import logger
 
 RECIPES = ("clm", "sft", "classification")
 GENERATED = ("addition", "subtraction", "topics")
@@ -427,7 +428,7 @@ def ensure_base_model(folder: str, seed: int) -> str:
     """The model that the clm recipe's default job makes (with this run's seed), trained into `folder` unless it
     is already there."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        print(f"[stoker] no base model in {folder}: training one with the clm recipe first", file=sys.stderr)
+        logger.info(f"no base model in {folder}: training one with the clm recipe first")
         _, m, d, args = parse_recipe_args(["--output_dir", folder, "--overwrite_output_dir", "true",
                                            "--disable_tqdm", "true", "--seed", str(seed)], "clm")
         run_clm(m, d, args)

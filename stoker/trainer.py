@@ -79,6 +79,7 @@ from .errors import (
     TrainingPreempted,
     exit_with_code_after_preemption,
 )
+from .log import logger
 from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, model_family, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
@@ -247,12 +248,10 @@ class Trainer(TrainerAPI):
         a = self.args
         if (a.log_level if a.should_log else a.log_level_replica) == "passive":
             return
-        import logging
-
         from transformers.utils import logging as hf_logging
 
         level = a.get_process_log_level()
-        logging.getLogger("stoker").setLevel(level)
+        logger.setLevel(level)
         hf_logging.set_verbosity(level)
 
     def _check_save_on_each_node(self) -> None:
@@ -739,13 +738,13 @@ class Trainer(TrainerAPI):
                 s.num_train_epochs = start_epoch + 1 + max(
                     math.ceil((max_steps - s.global_step - left_in_epoch) / per_epoch), 0)
         if s.is_world_process_zero:
-            print(f"[stoker] {type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
-                  f"({100 * trainable / max(total, 1):.2f}%)", file=sys.stderr)
+            logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
+                        f"({100 * trainable / max(total, 1):.2f}%)")
             if self._causal:  # what memory this run should take (stoker.plan), before it takes it
                 from .plan import start_of_training_line
 
                 plan = start_of_training_line(self.model, a, self.train_dataset, self.accelerator.num_processes)
-                print(f"[stoker] {plan}", file=sys.stderr)
+                logger.info(plan)
             os.makedirs(a.output_dir, exist_ok=True)
             for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
                 shutil.rmtree(stale, ignore_errors=True)
@@ -985,8 +984,8 @@ class Trainer(TrainerAPI):
         self._accumulation *= 2
         self._batches_in_epoch *= 2
         self.state.train_batch_size = self._micro_batch
-        print(f"stoker: warning: out of memory at step {self.state.global_step + 1}; micro-batch now "
-              f"{self._micro_batch} x accumulation {self._accumulation} (same update)", file=sys.stderr)
+        logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
+                       f"{self._micro_batch} x accumulation {self._accumulation} (same update)")
         return [part for batch in window for part in _split_batch(batch, self._micro_batch)]
 
     def _check_step(self, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
@@ -1024,7 +1023,7 @@ class Trainer(TrainerAPI):
         if self._nonfinite_run >= self.args.max_nonfinite_steps:
             raise NonFiniteError(f"{what}: {self._nonfinite_run} non-finite steps in a row "
                                  f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping")
-        print(f"stoker: warning: {what}; update skipped", file=sys.stderr)
+        logger.warning(f"{what}; update skipped")
         return False
 
     @contextlib.contextmanager
@@ -1157,7 +1156,7 @@ class Trainer(TrainerAPI):
         out = {"data_wait_fraction": round(wait, 4)}
         if wait > DATA_WAIT_WARNING and not self._warned_data_wait:
             self._warned_data_wait = True
-            print(f"stoker: warning: {data_wait_advice(wait, a, on_gpu)}", file=sys.stderr)
+            logger.warning(data_wait_advice(wait, a, on_gpu))
         if not on_gpu:
             return out
         out["peak_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(acc.device) / 2**30, 3)
@@ -1278,8 +1277,7 @@ class Trainer(TrainerAPI):
                         raise
                     clear_device_cache(garbage_collection=True)
                     self._eval_batch_size //= 2
-                    print(f"stoker: warning: out of memory in evaluation; eval batch now {self._eval_batch_size}",
-                          file=sys.stderr)
+                    logger.warning(f"out of memory in evaluation; eval batch now {self._eval_batch_size}")
         finally:
             if was_training:
                 model.train()
@@ -1617,7 +1615,7 @@ class Trainer(TrainerAPI):
         what = f"{folder} was written with {', '.join(changed)}: resuming cannot reproduce the original run"
         if a.resume_mismatch == "error":
             raise ckpt.CheckpointError(f"{what}; restore those settings, or set resume_mismatch='warn' to continue")
-        print(f"stoker: warning: {what}; continuing with the new settings (resume_mismatch='warn')", file=sys.stderr)
+        logger.warning(f"{what}; continuing with the new settings (resume_mismatch='warn')")
 
     def _resume_skip(self, loop: dict[str, Any]) -> int:
         """Micro-batches of the current size to skip in the resumed epoch (the same samples, if sizes match)."""
@@ -1641,7 +1639,7 @@ class Trainer(TrainerAPI):
                 if problem is None:
                     complete.append(path)
                 else:
-                    print(f"stoker: warning: skipping {path}: {problem}", file=sys.stderr)
+                    logger.warning(f"skipping {path}: {problem}")
             runs = {}
             for path in complete:
                 runs.setdefault(_run_of(path), []).append(os.path.basename(path))
@@ -1654,7 +1652,7 @@ class Trainer(TrainerAPI):
                     "remove the other run's checkpoints")
             if complete:
                 return self._resumable(complete[0])
-            print(f"stoker: no complete checkpoint in {a.output_dir}; starting from scratch", file=sys.stderr)
+            logger.info(f"no complete checkpoint in {a.output_dir}; starting from scratch")
             return None
         problem = ckpt.verify(resume) if os.path.isdir(resume) else "no such folder"
         if problem:
@@ -1693,8 +1691,8 @@ class Trainer(TrainerAPI):
         if self.args.restore_callback_states_from_checkpoint:
             missing = restore_callback_states(self.callback_handler.callbacks, s.stateful_callbacks)
             if missing:
-                print(f"stoker: warning: {folder} holds the state of callbacks {missing}, which this Trainer does not "
-                      "have; their state is not restored", file=sys.stderr)
+                logger.warning(f"{folder} holds the state of callbacks {missing}, which this Trainer does not have; "
+                               "their state is not restored")
         own = ckpt.load_state(folder, f"process_{acc.process_index}")
         _set_rng_state(own["rng"])
         self._restore_pending_log(own["pending_log"])

@@ -1,0 +1,44 @@
+"""stoker's logger: every message the library writes goes through the "stoker" logger, with one prefix.
+
+As transformers does for its own logger, it has its own handler and does not propagate to the root logger, so
+a script's logging configuration neither duplicates nor swallows it; log_level / log_level_replica (and
+log_on_each_node) set its level per process, so by default replicas show warnings only.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger("stoker")
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (pytest's capture, a redirected stream), not
+    the one that existed when the handler was made."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler assigns it once; the property keeps following sys.stderr
+        pass
+
+
+class _Prefix(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        kind = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        return f"[stoker] {kind}{message}"
+
+
+if not logger.handlers:
+    _handler = _CurrentStderr()
+    _handler.setFormatter(_Prefix("%(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
