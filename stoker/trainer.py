@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import checkpoint as ckpt
 from . import diagnostics
@@ -45,11 +46,10 @@ from .data import (
     ColumnFilter,
     PaddingCollator,
     build_dataloader,
-    count_input_tokens,
     count_targets,
     forward_columns,
 )
-from .diagnostics import DATA_WAIT_WARNING, Stopwatch, data_wait_advice
+from .diagnostics import DATA_WAIT_WARNING, data_wait_advice
 from .distributed import (
     MODEL_SHARDS,
     check_sharding_active,
@@ -80,6 +80,7 @@ from .errors import (
     exit_with_code_after_preemption,
 )
 from .log import logger
+from .loop import LoopPosition, RunningLog, window_sizes
 from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, model_family, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
@@ -90,12 +91,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device as well
-
-
-def window_sizes(num_batches: int, accumulation: int) -> list[int]:
-    """Micro-batches in each optimizer step of an epoch of num_batches: full windows, then a short one."""
-    full, rest = divmod(num_batches, accumulation)
-    return [accumulation] * full + ([rest] if rest else [])
 
 
 def _accepts_num_items(model) -> bool:
@@ -168,6 +163,7 @@ class Trainer(TrainerAPI):
         self._check_inputs(model, optimizers)
 
         self.accelerator = self._build_accelerator(model, optimizers)
+        self._backend = _InterimBackend(self.accelerator)
         self._apply_precision_switches()
         self._set_log_levels()
         self._check_save_on_each_node()
@@ -604,7 +600,7 @@ class Trainer(TrainerAPI):
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
-        micro_batch = getattr(self, "_micro_batch", self.args.per_device_train_batch_size)
+        micro_batch = getattr(self, "_train_batch_size", self.args.per_device_train_batch_size)
         return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
 
     def get_eval_dataloader(self, eval_dataset=None):
@@ -638,11 +634,11 @@ class Trainer(TrainerAPI):
         else:
             self.lr_scheduler = create_scheduler(self.optimizer, a, num_training_steps)
 
-    def _plan_steps(self, train_dataloader) -> tuple[int, int | None]:
+    def _plan_steps(self, train_dataloader, accumulation: int) -> tuple[int, int | None]:
         """(max_steps, steps per epoch or None for a dataset without a length)."""
         a = self.args
         try:
-            per_epoch = len(window_sizes(len(train_dataloader), self._accumulation))
+            per_epoch = len(window_sizes(len(train_dataloader), accumulation))
         except TypeError:
             per_epoch = None
         if a.max_steps > 0:
@@ -698,16 +694,18 @@ class Trainer(TrainerAPI):
             self._enable_gradient_checkpointing(model)
             acc.free_memory()  # drop Accelerate's references to the previous model
             self.model = self.model_wrapped = model
-        self._micro_batch, self._accumulation = a.per_device_train_batch_size, a.gradient_accumulation_steps
+        pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
+                           accumulation=a.gradient_accumulation_steps)
         loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
         if loop is not None:  # may adopt the micro-batch that auto_find_batch_size settled on
-            self._check_resume_settings(loop, resume_dir)
+            self._check_resume_settings(loop, resume_dir, pos)
+        self._train_batch_size = pos.micro_batch  # what get_train_dataloader batches by (as transformers)
         # checkpoints of this run carry its id; a resumed run continues the id of its checkpoint
         self._run_id = (loop or {}).get("run_id") or uuid.uuid4().hex
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
         self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
-        max_steps, per_epoch = self._plan_steps(self._train_dataloader)
+        max_steps, per_epoch = self._plan_steps(self._train_dataloader, pos.accumulation)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
         if is_sharded(acc) and not acc.is_fsdp2:  # FSDP1 flattens the parameters into its own, which the
             self.model_wrapped = acc.prepare(self.model)  # optimizer must be built on
@@ -722,21 +720,18 @@ class Trainer(TrainerAPI):
             self.create_optimizer_and_scheduler(max_steps)
             self.model_wrapped, self.optimizer = acc.prepare(self.model, self.optimizer)
         self._wrapped_in_place = is_deepspeed(acc) or (is_sharded(acc) and not acc.is_fsdp2)
-        self._loader_micro_batch = self._micro_batch
 
-        s.max_steps, s.train_batch_size = max_steps, self._micro_batch
+        s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.compute_steps(a, max_steps)
-        start_epoch, skip = 0, 0
-        self._reset_accumulators()
+        run = RunningLog(acc.device)
         if resume_dir is not None:
-            self._load_checkpoint(resume_dir)
-            start_epoch, skip = loop["epoch"], 0 if a.ignore_data_skip else self._resume_skip(loop)
+            self._load_checkpoint(resume_dir, run)
+            pos.epoch, pos.batches = loop["epoch"], 0 if a.ignore_data_skip else self._resume_skip(loop, pos)
             if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
-                left_in_epoch = len(window_sizes(max(len(self._train_dataloader) - skip, 0), self._accumulation))
-                s.num_train_epochs = start_epoch + 1 + max(
-                    math.ceil((max_steps - s.global_step - left_in_epoch) / per_epoch), 0)
+                left = len(window_sizes(max(len(self._train_dataloader) - pos.batches, 0), pos.accumulation))
+                s.num_train_epochs = pos.epoch + 1 + max(math.ceil((max_steps - s.global_step - left) / per_epoch), 0)
         if s.is_world_process_zero:
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
@@ -755,25 +750,26 @@ class Trainer(TrainerAPI):
 
         started = time.perf_counter()
         first_step = s.global_step
+        preempted = None
         with self._preemption_signals(), self._neftune():
             # resumed from the run's last checkpoint (the same script run again): nothing is left to do
             if s.global_step < s.max_steps:
-                self._train_loop(per_epoch, start_epoch, skip)
-        if self._preempted is not None:
+                preempted = self._train_loop(pos, run, per_epoch)
+        if preempted is not None:
             if acc.num_processes > 1:  # every rank has its share of the checkpoint on disk once all are here
                 acc.wait_for_everyone()
                 exit_with_code_after_preemption()
-            raise TrainingPreempted(self._preempted, s.global_step)
+            raise TrainingPreempted(preempted, s.global_step)
 
         runtime = time.perf_counter() - started
         steps_run = max(s.global_step - first_step, 1)
         # over the whole run, a resumed one included: the losses before the checkpoint came back with it
         metrics = {
             "train_runtime": round(runtime, 4),
-            "train_samples_per_second": round(self._samples_seen / runtime, 3),
+            "train_samples_per_second": round(run.samples_seen / runtime, 3),
             "train_steps_per_second": round(steps_run / runtime, 3),
-            "train_tokens_per_second": round(self._tokens_seen / runtime, 3),
-            "train_loss": self._total_loss / max(s.global_step - self._nonfinite_total, 1),
+            "train_tokens_per_second": round(run.tokens_seen / runtime, 3),
+            "train_loss": run.total_loss / max(s.global_step - run.nonfinite_total, 1),
             **self._memory_metrics(),
         }
         self.store_flos()
@@ -827,210 +823,185 @@ class Trainer(TrainerAPI):
         finally:
             handle.remove()
 
-    def _train_loop(self, per_epoch, start_epoch: int, skip: int) -> None:
-        a, s, acc = self.args, self.state, self.accelerator
-        model, optimizer = self.model_wrapped, self.optimizer
-        self._window_started, self._excluded = time.perf_counter(), 0.0
+    def _train_loop(self, pos: LoopPosition, run: RunningLog, per_epoch: int | None) -> int | None:
+        """The epochs from `pos` on; returns the signal that preempted the run, or None."""
+        s, c = self.state, self.control
+        model = self.model_wrapped
         model.train()
-        for epoch in range(start_epoch, s.num_train_epochs):
-            self._epoch = epoch
+        run.restart_clock()
+        preempted = None
+        for epoch in range(pos.epoch, s.num_train_epochs):
+            pos.epoch = epoch
             self._fire("on_epoch_begin")
-            for window in self._epoch_windows(epoch, skip):
-                self._fire("on_step_begin")
-                window_loss, window = self._accumulate(model, window)
-                self._batches_in_epoch += len(window)
-                # with max_grad_norm=0 this only measures the norm (the non-finite guard needs it)
-                grad_norm = full_tensor(acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf))
-                if self._check_step(window_loss, grad_norm):  # one host sync per step
-                    self._fire("on_pre_optimizer_step")
-                    optimizer.step()
-                    self._fire("on_optimizer_step")
-                    self._step_lr = self._learning_rate()  # the rate this step used, which is the one logged
-                    # fp16 loss scaling skips steps with inf gradients; a plateau schedule steps after evaluation
-                    if not acc.optimizer_step_was_skipped and not self._steps_on_metric():
-                        self.lr_scheduler.step()
-                    self._log_loss += window_loss
-                    self._log_steps += 1
-                    self._grad_norm = grad_norm
-                elif not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
-                    self._log_loss += window_loss
-                    self._log_steps += 1
-                optimizer.zero_grad(set_to_none=True)
-                s.global_step += 1
-                s.epoch = epoch + (self._batches_in_epoch / len(self._train_dataloader) if per_epoch else 0)
-                self._fire("on_step_end")
-                if self.accelerator.num_processes == 1 and self._signal is not None:
-                    self._preempted = self._signal  # alone, act on a signal as soon as the step is done
-                if self._preempted is not None:  # checkpoint this step, then leave
-                    self.control.should_save = self.control.should_training_stop = True
-                self._maybe_log_save_evaluate()
-                if self.control.should_epoch_stop or self.control.should_training_stop:
+            for window in self._windows(pos, run):
+                preempted = self._optimizer_step(model, window, pos, run, per_epoch)
+                if c.should_epoch_stop or c.should_training_stop:
                     break
-            skip = 0
-            if per_epoch and self._batches_in_epoch >= len(self._train_dataloader):
-                s.epoch = epoch + 1
+            if per_epoch and pos.batches >= len(self._train_dataloader):
+                s.epoch = pos.epoch + 1
             self._fire("on_epoch_end")
-            self._maybe_log_save_evaluate()
-            self.control.should_epoch_stop = False
-            if self.control.should_training_stop or s.global_step >= s.max_steps:
+            self._maybe_log_save_evaluate(pos, run)
+            pos.batches, c.should_epoch_stop = 0, False
+            if c.should_training_stop or s.global_step >= s.max_steps:
                 break
-        if self._log_steps:  # loss and tokens of steps after the last log
-            self._total_loss += self._reduce_log_loss()
-        self._fold_token_counts()
+        if run.steps:  # loss and tokens of steps after the last log
+            run.total_loss += run.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
+        self._fold_tokens(run)
+        return preempted
 
-    def _epoch_windows(self, epoch: int, skip: int) -> Iterator[list[dict]]:
-        """The epoch's optimizer-step windows from micro-batch `skip` on; the last window may be shorter.
+    def _optimizer_step(self, model, window: list[dict], pos: LoopPosition, run: RunningLog,
+                        per_epoch: int | None) -> int | None:
+        """One optimizer step over a window of micro-batches, top to bottom as callbacks.py maps its events.
+        Returns the signal that preempts the run after this step (its checkpoint is written), or None."""
+        a, s, acc = self.args, self.state, self.accelerator
+        self._fire("on_step_begin")
+        while True:
+            try:
+                if self._causal is None or self._honours_num_items is None:  # once, on the first window
+                    self._decide_loss_family(model, window[0])
+                # every micro-batch's loss is normalised over the target items of the whole window, on every
+                # process: the accumulated gradient is exactly that of one batch of the window's rows
+                num_items = self._window_items(window)
+                window_loss = torch.zeros((), device=acc.device)
+                for i, batch in enumerate(window):
+                    last = i == len(window) - 1
+                    with self._backend.micro_batch(model, last):  # gradients sync on the last one only
+                        window_loss += self.training_step(model, batch, num_items)
+                    if not last:
+                        self._fire("on_substep_end")
+                break
+            except Exception as e:  # auto_find_batch_size: halve the micro-batch and rerun the same samples
+                window = self._halve_micro_batch(window, pos, e)
+        for batch in window:
+            run.count(batch, acc.num_processes)
+            self.current_flos += float(self.floating_point_ops(batch))
+        pos.batches += len(window)
+        # with max_grad_norm=0 this only measures the norm (the non-finite guard needs it)
+        grad_norm = full_tensor(acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf))
+        apply, signalled = self._check_step(window_loss, grad_norm, run)  # one host sync per step
+        if apply:
+            self._fire("on_pre_optimizer_step")
+            self.optimizer.step()
+            self._fire("on_optimizer_step")
+            # logged with the rate this step used; fp16 loss scaling skips steps with inf gradients, and a
+            # plateau schedule steps after evaluation instead
+            run.add_step(window_loss, grad_norm, self._learning_rate())
+            if not acc.optimizer_step_was_skipped and not self._steps_on_metric():
+                self.lr_scheduler.step()
+        elif not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
+            run.add_step(window_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        s.global_step += 1
+        s.epoch = pos.epoch + (pos.batches / len(self._train_dataloader) if per_epoch else 0)
+        self._fire("on_step_end")
+        if acc.num_processes == 1 and self._signal is not None:  # alone, act on a signal as soon as the step is done
+            signalled = self._signal
+        if signalled:  # checkpoint this step, then leave
+            self.control.should_save = self.control.should_training_stop = True
+        self._maybe_log_save_evaluate(pos, run)
+        return signalled
+
+    def _windows(self, pos: LoopPosition, run: RunningLog) -> Iterator[list[dict]]:
+        """The epoch's optimizer-step windows from micro-batch `pos.batches` on; the last may be shorter.
 
         Resuming skips indices in the sampler, so no skipped batch is loaded or run. When an out-of-memory
-        error halves the micro-batch, the loader is rebuilt at the same sample position.
+        error has halved the micro-batch, the loader is rebuilt at the same sample position.
         """
-        self._batches_in_epoch = skip
         while True:
-            loader = self._train_loader_at(epoch, self._batches_in_epoch)
-            size, window = self._micro_batch, []
-            for batch in self._data_clock.timed(loader):  # sums the time spent waiting for batches
+            size = pos.micro_batch
+            if self._train_batch_size != size:
+                self._train_batch_size = size
+                self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
+            loader = self._train_dataloader
+            loader.set_epoch(pos.epoch)
+            if loader.generator is not None:  # worker seeds = f(data_seed, epoch), not the global RNG: resumable
+                loader.generator.manual_seed(self.args.data_seed + pos.epoch)
+            if pos.batches:
+                loader = self.accelerator.skip_first_batches(loader, pos.batches)
+            window = []
+            for batch in run.data_clock.timed(loader):  # sums the time spent waiting for batches
                 window.append(dict(batch))  # a transformers collator's BatchEncoding is a Mapping, not a dict
-                if len(window) == self._accumulation:
+                if len(window) == pos.accumulation:
                     yield window
                     window = []
-                    if self._micro_batch != size:
+                    if pos.micro_batch != size:
                         break
             else:
                 if window:
                     yield window
                 return
 
-    def _train_loader_at(self, epoch: int, skip: int):
-        acc = self.accelerator
-        if self._loader_micro_batch != self._micro_batch:
-            self._train_dataloader = acc.prepare(self.get_train_dataloader())
-            self._loader_micro_batch = self._micro_batch
-        loader = self._train_dataloader
-        loader.set_epoch(epoch)
-        if loader.generator is not None:  # worker seeds = f(data_seed, epoch), not the global RNG: resumable
-            loader.generator.manual_seed(self.args.data_seed + epoch)
-        return acc.skip_first_batches(loader, skip) if skip else loader
-
-    def _accumulate(self, model, window: list[dict]) -> tuple[torch.Tensor, list[dict]]:
-        """Forward and backward over a window; returns (window loss on this process, the window as run).
-
-        With auto_find_batch_size, an out-of-memory error halves the micro-batch and retries the same
-        samples as twice as many micro-batches: the update is unchanged because the loss is normalised over
-        the window's target tokens, not over micro-batches.
-        """
-        from accelerate.utils.memory import should_reduce_batch_size
-
-        while True:
-            try:
-                loss = self._forward_backward(model, window)
-                break
-            except Exception as e:
-                if not (self.args.auto_find_batch_size and should_reduce_batch_size(e)):
-                    raise
-                window = self._halve_micro_batch(window, e)
-        for batch in window:
-            self._count_inputs(batch)
-            self.current_flos += float(self.floating_point_ops(batch))
-        return loss, window
-
-    def _forward_backward(self, model, window: list[dict]) -> torch.Tensor:
-        acc = self.accelerator
-        deepspeed = is_deepspeed(acc)
-        if self._causal is None or self._honours_num_items is None:
-            self._decide_loss_family(model, window[0])
-        num_items = self._window_items(window)
-        window_loss = torch.zeros((), device=acc.device)
-        try:
-            for i, batch in enumerate(window):
-                last = i == len(window) - 1
-                if deepspeed:  # DeepSpeed steps (inside backward) at the window's end only
-                    acc.sync_gradients = last
-                # gradients are all-reduced only on the window's last micro-batch
-                with contextlib.nullcontext() if last else acc.no_sync(model):
-                    window_loss += self.training_step(model, dict(batch), num_items)
-                if not last:
-                    self._fire("on_substep_end")
-        finally:
-            acc.sync_gradients = True  # Accelerate's optimizer ignores step and zero_grad until it is
-        return window_loss
-
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its share of the window loss, detached. The loss is
         normalised by num_items_in_batch, the window's target count over every process, so a subclass that
         changes the inputs or adds to the loss and calls this keeps the update exact."""
-        acc = self.accelerator
         model.train()
-        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
-        # item count, so scale back up to get the sum over the global window. DeepSpeed would also divide it by
-        # the accumulation steps.
-        scale = acc.num_processes if self.args.average_tokens_across_devices else 1
-        acc.backward(loss * scale, **({"scale_wrt_gas": False} if is_deepspeed(acc) else {}))
+        # item count, so scale back up to get the sum over the global window
+        self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices
+                                       else 1))
         if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
-            from accelerate.utils.memory import clear_device_cache
-
             clear_device_cache()
         return loss.detach()
 
-    def _halve_micro_batch(self, window: list[dict], error: Exception) -> list[dict]:
-        from accelerate.utils.memory import clear_device_cache
-
-        if self._micro_batch % 2:
-            raise RuntimeError(f"out of memory with a micro-batch of {self._micro_batch}: auto_find_batch_size "
+    def _halve_micro_batch(self, window: list[dict], pos: LoopPosition, error: Exception) -> list[dict]:
+        """After an out-of-memory error in a window with auto_find_batch_size: the same samples as twice as many
+        micro-batches of half the size (the update is unchanged: the loss is normalised over the window's
+        target tokens, not over micro-batches). Raises `error` again for any other failure."""
+        if not (self.args.auto_find_batch_size and should_reduce_batch_size(error)):
+            raise error
+        if pos.micro_batch % 2:
+            raise RuntimeError(f"out of memory with a micro-batch of {pos.micro_batch}: auto_find_batch_size "
                                "can only halve an even micro-batch (use a power of two)") from error
         self.optimizer.zero_grad(set_to_none=True)
         clear_device_cache(garbage_collection=True)
-        self._micro_batch //= 2
-        self._accumulation *= 2
-        self._batches_in_epoch *= 2
-        self.state.train_batch_size = self._micro_batch
+        pos.halve()
+        self.state.train_batch_size = pos.micro_batch
         logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
-                       f"{self._micro_batch} x accumulation {self._accumulation} (same update)")
-        return [part for batch in window for part in _split_batch(batch, self._micro_batch)]
+                       f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
+        return [part for batch in window for part in _split_batch(batch, pos.micro_batch)]
 
-    def _check_step(self, window_loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """True if the update may be applied. Checked on every step, which costs one host sync per step: the
-        price of never applying a non-finite update. Also shares a pending preemption signal across ranks."""
+    def _check_step(self, window_loss: torch.Tensor, grad_norm, run: RunningLog) -> tuple[bool, int | None]:
+        """(whether the update may be applied, the preempting signal if any process has received one). Checked
+        on every step, which costs one host sync per step: the price of never applying a non-finite update."""
         acc = self.accelerator
-        deepspeed = is_deepspeed(acc)
         bad = ~torch.isfinite(window_loss)
-        # with fp16 loss scaling (Accelerate's or DeepSpeed's), inf gradients are the scaler's business
-        if acc.scaler is None and not (deepspeed and self.args.fp16):
+        if not self._backend.scaler_handles_inf(self.args):  # with fp16 loss scaling inf gradients are its business
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
         mine = bad
-        if acc.num_processes > 1:  # every rank must take the same decision
+        if acc.num_processes > 1:  # every rank must take the same decisions
             flags = torch.stack([bad.float(), torch.tensor(float(self._signal is not None), device=acc.device)])
             flags = acc.reduce(flags, reduction="sum")
             bad, signalled = flags[0] > 0, flags[1].item() > 0
         else:
             signalled = self._signal is not None
-        if signalled and self._preempted is None:
-            self._preempted = self._signal or signal.SIGTERM
+        signal_number = (self._signal or signal.SIGTERM) if signalled else None
         if not bad.item():
-            self._nonfinite_run = 0
-            return True
-        self._nonfinite_run += 1
-        self._nonfinite_total += 1
+            run.nonfinite_run = 0
+            return True, signal_number
+        run.nonfinite_run += 1
+        run.nonfinite_total += 1
         step = self.state.global_step + 1
         what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
         if not mine.item():  # this process's numbers are finite: another one's are not
             what += f" on another process (this is process {acc.process_index})"
-        if deepspeed and not acc.optimizer_step_was_skipped:  # its own overflow check skips some, not all
+        if self._backend.update_applied_despite_nonfinite():
             raise NonFiniteError(f"{what}; DeepSpeed has applied the update inside its engine, where it cannot be "
                                  "skipped: stopping")
         if self.args.nonfinite_policy == "stop":
             raise NonFiniteError(f"{what}; stopping (nonfinite_policy='stop')")
-        if self._nonfinite_run >= self.args.max_nonfinite_steps:
-            raise NonFiniteError(f"{what}: {self._nonfinite_run} non-finite steps in a row "
+        if run.nonfinite_run >= self.args.max_nonfinite_steps:
+            raise NonFiniteError(f"{what}: {run.nonfinite_run} non-finite steps in a row "
                                  f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping")
         logger.warning(f"{what}; update skipped")
-        return False
+        return False, signal_number
 
     @contextlib.contextmanager
     def _preemption_signals(self):
         """While training, SIGTERM / SIGUSR1 only set a flag: the loop finishes the optimizer step, saves and
         exits. The handler never raises, so a second signal during the save cannot interrupt it."""
-        self._signal, self._preempted = None, None
+        self._signal = None
         if not self.args.save_on_signal or threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -1045,86 +1016,34 @@ class Trainer(TrainerAPI):
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
 
-    def _reset_accumulators(self) -> None:
-        """What the loop sums between two logs. Kept on the device (no host sync per step) and saved with
-        each checkpoint, so that a resumed run logs the same numbers as the run that was never stopped."""
-        device = self.accelerator.device
-        self._log_loss = torch.zeros((), device=device)
-        self._log_steps, self._grad_norm, self._step_lr = 0, None, None
-        self._total_loss = 0.0  # every logged loss of the run, over every process: train_loss's numerator
-        self._tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
-        self._samples_seen, self._samples_at_log, self._tokens_seen = 0, 0, 0
-        self._nonfinite_run, self._nonfinite_total = 0, 0
-        # timing only, never saved: a resumed run measures its own waits
-        self._data_clock, self._warned_data_wait, self._flops_shape = Stopwatch(), False, None
-
-    def _pending_log(self) -> dict[str, Any]:
-        return {"loss": self._log_loss, "steps": self._log_steps, "tokens": self._tokens,
-                "total_loss": self._total_loss, "samples": self._samples_seen - self._samples_at_log,
-                "nonfinite_total": self._nonfinite_total, "nonfinite_run": self._nonfinite_run}
-
-    def _restore_pending_log(self, pending: dict[str, Any]) -> None:
-        device = self.accelerator.device
-        self._log_loss, self._tokens = pending["loss"].to(device), pending["tokens"].to(device)
-        self._log_steps, self._samples_seen = pending["steps"], pending["samples"]
-        self._total_loss = pending.get("total_loss", 0.0)
-        self._nonfinite_total, self._nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
-
-    def _count_inputs(self, batch: dict) -> None:
-        non_padding = count_input_tokens(batch)
-        ids = batch.get("input_ids")
-        self._tokens += torch.stack([torch.as_tensor(non_padding, device=self._tokens.device),
-                                     torch.as_tensor(ids.numel() if ids is not None else non_padding,
-                                                     device=self._tokens.device)])
-        first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
-        self._samples_seen += first.shape[0] * self.accelerator.num_processes if first is not None else 0
-
-    def _fold_token_counts(self) -> tuple[int, int]:
-        """Input tokens since the last call (non-padding, all), summed over every process and added to the
-        run's counts. A host sync, so done when logging and once at the end rather than per step."""
-        counts = self._tokens.clone()
-        if self.accelerator.num_processes > 1:
-            counts = self.accelerator.reduce(counts, reduction="sum")
-        tokens, all_tokens = (int(c) for c in counts.tolist())
-        self._tokens.zero_()
-        self._tokens_seen += tokens
+    def _fold_tokens(self, run: RunningLog) -> tuple[int, int]:
+        """The run's input tokens since the last call, over every process, into state.num_input_tokens_seen."""
+        tokens, all_tokens = run.fold_tokens(self.accelerator)
         mode = self.args.include_num_input_tokens_seen
         self.state.num_input_tokens_seen += tokens if mode == "non_padding" else all_tokens if mode == "all" else 0
         return tokens, all_tokens
 
-    def _reduce_log_loss(self) -> float:
-        """Sum of window losses since the last log (over every process), then reset. A host sync."""
-        total = self._log_loss.clone()
-        if self.accelerator.num_processes > 1:
-            total = self.accelerator.reduce(total, reduction="sum")
-            if not self.args.average_tokens_across_devices:  # each process's loss is a mean of its own
-                total /= self.accelerator.num_processes
-        self._log_loss.zero_()
-        self._log_steps = 0
-        return total.item()
-
-    def _maybe_log_save_evaluate(self) -> None:
-        """Act on the control flags."""
+    def _maybe_log_save_evaluate(self, pos: LoopPosition, run: RunningLog) -> None:
+        """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
+        the logged throughput)."""
         c, s = self.control, self.state
-        if c.should_log and (self._log_steps or self._nonfinite_total):
-            steps = self._log_steps
-            logged = self._reduce_log_loss() if steps else 0.0
-            self._total_loss += logged
-            tokens, all_tokens = self._fold_token_counts()
-            elapsed = max(time.perf_counter() - self._window_started - self._excluded, 1e-9)
+        if c.should_log and (run.steps or run.nonfinite_total):
+            steps = run.steps
+            logged = run.reduce_loss(self.accelerator, self.args.average_tokens_across_devices) if steps else 0.0
+            run.total_loss += logged
+            tokens, all_tokens = self._fold_tokens(run)
+            elapsed, samples = run.elapsed(), run.take_samples()
             logs = {"loss": round(logged / steps, 6)} if steps else {}
-            if self._grad_norm is not None:
-                logs["grad_norm"] = float(self._grad_norm)
-            if self._nonfinite_total:
-                logs["nonfinite_steps_skipped"] = self._nonfinite_total
-            logs["learning_rate"] = self._step_lr if self._step_lr is not None else self._learning_rate()
+            if run.grad_norm is not None:
+                logs["grad_norm"] = float(run.grad_norm)
+            if run.nonfinite_total:
+                logs["nonfinite_steps_skipped"] = run.nonfinite_total
+            logs["learning_rate"] = run.learning_rate if run.learning_rate is not None else self._learning_rate()
             logs["tokens_per_second"] = round(tokens / elapsed, 2)
-            logs["samples_per_second"] = round((self._samples_seen - self._samples_at_log) / elapsed, 3)
-            logs.update(self._throughput_diagnostics(tokens, all_tokens, self._samples_seen - self._samples_at_log,
-                                                     elapsed))
-            self._samples_at_log = self._samples_seen
+            logs["samples_per_second"] = round(samples / elapsed, 3)
+            logs.update(self._throughput_diagnostics(run, tokens, all_tokens, samples, elapsed))
             self.log(logs)
-            self._window_started, self._excluded = time.perf_counter(), 0.0
+            run.restart_clock()
         c.should_log = False
         paused = time.perf_counter()
         if c.should_evaluate:
@@ -1134,9 +1053,9 @@ class Trainer(TrainerAPI):
         if c.should_save:
             c.should_save = False
             if self._last_saved_step != s.global_step:  # epoch end right after a step save: same step
-                self._save_checkpoint()
+                self._save_checkpoint(pos, run)
                 self._last_saved_step = s.global_step
-        self._excluded += time.perf_counter() - paused
+        run.excluded += time.perf_counter() - paused
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record logs in state.log_history and hand them to the on_log callbacks. The loop logs through this
@@ -1147,15 +1066,16 @@ class Trainer(TrainerAPI):
         self.state.log_history.append(record)
         self._fire("on_log", logs=logs)
 
-    def _throughput_diagnostics(self, tokens: int, all_tokens: int, samples: int, elapsed: float) -> dict:
+    def _throughput_diagnostics(self, run: RunningLog, tokens: int, all_tokens: int, samples: int,
+                                elapsed: float) -> dict:
         """Where the window's time went (stoker.diagnostics): the fraction spent waiting for data (warned
         about once above DATA_WAIT_WARNING) and, on a GPU, MFU and the peak of allocated memory so far."""
         a, acc = self.args, self.accelerator
         on_gpu = acc.device.type == "cuda"
-        wait = min(self._data_clock.take() / elapsed, 1.0)
+        wait = min(run.data_clock.take() / elapsed, 1.0)
         out = {"data_wait_fraction": round(wait, 4)}
-        if wait > DATA_WAIT_WARNING and not self._warned_data_wait:
-            self._warned_data_wait = True
+        if wait > DATA_WAIT_WARNING and not run.warned_data_wait:
+            run.warned_data_wait = True
             logger.warning(data_wait_advice(wait, a, on_gpu))
         if not on_gpu:
             return out
@@ -1163,9 +1083,9 @@ class Trainer(TrainerAPI):
         peak = a.peak_tflops or diagnostics.peak_tflops(torch.cuda.get_device_name(acc.device),
                                                         diagnostics.matmul_precision(a.mixed_precision))
         if peak and samples:
-            if self._flops_shape is None:  # parameter counts: computed once per run
-                self._flops_shape = diagnostics.model_flops_shape(acc.unwrap_model(self.model_wrapped))
-            per_token = diagnostics.flops_per_token(*self._flops_shape, seq_len=round(all_tokens / samples))
+            if run.flops_shape is None:  # parameter counts: computed once per run
+                run.flops_shape = diagnostics.model_flops_shape(acc.unwrap_model(self.model_wrapped))
+            per_token = diagnostics.flops_per_token(*run.flops_shape, seq_len=round(all_tokens / samples))
             out["mfu"] = round(diagnostics.mfu(tokens / elapsed, per_token, peak, acc.num_processes), 4)
         return out
 
@@ -1256,7 +1176,6 @@ class Trainer(TrainerAPI):
     def _run_evaluation(self, dataset, description: str, prediction_loss_only, ignore_keys, prefix: str):
         """evaluation_loop over a dataset, without gradients, plus the speed metrics. With auto_find_batch_size,
         an out-of-memory error halves the evaluation batch (never the training batch) and starts over."""
-        from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
         if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
             self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
         if not self.is_in_train and (self.args.bf16_full_eval or self.args.fp16_full_eval):
@@ -1461,7 +1380,7 @@ class Trainer(TrainerAPI):
     def _is_peft(self) -> bool:
         return ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped))
 
-    def _save_checkpoint(self) -> str:
+    def _save_checkpoint(self, pos: LoopPosition, run: RunningLog) -> str:
         a, s, acc = self.args, self.state, self.accelerator
         final = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.global_step}")
         tmp = ckpt.temp_dir_for(final)
@@ -1492,10 +1411,10 @@ class Trainer(TrainerAPI):
             elif is_deepspeed(acc):  # every rank its partition of the optimizer state
                 save_zero_partition(tmp, self.optimizer, acc.process_index)
             if acc.is_main_process:
-                self._write_checkpoint_files(tmp, state_dict, full, sharded)
+                self._write_checkpoint_files(tmp, state_dict, full, sharded, pos)
             if not a.save_only_model:
                 ckpt.save_state(tmp, f"process_{acc.process_index}",
-                                {"rng": _rng_state(), "pending_log": self._pending_log()})
+                                {"rng": _rng_state(), "pending_log": run.pending()})
         except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
             failure = e
         self._all_saved(failure, tmp, final)
@@ -1524,7 +1443,8 @@ class Trainer(TrainerAPI):
             for path in others:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def _write_checkpoint_files(self, tmp: str, state_dict: dict | None, full: bool, sharded: bool) -> None:
+    def _write_checkpoint_files(self, tmp: str, state_dict: dict | None, full: bool, sharded: bool,
+                                pos: LoopPosition) -> None:
         """The main process's part of a checkpoint: the model (or what its shards are the weights of), the
         optimizer state when it is whole, and the scheduler, scaler, trainer and loop state."""
         acc, a, s = self.accelerator, self.args, self.state
@@ -1544,7 +1464,7 @@ class Trainer(TrainerAPI):
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             f.write(s.to_json_string())
         ckpt.write_json(tmp, "training_args.json", a.to_dict())
-        ckpt.write_json(tmp, "loop_state.json", self._loop_state())
+        ckpt.write_json(tmp, "loop_state.json", self._loop_state(pos))
 
     def _all_saved(self, failure: Exception | None, tmp: str, final: str) -> None:
         """Raise CheckpointError on every rank if any rank failed to write its part (a collective)."""
@@ -1584,29 +1504,29 @@ class Trainer(TrainerAPI):
             raise ckpt.CheckpointError(f"{folder} was written by {saved} run and this is {now} run: resume it with "
                                        "the fsdp / deepspeed settings it was written with")
 
-    def _loop_state(self) -> dict[str, Any]:
+    def _loop_state(self, pos: LoopPosition) -> dict[str, Any]:
         """Where the data stream stands, and the settings that must not change for an exact resume."""
         a = self.args
         return {
-            "epoch": self._epoch,
-            "batches_in_epoch": self._batches_in_epoch,
+            "epoch": pos.epoch,
+            "batches_in_epoch": pos.batches,
             "data_seed": a.data_seed,
             "world_size": self.accelerator.num_processes,
             "seed": a.seed,
-            "per_device_train_batch_size": self._micro_batch,  # as run: auto_find_batch_size may have halved it
-            "gradient_accumulation_steps": self._accumulation,
+            "per_device_train_batch_size": pos.micro_batch,  # as run: auto_find_batch_size may have halved it
+            "gradient_accumulation_steps": pos.accumulation,
             "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
             "run_id": self._run_id,
             "save_only_model": a.save_only_model,
         }
 
-    def _check_resume_settings(self, loop: dict[str, Any], folder: str) -> None:
+    def _check_resume_settings(self, loop: dict[str, Any], folder: str, pos: LoopPosition) -> None:
         """Refuse (or, with resume_mismatch='warn', report) settings that make the resume inexact."""
         a = self.args
         saved_micro, saved_acc = loop["per_device_train_batch_size"], loop["gradient_accumulation_steps"]
-        if a.auto_find_batch_size and saved_micro * saved_acc == self._micro_batch * self._accumulation:
-            self._micro_batch, self._accumulation = saved_micro, saved_acc  # the size that fit memory
-        now = {"per_device_train_batch_size": self._micro_batch, "gradient_accumulation_steps": self._accumulation,
+        if a.auto_find_batch_size and saved_micro * saved_acc == pos.micro_batch * pos.accumulation:
+            pos.micro_batch, pos.accumulation = saved_micro, saved_acc  # the size that fit memory
+        now = {"per_device_train_batch_size": pos.micro_batch, "gradient_accumulation_steps": pos.accumulation,
                "world_size": self.accelerator.num_processes, "data_seed": a.data_seed, "seed": a.seed,
                "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None}
         changed = [f"{k}={loop[k]!r} (now {v!r})" for k, v in now.items() if loop.get(k) != v]
@@ -1617,10 +1537,10 @@ class Trainer(TrainerAPI):
             raise ckpt.CheckpointError(f"{what}; restore those settings, or set resume_mismatch='warn' to continue")
         logger.warning(f"{what}; continuing with the new settings (resume_mismatch='warn')")
 
-    def _resume_skip(self, loop: dict[str, Any]) -> int:
+    def _resume_skip(self, loop: dict[str, Any], pos: LoopPosition) -> int:
         """Micro-batches of the current size to skip in the resumed epoch (the same samples, if sizes match)."""
         consumed = loop["batches_in_epoch"] * loop["per_device_train_batch_size"] * loop["world_size"]
-        return consumed // (self._micro_batch * self.accelerator.num_processes)
+        return consumed // (pos.micro_batch * self.accelerator.num_processes)
 
     def _resolve_resume(self, resume) -> str | None:
         a = self.args
@@ -1668,7 +1588,7 @@ class Trainer(TrainerAPI):
                                        "(from_pretrained) to start a new run, or save without save_only_model")
         return folder
 
-    def _load_checkpoint(self, folder: str) -> None:
+    def _load_checkpoint(self, folder: str, run: RunningLog) -> None:
         """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
         acc = self.accelerator
         if is_sharded(acc):
@@ -1695,7 +1615,7 @@ class Trainer(TrainerAPI):
                                "their state is not restored")
         own = ckpt.load_state(folder, f"process_{acc.process_index}")
         _set_rng_state(own["rng"])
-        self._restore_pending_log(own["pending_log"])
+        run.restore(own["pending_log"])
 
 
 def _run_of(checkpoint: str) -> str | None:
@@ -1775,3 +1695,28 @@ def _concat_padded(tensors: list, pad: int = -100):
     if out.dtype == torch.bfloat16:
         out = out.float()
     return out.numpy()
+
+
+class _InterimBackend:
+    def __init__(self, accelerator):
+        self.acc = accelerator
+
+    @contextlib.contextmanager
+    def micro_batch(self, model, last: bool):
+        acc = self.acc
+        if is_deepspeed(acc):
+            acc.sync_gradients = last
+        try:
+            with contextlib.nullcontext() if last else acc.no_sync(model):
+                yield
+        finally:
+            acc.sync_gradients = True
+
+    def backward(self, loss):
+        self.acc.backward(loss, **({"scale_wrt_gas": False} if is_deepspeed(self.acc) else {}))
+
+    def scaler_handles_inf(self, args) -> bool:
+        return self.acc.scaler is not None or (is_deepspeed(self.acc) and args.fp16)
+
+    def update_applied_despite_nonfinite(self) -> bool:
+        return is_deepspeed(self.acc) and not self.acc.optimizer_step_was_skipped

@@ -308,6 +308,11 @@ def fsdp_on_cpu(trainer, version: int = 2, **fsdp_config) -> None:
     assert trainer.accelerator.is_fsdp2 == (version == 2)
 
 
+def skipped_steps(trainer) -> int:
+    """Non-finite steps skipped so far, as the last log reports them (logging_steps=1)."""
+    return max((r.get("nonfinite_steps_skipped", 0) for r in trainer.state.log_history), default=0)
+
+
 def fsdp_args(out: str, **kw) -> TrainingArguments:
     return training_args(out, **{**dict(per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                         num_train_epochs=1, optim="adamw_torch", learning_rate=1e-2,
@@ -552,7 +557,7 @@ def zero_nonfinite(out: str) -> None:
             trainer = Trainer(model, args, train_dataset=TRAIN, callbacks=[callback])
             try:
                 trainer.train()
-                outcome = {"steps": trainer.state.global_step, "nonfinite": trainer._nonfinite_total,
+                outcome = {"steps": trainer.state.global_step, "nonfinite": skipped_steps(trainer),
                            "finite": parameters_finite(trainer.accelerator, trainer.model_wrapped)}
                 if stage == 3 and policy == "skip":  # rank 1's partition made non-finite: every rank refuses
                     if r.rank == 1:

@@ -374,7 +374,7 @@ def test_oom_halves_the_micro_batch_keeps_the_update_and_resumes_with_it(tmp_pat
     t = Trainer(oom_above(llama(), 2), make_args(tmp_path / "oom", per_device_train_batch_size=8, max_steps=5,
                                                   auto_find_batch_size=True, **sgd), train_dataset=data)
     t.train()
-    assert t.state.train_batch_size == 2 and t._accumulation == 4
+    assert t.state.train_batch_size == 2
     assert_same(params(ref.model), params(t.model), atol=1e-6)
     loop = json.loads((tmp_path / "oom" / "checkpoint-2" / "loop_state.json").read_text())
     assert (loop["per_device_train_batch_size"], loop["gradient_accumulation_steps"]) == (2, 4)
@@ -383,7 +383,7 @@ def test_oom_halves_the_micro_batch_keeps_the_update_and_resumes_with_it(tmp_pat
                                                         max_steps=5, auto_find_batch_size=True, **sgd),
                       train_dataset=data)
     resumed.train(resume_from_checkpoint=str(tmp_path / "oom" / "checkpoint-2"))
-    assert resumed._micro_batch == 2
+    assert resumed.state.train_batch_size == 2
     assert_same(params(t.model), params(resumed.model))
 
 
@@ -408,7 +408,8 @@ def test_oom_in_the_middle_of_a_window_discards_its_gradients_and_keeps_the_upda
     t = Trainer(model, make_args(tmp_path / "oom", per_device_train_batch_size=2, gradient_accumulation_steps=3,
                                  auto_find_batch_size=True, **sgd), train_dataset=data)
     t.train()
-    assert (t._micro_batch, t._accumulation) == (1, 6) and calls[:3] == [2, 2, 1]
+    # then the failed window again as 6 micro-batches of 1, and so the next window
+    assert t.state.train_batch_size == 1 and calls[:3] == [2, 2, 1] and calls[-12:] == [1] * 12
     assert_same(params(ref.model), params(t.model), atol=1e-6)
 
 
@@ -425,7 +426,7 @@ def test_oom_in_evaluation_halves_only_the_eval_batch(tmp_path):
                                                auto_find_batch_size=True, save_strategy="no"),
                 train_dataset=rows(8), eval_dataset=rows(12))
     t.train()
-    assert t._eval_batch_size == 4 and t._micro_batch == 4
+    assert t._eval_batch_size == 4 and t.state.train_batch_size == 4
     assert sum("eval_loss" in r for r in t.state.log_history) == 2
 
 

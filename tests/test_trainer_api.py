@@ -458,10 +458,10 @@ def test_eval_delay_skips_early_evaluations(tiny_llama, make_args):
 
 
 def test_torch_empty_cache_steps(tiny_llama, make_args, monkeypatch):
-    import accelerate.utils.memory
+    import stoker.trainer
 
     calls = []
-    monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(stoker.trainer, "clear_device_cache", lambda *a, **k: calls.append(1))
     Trainer(tiny_llama(), make_args(max_steps=4, torch_empty_cache_steps=2), train_dataset=rows(16)).train()
     assert len(calls) == 2  # as transformers: before the micro-batches of steps 0 and 2 (global_step % 2 == 0)
 

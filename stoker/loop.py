@@ -1,0 +1,123 @@
+"""The training loop's own state, passed explicitly through `Trainer._train_loop` instead of living in attributes:
+where the loop stands in the data (`LoopPosition`, written into every checkpoint) and what it sums between two
+logs (`RunningLog`, saved with every checkpoint so that a resumed run logs what the uninterrupted one logged)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from .data import count_input_tokens
+from .diagnostics import Stopwatch
+
+
+def window_sizes(num_batches: int, accumulation: int) -> list[int]:
+    """Micro-batches in each optimizer step of an epoch of num_batches: full windows, then a short one."""
+    full, rest = divmod(num_batches, accumulation)
+    return [accumulation] * full + ([rest] if rest else [])
+
+
+@dataclasses.dataclass
+class LoopPosition:
+    """Where the loop stands: the epoch, how many of its micro-batches are consumed, and the window's shape.
+
+    `batches` counts micro-batches of `micro_batch` rows. With auto_find_batch_size an out-of-memory error
+    halves the micro-batch (`halve`): the same samples then make twice as many micro-batches, so the count
+    doubles and the loader is rebuilt at the same sample.
+    """
+
+    epoch: int
+    batches: int
+    micro_batch: int
+    accumulation: int
+
+    def halve(self) -> None:
+        self.micro_batch //= 2
+        self.accumulation *= 2
+        self.batches *= 2
+
+
+class RunningLog:
+    """What the loop sums between two logs, kept on the device so that a step needs no host sync: the window
+    losses, input tokens and samples, the last gradient norm and learning rate, and non-finite step counts.
+    The run-long totals (train_loss's numerator, tokens seen) are here too. `pending()` is saved with each
+    checkpoint and `restore()` brings it back; the timing fields are never saved (a resumed run times itself).
+    """
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), device=device)
+        self.steps, self.grad_norm, self.learning_rate = 0, None, None
+        self.total_loss = 0.0  # every logged loss of the run, over every process: train_loss's numerator
+        self.tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
+        self.samples_seen, self.samples_at_log, self.tokens_seen = 0, 0, 0
+        self.nonfinite_run, self.nonfinite_total = 0, 0
+        self.data_clock, self.warned_data_wait, self.flops_shape = Stopwatch(), False, None
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Start timing a logging window; time spent evaluating and saving is `excluded` from it."""
+        self.window_started, self.excluded = time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.window_started - self.excluded, 1e-9)
+
+    def add_step(self, window_loss: torch.Tensor, grad_norm: torch.Tensor | None = None,
+                 learning_rate: float | None = None) -> None:
+        self.loss += window_loss
+        self.steps += 1
+        if grad_norm is not None:
+            self.grad_norm, self.learning_rate = grad_norm, learning_rate
+
+    def count(self, batch: dict, num_processes: int) -> None:
+        """Add a micro-batch's input tokens (on the device) and samples (over every process)."""
+        non_padding = count_input_tokens(batch)
+        ids = batch.get("input_ids")
+        self.tokens += torch.stack([torch.as_tensor(non_padding, device=self.tokens.device),
+                                    torch.as_tensor(ids.numel() if ids is not None else non_padding,
+                                                    device=self.tokens.device)])
+        first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        self.samples_seen += first.shape[0] * num_processes if first is not None else 0
+
+    def fold_tokens(self, accelerator) -> tuple[int, int]:
+        """Input tokens since the last call (non-padding, all), summed over every process and added to the
+        run's count. A host sync, so done when logging and once at the end rather than per step."""
+        counts = self.tokens.clone()
+        if accelerator.num_processes > 1:
+            counts = accelerator.reduce(counts, reduction="sum")
+        tokens, all_tokens = (int(c) for c in counts.tolist())
+        self.tokens.zero_()
+        self.tokens_seen += tokens
+        return tokens, all_tokens
+
+    def reduce_loss(self, accelerator, averaged_across_devices: bool) -> float:
+        """Sum of the window losses since the last log (over every process), then reset. A host sync."""
+        total = self.loss.clone()
+        if accelerator.num_processes > 1:
+            total = accelerator.reduce(total, reduction="sum")
+            if not averaged_across_devices:  # each process's loss is a mean of its own
+                total /= accelerator.num_processes
+        self.loss.zero_()
+        self.steps = 0
+        return total.item()
+
+    def take_samples(self) -> int:
+        """Samples since the last call."""
+        samples, self.samples_at_log = self.samples_seen - self.samples_at_log, self.samples_seen
+        return samples
+
+    def pending(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the log in progress."""
+        return {"loss": self.loss, "steps": self.steps, "tokens": self.tokens, "total_loss": self.total_loss,
+                "samples": self.samples_seen - self.samples_at_log, "nonfinite_total": self.nonfinite_total,
+                "nonfinite_run": self.nonfinite_run}
+
+    def restore(self, pending: dict[str, Any]) -> None:
+        """Continue the log in progress that `pending()` returned when the checkpoint was written."""
+        device = self.loss.device
+        self.loss, self.tokens = pending["loss"].to(device), pending["tokens"].to(device)
+        self.steps, self.samples_seen = pending["steps"], pending["samples"]
+        self.total_loss = pending.get("total_loss", 0.0)
+        self.nonfinite_total, self.nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
