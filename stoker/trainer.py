@@ -42,6 +42,7 @@ from .callbacks import (
     callback_states,
     restore_callback_states,
 )
+from .convention import LossConvention, loss_of, loss_or_none
 from .data import (
     ColumnFilter,
     PaddingCollator,
@@ -82,7 +83,7 @@ from .errors import (
 from .log import logger
 from .loop import LoopPosition, RunningLog, window_sizes
 from .lora import trainable_parameters
-from .loss import chunked_causal_lm_loss, chunked_loss_problems, model_family, output_head, smoothed_label_loss
+from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
 from .trainer_api import TrainerAPI
 
@@ -91,15 +92,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device as well
-
-
-def _accepts_num_items(model) -> bool:
-    """Whether forward can be given num_items_in_batch at all (by name or through **kwargs); a model that says
-    it does not (transformers' accepts_loss_kwargs=False) is believed."""
-    if getattr(model, "accepts_loss_kwargs", None) is False:
-        return False
-    params = inspect.signature(model.forward).parameters.values()
-    return any(p.name == "num_items_in_batch" or p.kind == p.VAR_KEYWORD for p in params)
 
 
 def _label_arguments(model) -> list[str]:
@@ -214,15 +206,6 @@ class Trainer(TrainerAPI):
 
             DebugUnderflowOverflow(base)
         self._is_transformers = hasattr(base, "config")
-        self._family = model_family(model) if isinstance(model, torch.nn.Module) else "other"
-        # a causal LM's loss skips each row's first label, which the item count must skip too. Known from
-        # transformers' model mappings; for any other model with one label per token, None until a probe of the
-        # first batch (_probe_shift) tells
-        self._causal = (True if self._family == "causal_lm" else
-                        None if self._family == "other" and self.compute_loss_func is None else False)
-        # whether forward divides its summed loss by a `num_items_in_batch` it is given: decided by a probe on the
-        # first batch (_probe_num_items), since many models accept the argument and ignore it
-        self._honours_num_items = None if isinstance(model, torch.nn.Module) and _accepts_num_items(base) else False
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
@@ -230,6 +213,9 @@ class Trainer(TrainerAPI):
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
         self._chunked_head = output_head(model) if a.chunked_loss else None
+        self._convention = LossConvention(model, base, self.label_names[0], self._forward_kwargs,
+                                          loss_func=self.compute_loss_func is not None,
+                                          chunked=self._chunked_head is not None)
         self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
         self._set_collator(base)
         return model
@@ -346,7 +332,7 @@ class Trainer(TrainerAPI):
             if missing:
                 p.append(f"{name}: rows have columns {columns}; {type(model).__name__}.forward needs {missing}")
         labels = batch.get(self.label_names[0])
-        if self._family in ("causal_lm", "token") and isinstance(labels, torch.Tensor):
+        if self._convention.family in ("causal_lm", "token") and isinstance(labels, torch.Tensor):
             kind = type(_unwrap_peft(model)).__name__
             if labels.is_floating_point():
                 p.append(f"{name}: {self.label_names[0]} has dtype {labels.dtype}; {kind} needs integer "
@@ -445,7 +431,7 @@ class Trainer(TrainerAPI):
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The micro-batch's share of the window loss: sum of its item losses / num_items_in_batch.
 
-        A model whose forward divides by a num_items_in_batch it is given (as found by _probe_num_items)
+        A model whose forward divides by a num_items_in_batch it is given (as LossConvention finds out)
         receives it; any other returns a mean over its own items, which is rescaled by local items / window
         items, so that B x A micro-batches give exactly the update of one batch of B*A.
         With chunked_loss, a causal LM's loss comes from its hidden states (stoker.loss) unless the caller
@@ -461,138 +447,24 @@ class Trainer(TrainerAPI):
             outputs = model(**inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif self.args.label_smoothing_factor and labels is not None and not labels.is_floating_point():
-            items = num_items_in_batch if num_items_in_batch is not None else count_targets(
-                inputs, self.label_names[0], self._causal)
+            items = num_items_in_batch if num_items_in_batch is not None else self._convention.targets(inputs)
             del inputs[self.label_names[0]]
             base = _unwrap_peft(self.accelerator.unwrap_model(model))
             if "decoder_input_ids" not in inputs and hasattr(base, "prepare_decoder_input_ids_from_labels"):
                 inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
             outputs = model(**inputs)
             loss = smoothed_label_loss(_logits_of(outputs), labels, self.args.label_smoothing_factor,
-                                       self._causal, items)
-        elif num_items_in_batch is not None and self._divides_by_num_items(model, inputs):
+                                       self._convention.causal, items)
+        elif num_items_in_batch is not None and self._convention.divides_by_num_items(model, inputs, self.accelerator):
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-            loss = self._loss_of(outputs)
+            loss = loss_of(outputs)
         else:
             outputs = model(**inputs)
-            loss = self._loss_of(outputs)
+            loss = loss_of(outputs)
             if num_items_in_batch is not None:
-                local = count_targets(inputs, self.label_names[0], self._causal)
+                local = self._convention.targets(inputs)
                 loss = loss * (local / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
-
-    def _divides_by_num_items(self, model, inputs: dict) -> bool:
-        if self._honours_num_items is None and self.accelerator.num_processes == 1:  # compute_loss called alone
-            self._decide_loss_family(model, inputs)
-        # still None: a batch without targets, whose loss only a model dividing by the count makes 0, not NaN
-        return self._honours_num_items is not False
-
-    def _decide_loss_family(self, model, batch: dict) -> None:
-        """Settle what is still unknown of how the model's loss is normalised (self._causal for a model of no
-        known family, self._honours_num_items) from a batch with labels. Called by every process at the same
-        point (a window's start, an evaluation batch), since the probes' forwards may hold collectives (DDP's
-        buffer broadcast, FSDP's gathers) and the verdicts are shared: a process whose batch cannot tell
-        follows the others."""
-        acc = self.accelerator
-
-        def shared(verdict: bool | None) -> bool | None:
-            votes = torch.tensor([verdict is True, verdict is False], dtype=torch.float32, device=acc.device)
-            if acc.num_processes > 1:
-                votes = acc.reduce(votes, reduction="sum")
-            return False if votes[1] > 0 else True if votes[0] > 0 else None
-
-        if self._causal is None:
-            labels, ids = batch.get(self.label_names[0]), batch.get("input_ids")
-            if isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape and (
-                    labels.dim() == 2 and not labels.is_floating_point()):
-                self._causal = shared(self._probe_shift(model, batch, labels))
-            else:
-                self._causal = False  # not one integer label per input token: nothing to shift
-        if self._honours_num_items is None and self.compute_loss_func is None and self._chunked_head is None:
-            self._honours_num_items = shared(self._probe_num_items(model, {**batch, **self._forward_kwargs}))
-
-    def _probe_shift(self, model, batch: dict, labels: torch.Tensor) -> bool | None:
-        """Whether the model shifts its labels inside (token t predicting label t+1, as a causal LM does): its
-        loss does not change when the first label of every row is ignored. None when the batch cannot tell (no
-        row's first label is a target, or no scalar loss)."""
-        if not (labels[:, 0] != -100).any():
-            return None
-        cut = labels.clone()
-        cut[:, 0] = -100
-        inputs = {**batch, **self._forward_kwargs}
-        with self._probe_forwards(model) as forward:
-            whole = self._loss_or_none(forward(**inputs))
-            first_ignored = self._loss_or_none(forward(**{**inputs, self.label_names[0]: cut}))
-        if whole is None or first_ignored is None or whole.dim() != 0 or not torch.isfinite(whole):
-            return None
-        return bool(torch.isclose(whole.double(), first_ignored.double(), rtol=1e-6, atol=0))
-
-    def _probe_num_items(self, model, inputs: dict) -> bool | None:
-        """Whether the model's loss is its summed item losses divided by num_items_in_batch: two forwards of one
-        batch, with counts 1 and 2. transformers 5 heads that take **kwargs but return a mean anyway (BERT's
-        masked-LM and token-classification heads, T5) fail it, as does a model that raises on the argument.
-        None when this batch cannot tell (no targets: both losses 0 or NaN)."""
-        device = self.accelerator.device
-        try:
-            with self._probe_forwards(model) as forward:
-                one, two = (self._loss_of(forward(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
-                            for n in (1, 2))
-        except TypeError:
-            return False
-        if not torch.isfinite(one) or one == 0:
-            return None
-        return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
-
-    @contextlib.contextmanager
-    def _probe_forwards(self, model):
-        """A forward function for probes that leaves no trace: no gradients, the same dropout masks in every
-        call and the random state as it was, and the buffers (batch-norm statistics) put back, so the run stays
-        reproducible and resumable. The model stays in training mode: an eval-mode forward repacks
-        bitsandbytes' 4-bit CPU weights for inference only."""
-        device = self.accelerator.device
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
-
-        def forward(**inputs):
-            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                return model(**inputs)
-
-        try:
-            yield forward
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-
-    @staticmethod
-    def _loss_of(outputs) -> torch.Tensor:
-        """The loss of a model's outputs: a tensor, a dict / ModelOutput's 'loss', or a tuple's first entry when
-        it is a scalar (the loss first, as transformers models return tuples)."""
-        loss = Trainer._loss_or_none(outputs)
-        if loss is None:
-            raise ValueError("the model returned no loss: return a loss tensor, a dict / ModelOutput with 'loss' "
-                             "or a tuple with the loss first, pass labels in the batch, or give "
-                             "Trainer(compute_loss_func=...)")
-        return loss
-
-    @staticmethod
-    def _loss_or_none(outputs) -> torch.Tensor | None:
-        if isinstance(outputs, torch.Tensor):
-            return outputs
-        if isinstance(outputs, Mapping):  # a ModelOutput is one
-            return outputs.get("loss")
-        if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and (
-                outputs[0].dim() == 0):
-            return outputs[0]
-        return getattr(outputs, "loss", None)
-
-    def _window_items(self, window: list[dict]) -> torch.Tensor:
-        """Target tokens (or samples) in the whole accumulation window, summed over every process (over this
-        process only with average_tokens_across_devices=False)."""
-        total = sum(torch.as_tensor(count_targets(b, self.label_names[0], self._causal), device=self.accelerator.device)
-                    for b in window)
-        if self.accelerator.num_processes > 1 and self.args.average_tokens_across_devices:
-            total = self.accelerator.reduce(total, reduction="sum")
-        return total.clamp_min(1)  # an all-padding window contributes zero loss, not NaN
 
     # ------------------------------------------------------------------------------------------
     # training
@@ -735,7 +607,7 @@ class Trainer(TrainerAPI):
         if s.is_world_process_zero:
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
-            if self._causal:  # what memory this run should take (stoker.plan), before it takes it
+            if self._convention.causal:  # what memory this run should take (stoker.plan), before it takes it
                 from .plan import start_of_training_line
 
                 plan = start_of_training_line(self.model, a, self.train_dataset, self.accelerator.num_processes)
@@ -857,11 +729,11 @@ class Trainer(TrainerAPI):
         self._fire("on_step_begin")
         while True:
             try:
-                if self._causal is None or self._honours_num_items is None:  # once, on the first window
-                    self._decide_loss_family(model, window[0])
+                if not self._convention.settled:  # once, on the first window
+                    self._convention.decide(model, window[0], acc)
                 # every micro-batch's loss is normalised over the target items of the whole window, on every
                 # process: the accumulated gradient is exactly that of one batch of the window's rows
-                num_items = self._window_items(window)
+                num_items = self._convention.window_items(window, acc, a.average_tokens_across_devices)
                 window_loss = torch.zeros((), device=acc.device)
                 for i, batch in enumerate(window):
                     last = i == len(window) - 1
@@ -1217,11 +1089,11 @@ class Trainer(TrainerAPI):
                 outputs = model(**inputs, **self._forward_kwargs)  # no labels, so no loss: predictions only
             elif label is None:  # a plain module: its own loss, if it returns one (a mean over its rows)
                 outputs = model(**inputs)
-                loss = self._loss_or_none(outputs)
+                loss = loss_or_none(outputs)
             else:
-                if self._causal is None or self._honours_num_items is None:
-                    self._decide_loss_family(model, inputs)
-                items = count_targets(inputs, self.label_names[0], self._causal)
+                if not self._convention.settled:
+                    self._convention.decide(model, inputs, self.accelerator)
+                items = self._convention.targets(inputs)
                 loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True,
                                                   num_items_in_batch=max(items, 1))
         loss = loss.detach() if loss is not None else None
@@ -1258,11 +1130,11 @@ class Trainer(TrainerAPI):
             if loss is not None:
                 # each batch's loss is normalised over its own items (target tokens; rows for a plain module
                 # without labels), then re-weighted by them: the exact mean over every item of the eval set
-                items = count_targets(batch, self.label_names[0], self._causal)
+                items = self._convention.targets(batch)
                 genuine = self._genuine_rows(batch)
                 if genuine is not None and genuine > 0:  # score only this process's real rows: one extra
                     part = _split_batch(batch, genuine)[0]  # forward, once per pass at most
-                    items = count_targets(part, self.label_names[0], self._causal)
+                    items = self._convention.targets(part)
                     loss = self.prediction_step(model, part, True, ignore_keys)[0]
                 if genuine is None or genuine > 0:
                     loss_sum += loss.double() * items

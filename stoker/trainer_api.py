@@ -223,7 +223,8 @@ class TrainerAPI:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        return batches, (self._window_items(batches) if batches else None)
+        return batches, (self._convention.window_items(batches, self.accelerator,
+                                                        self.args.average_tokens_across_devices) if batches else None)
 
     # ------------------------------------------------------------------------------------------
     # FLOPs (state.total_flos, as transformers counts them: 6 x parameters x tokens)

@@ -31,7 +31,7 @@ def test_a_model_that_shifts_its_labels_inside_is_counted_as_a_causal_lm(tmp_pat
     """Known families come from transformers' model mappings; a plain module's from a probe (its loss is
     unchanged when every row's first label is ignored), and its window is counted over the shifted labels."""
     trainer = train_family(family, str(tmp_path), 8, per_device_train_batch_size=8, max_steps=1)
-    assert trainer._causal is shifts
+    assert trainer._convention.causal is shifts
 
 
 @pytest.mark.parametrize("family, divides", [("gpt2", True), ("llama", True), ("bert_mlm", False),
@@ -41,4 +41,4 @@ def test_num_items_in_batch_is_passed_only_to_models_that_divide_by_it(tmp_path,
     token-classification heads and T5 accept it (**kwargs) and return a mean anyway; a plain module cannot take
     it."""
     trainer = train_family(family, str(tmp_path), 8, per_device_train_batch_size=8, max_steps=1)
-    assert trainer._honours_num_items is divides
+    assert trainer._convention.honours_num_items is divides

@@ -1,0 +1,167 @@
+"""How a model's loss is normalised, decided once per model, so that accumulation and data parallelism are exact
+for any model: whether it shifts its labels inside (a causal LM: its first label per row is no target), and
+whether its forward divides its summed loss by a `num_items_in_batch` it is given.
+
+What transformers' model mappings tell is believed; what they do not is found by probing the first batch with
+labels (`LossConvention.decide`), since many models accept `num_items_in_batch` and ignore it (BERT's masked-LM
+and token-classification heads and T5 in transformers 5 return a mean anyway)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Mapping
+
+import torch
+
+from .data import count_targets
+from .loss import model_family
+
+
+def accepts_num_items(model) -> bool:
+    """Whether forward can be given num_items_in_batch at all (by name or through **kwargs); a model that says
+    it does not (transformers' accepts_loss_kwargs=False) is believed."""
+    if getattr(model, "accepts_loss_kwargs", None) is False:
+        return False
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.name == "num_items_in_batch" or p.kind == p.VAR_KEYWORD for p in params)
+
+
+def loss_or_none(outputs) -> torch.Tensor | None:
+    """The loss of a model's outputs: a tensor, a dict / ModelOutput's 'loss', or a tuple's first entry when it is
+    a scalar (the loss first, as transformers models return tuples); None if there is none."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):  # a ModelOutput is one
+        return outputs.get("loss")
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and (
+            outputs[0].dim() == 0):
+        return outputs[0]
+    return getattr(outputs, "loss", None)
+
+
+def loss_of(outputs) -> torch.Tensor:
+    """loss_or_none, or a ValueError that says what a model must return."""
+    loss = loss_or_none(outputs)
+    if loss is None:
+        raise ValueError("the model returned no loss: return a loss tensor, a dict / ModelOutput with 'loss' "
+                         "or a tuple with the loss first, pass labels in the batch, or give "
+                         "Trainer(compute_loss_func=...)")
+    return loss
+
+
+class LossConvention:
+    """The loss normalisation of one model (`causal`, `honours_num_items`: True, False, or None while unknown).
+
+    `label_name` is the first of the Trainer's label_names; `forward_kwargs` what every loss forward gets
+    (use_cache). With a compute_loss_func (`loss_func`) or chunked_loss (`chunked`) computing the loss, the
+    model's own division never matters.
+    """
+
+    def __init__(self, model, base, label_name: str, forward_kwargs: dict, loss_func: bool, chunked: bool):
+        self.label_name, self.forward_kwargs = label_name, forward_kwargs
+        self.family = model_family(model) if isinstance(model, torch.nn.Module) else "other"
+        # a causal LM's loss skips each row's first label, which the item count must skip too. Known from
+        # transformers' model mappings; for any other model with one label per token, None until a probe of the
+        # first batch tells
+        self.causal = True if self.family == "causal_lm" else None if self.family == "other" and not loss_func else (
+            False)
+        self.own_loss = not (loss_func or chunked)
+        self.honours_num_items = None if isinstance(model, torch.nn.Module) and accepts_num_items(base) else False
+
+    @property
+    def settled(self) -> bool:
+        return self.causal is not None and self.honours_num_items is not None
+
+    def targets(self, batch: dict) -> int | torch.Tensor:
+        """The batch's target items (tokens with a label; rows for a model with one label per row)."""
+        return count_targets(batch, self.label_name, self.causal)
+
+    def window_items(self, window: list[dict], accelerator, across_devices: bool) -> torch.Tensor:
+        """Target items in a whole accumulation window, summed over every process (over this process only
+        unless across_devices): what every micro-batch's loss is normalised by."""
+        total = sum(torch.as_tensor(self.targets(b), device=accelerator.device) for b in window)
+        if accelerator.num_processes > 1 and across_devices:
+            total = accelerator.reduce(total, reduction="sum")
+        return total.clamp_min(1)  # an all-padding window contributes zero loss, not NaN
+
+    def divides_by_num_items(self, model, inputs: dict, accelerator) -> bool:
+        """Whether to hand num_items_in_batch to forward (probing this batch first when compute_loss is called
+        on its own, outside the loop, in a single process)."""
+        if self.honours_num_items is None and accelerator.num_processes == 1:
+            self.decide(model, inputs, accelerator)
+        # still None: a batch without targets, whose loss only a model dividing by the count makes 0, not NaN
+        return self.honours_num_items is not False
+
+    def decide(self, model, batch: dict, accelerator) -> None:
+        """Settle what is still unknown from a batch with labels. Called by every process at the same point (a
+        window's start, an evaluation batch), since the probes' forwards may hold collectives (DDP's buffer
+        broadcast, FSDP's gathers) and the verdicts are shared: a process whose batch cannot tell follows the
+        others."""
+        def shared(verdict: bool | None) -> bool | None:
+            votes = torch.tensor([verdict is True, verdict is False], dtype=torch.float32, device=accelerator.device)
+            if accelerator.num_processes > 1:
+                votes = accelerator.reduce(votes, reduction="sum")
+            return False if votes[1] > 0 else True if votes[0] > 0 else None
+
+        if self.causal is None:
+            labels, ids = batch.get(self.label_name), batch.get("input_ids")
+            if isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape and (
+                    labels.dim() == 2 and not labels.is_floating_point()):
+                self.causal = shared(self._probe_shift(model, batch, labels, accelerator.device))
+            else:
+                self.causal = False  # not one integer label per input token: nothing to shift
+        if self.honours_num_items is None and self.own_loss:
+            self.honours_num_items = shared(self._probe_num_items(model, {**batch, **self.forward_kwargs},
+                                                                  accelerator.device))
+
+    def _probe_shift(self, model, batch: dict, labels: torch.Tensor, device) -> bool | None:
+        """Whether the model shifts its labels inside (token t predicting label t+1, as a causal LM does): its
+        loss does not change when the first label of every row is ignored. None when the batch cannot tell (no
+        row's first label is a target, or no scalar loss)."""
+        if not (labels[:, 0] != -100).any():
+            return None
+        cut = labels.clone()
+        cut[:, 0] = -100
+        inputs = {**batch, **self.forward_kwargs}
+        with _probe_forwards(model, device) as forward:
+            whole = loss_or_none(forward(**inputs))
+            first_ignored = loss_or_none(forward(**{**inputs, self.label_name: cut}))
+        if whole is None or first_ignored is None or whole.dim() != 0 or not torch.isfinite(whole):
+            return None
+        return bool(torch.isclose(whole.double(), first_ignored.double(), rtol=1e-6, atol=0))
+
+    @staticmethod
+    def _probe_num_items(model, inputs: dict, device) -> bool | None:
+        """Whether the model's loss is its summed item losses divided by num_items_in_batch: two forwards of one
+        batch, with counts 1 and 2. A head that takes **kwargs but returns a mean anyway fails it, as does a
+        model that raises on the argument. None when this batch cannot tell (no targets: both losses 0 or NaN)."""
+        try:
+            with _probe_forwards(model, device) as forward:
+                one, two = (loss_of(forward(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                            for n in (1, 2))
+        except TypeError:
+            return False
+        if not torch.isfinite(one) or one == 0:
+            return None
+        return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
+
+
+@contextlib.contextmanager
+def _probe_forwards(model, device):
+    """A forward function for probes that leaves no trace: no gradients, the same dropout masks in every call
+    and the random state as it was, and the buffers (batch-norm statistics) put back, so the run stays
+    reproducible and resumable. The model stays in training mode: an eval-mode forward repacks bitsandbytes'
+    4-bit CPU weights for inference only."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def forward(**inputs):
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return model(**inputs)
+
+    try:
+        yield forward
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
