@@ -80,11 +80,12 @@ from .errors import (
     TrainingPreempted,
     exit_with_code_after_preemption,
 )
+from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, logits_of, predictions_of, split_batch
 from .log import logger
 from .loop import LoopPosition, RunningLog, window_sizes
 from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head, smoothed_label_loss
-from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
+from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .trainer_api import TrainerAPI
 
 
@@ -453,7 +454,7 @@ class Trainer(TrainerAPI):
             if "decoder_input_ids" not in inputs and hasattr(base, "prepare_decoder_input_ids_from_labels"):
                 inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
             outputs = model(**inputs)
-            loss = smoothed_label_loss(_logits_of(outputs), labels, self.args.label_smoothing_factor,
+            loss = smoothed_label_loss(logits_of(outputs), labels, self.args.label_smoothing_factor,
                                        self._convention.causal, items)
         elif num_items_in_batch is not None and self._convention.divides_by_num_items(model, inputs, self.accelerator):
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
@@ -832,7 +833,7 @@ class Trainer(TrainerAPI):
         self.state.train_batch_size = pos.micro_batch
         logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
                        f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
-        return [part for batch in window for part in _split_batch(batch, pos.micro_batch)]
+        return [part for batch in window for part in split_batch(batch, pos.micro_batch)]
 
     def _check_step(self, window_loss: torch.Tensor, grad_norm, run: RunningLog) -> tuple[bool, int | None]:
         """(whether the update may be applied, the preempting signal if any process has received one). Checked
@@ -1082,7 +1083,7 @@ class Trainer(TrainerAPI):
         predictions transformers.Trainer would take (a tuple for several outputs), labels one tensor or a tuple
         with one per label_names entry; logits and labels are None with prediction_loss_only."""
         inputs = dict(inputs)  # a transformers collator's BatchEncoding
-        label = self._labels_of(inputs)
+        label = labels_of(inputs, self.label_names)
         loss = None
         with torch.no_grad():
             if label is None and (self._is_transformers or self.compute_loss_func):
@@ -1101,7 +1102,9 @@ class Trainer(TrainerAPI):
             return loss, None, None
         if ignore_keys and isinstance(outputs, Mapping):
             outputs = {k: v for k, v in outputs.items() if k not in ignore_keys}
-        return loss, self._predictions_of(outputs, has_loss=loss is not None), label
+        config = getattr(_unwrap_peft(self.model), "config", None)
+        ignore = set(getattr(config, "keys_to_ignore_at_inference", None) or ())
+        return loss, predictions_of(outputs, loss is not None, ignore), label
 
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
@@ -1111,66 +1114,47 @@ class Trainer(TrainerAPI):
         if prediction_loss_only is None:
             prediction_loss_only = a.prediction_loss_only
         self._logits_wanted = not prediction_loss_only  # otherwise chunked_loss never computes the logits
+        # each batch's loss is normalised over its own items (target tokens; rows for a plain module without
+        # labels), then re-weighted by them: the exact mean over every item of the eval set
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
-        kept = {"predictions": [], "label_ids": [], "inputs": [], "losses": []}
-        pending = {k: [] for k in kept}
-        batch_metrics = None
-
-        def gather(t):  # sequence lengths differ between processes: pad to a common length first
-            return acc.gather_for_metrics(acc.pad_across_processes(t, dim=1, pad_index=-100),
-                                          use_gather_object=a.eval_use_gather_object)
-
-        rows_seen = 0  # an IterableDataset has no length to count its samples by
+        collected = Collected(acc, a.eval_accumulation_steps, a.eval_use_gather_object, a.eval_do_concat_batches)
+        batch_metrics, rows_seen = None, 0  # an IterableDataset has no length to count its samples by
         for n, batch in enumerate(dataloader, 1):
             batch = dict(batch)  # a transformers collator's BatchEncoding
             loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
             rows = count_targets(batch, None, False)
             rows_seen += rows
             if loss is not None:
-                # each batch's loss is normalised over its own items (target tokens; rows for a plain module
-                # without labels), then re-weighted by them: the exact mean over every item of the eval set
-                items = self._convention.targets(batch)
-                genuine = self._genuine_rows(batch)
-                if genuine is not None and genuine > 0:  # score only this process's real rows: one extra
-                    part = _split_batch(batch, genuine)[0]  # forward, once per pass at most
-                    items = self._convention.targets(part)
-                    loss = self.prediction_step(model, part, True, ignore_keys)[0]
+                scored, genuine = batch, genuine_rows(batch, acc)
+                if genuine:  # score only this process's real rows: one extra forward, once per pass at most
+                    scored = split_batch(batch, genuine)[0]
+                    loss = self.prediction_step(model, scored, True, ignore_keys)[0]
                 if genuine is None or genuine > 0:
+                    items = self._convention.targets(scored)
                     loss_sum += loss.double() * items
                     items_sum += items
             if not prediction_loss_only:
                 if logits is not None and self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, label)
-                step = {"predictions": logits, "label_ids": label,
-                        "inputs": batch.get("input_ids") if "inputs" in a.include_for_metrics else None,
-                        "losses": loss.repeat(rows) if loss is not None and "loss" in a.include_for_metrics
-                        else None}
-                step = {k: _nested(gather, v) for k, v in step.items() if v is not None}
-                if a.batch_eval_metrics:  # metrics of the batch now; nothing is kept
-                    if self.compute_metrics is not None:
-                        batch_metrics = self.compute_metrics(_eval_prediction(EvalPrediction, step, a),
-                                                             compute_result=acc.gradient_state.end_of_dataloader)
-                else:
-                    for k, v in step.items():
-                        pending[k].append(v)
-                    if a.eval_accumulation_steps and n % a.eval_accumulation_steps == 0:
-                        for k in kept:
-                            kept[k] += [_nested(torch.Tensor.cpu, t) for t in pending[k]]
-                            pending[k] = []
+                values = {"predictions": logits, "label_ids": label,
+                          "inputs": batch.get("input_ids") if "inputs" in a.include_for_metrics else None,
+                          "losses": loss.repeat(rows) if loss is not None and "loss" in a.include_for_metrics
+                          else None}
+                step = collected.gather(values, n, keep=not a.batch_eval_metrics)
+                if a.batch_eval_metrics and self.compute_metrics is not None:  # metrics of the batch now
+                    batch_metrics = self.compute_metrics(eval_prediction(step, a.include_for_metrics),
+                                                         compute_result=acc.gradient_state.end_of_dataloader)
             self._fire("on_prediction_step")
-        for k in kept:
-            kept[k] += [_nested(torch.Tensor.cpu, t) for t in pending[k]]
 
         metrics = {}
         if acc.num_processes > 1:
             loss_sum, items_sum = acc.reduce(loss_sum, "sum"), acc.reduce(items_sum, "sum")
         if items_sum.item() > 0:
             metrics[f"{prefix}_loss"] = loss_sum.item() / items_sum.item()
-        joined = {k: _concat_padded(v) if a.eval_do_concat_batches else [_concat_padded([t]) for t in v] or None
-                  for k, v in kept.items()}
+        joined = collected.joined()
         if self.compute_metrics is not None and not a.batch_eval_metrics and joined["predictions"] is not None:
-            batch_metrics = self.compute_metrics(_eval_prediction(EvalPrediction, joined, a))
+            batch_metrics = self.compute_metrics(eval_prediction(joined, a.include_for_metrics))
         for k, v in (batch_metrics or {}).items():
             metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = v
         try:
@@ -1179,47 +1163,6 @@ class Trainer(TrainerAPI):
             num_samples = rows_seen * acc.num_processes
         return EvalLoopOutput(predictions=joined["predictions"], label_ids=joined["label_ids"], metrics=metrics,
                               num_samples=num_samples)
-
-    def _genuine_rows(self, batch: dict) -> int | None:
-        """How many rows of this process's evaluation batch are real samples; None if all of them are.
-
-        With several processes Accelerate fills every process's last batch up to the same size with samples
-        from the start of the dataset (even_batches), and gather_for_metrics cuts those from the gathered
-        predictions: the first `remainder` gathered rows, in process order, are real. The loss makes the same
-        cut, so that every sample counts exactly once and eval_loss equals the single-process value.
-        """
-        acc = self.accelerator
-        state = acc.gradient_state
-        if acc.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
-            return None
-        rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-        genuine = min(max(state.remainder - acc.process_index * rows, 0), rows)
-        return None if genuine == rows else genuine
-
-    def _labels_of(self, batch: dict):
-        """The batch's labels as transformers.Trainer collects them: one tensor, or a tuple with one per entry of
-        label_names; None unless every one of them is present."""
-        found = tuple(batch.get(name) for name in self.label_names)
-        if any(t is None for t in found):
-            return None
-        return found[0] if len(found) == 1 else found
-
-    def _predictions_of(self, outputs, has_loss: bool):
-        """The predictions in a model's outputs, as transformers.Trainer takes them: every entry of a dict /
-        ModelOutput but the loss and the config's keys_to_ignore_at_inference, or a tuple after its loss; one
-        entry is returned as itself, several as a tuple."""
-        if isinstance(outputs, torch.Tensor):
-            return None if has_loss else outputs  # a bare loss, or bare logits
-        ignore = {"loss", *(getattr(getattr(_unwrap_peft(self.model), "config", None), "keys_to_ignore_at_inference",
-                                    None) or ())}
-        if isinstance(outputs, Mapping):
-            found = tuple(v for k, v in outputs.items() if k not in ignore)
-        else:
-            found = tuple(outputs[1:] if has_loss else outputs)
-        found = tuple(v for v in found if _is_nested_tensors(v))  # a KV cache object is no prediction
-        if not found:
-            return None
-        return found[0] if len(found) == 1 else found
 
     # ------------------------------------------------------------------------------------------
     # saving and resuming
@@ -1512,61 +1455,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _split_batch(batch: dict, rows: int) -> list[dict]:
-    """Cut a micro-batch into pieces of `rows` rows: the batches a loader with that batch size yields, since a
-    sampler's index order nests (batch i of 2n rows = batches 2i and 2i+1 of n rows)."""
-    first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
-    return [{k: v[i:i + rows] if isinstance(v, torch.Tensor) and v.shape[:1] == first.shape[:1] else v
-             for k, v in batch.items()} for i in range(0, first.shape[0], rows)]
-
-
-def _eval_prediction(cls, values: dict, args):
-    """An EvalPrediction with the inputs and losses that include_for_metrics asks for."""
-    return cls(predictions=values.get("predictions"), label_ids=values.get("label_ids"),
-               inputs=values.get("inputs") if "inputs" in args.include_for_metrics else None,
-               losses=values.get("losses") if "loss" in args.include_for_metrics else None)
-
-
-def _logits_of(outputs) -> torch.Tensor:
-    """The logits of a model called without labels: a dict / ModelOutput's, or a tuple's first entry."""
-    if isinstance(outputs, Mapping):
-        return outputs["logits"]
-    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
-
-
-def _is_nested_tensors(value) -> bool:
-    if isinstance(value, (tuple, list)):
-        return len(value) > 0 and all(_is_nested_tensors(v) for v in value)
-    return isinstance(value, torch.Tensor)
-
-
-def _nested(fn, value):
-    """fn applied to every tensor of a tensor or a (nested) tuple of them."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(_nested(fn, v) for v in value)
-    return fn(value)
-
-
-def _concat_padded(tensors: list, pad: int = -100):
-    """Concatenate batches along dim 0, padding later dims to the largest (sequence lengths vary); batches of
-    (nested) tuples give a tuple of arrays, as transformers' nested_concat does."""
-    if not tensors:
-        return None
-    if isinstance(tensors[0], (tuple, list)):
-        return type(tensors[0])(_concat_padded([t[i] for t in tensors], pad) for i in range(len(tensors[0])))
-    if tensors[0].dim() == 0:
-        return torch.stack(tensors).numpy()
-    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
-    out = torch.full((sum(t.shape[0] for t in tensors), *shape), pad, dtype=tensors[0].dtype)
-    row = 0
-    for t in tensors:
-        out[(slice(row, row + t.shape[0]), *(slice(0, n) for n in t.shape[1:]))] = t
-        row += t.shape[0]
-    if out.dtype == torch.bfloat16:
-        out = out.float()
-    return out.numpy()
 
 
 class _InterimBackend:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from stoker.errors import TrainingPreempted  # noqa: E402
+from stoker.loop import LoopPosition, RunningLog  # noqa: E402
 from tests.test_trainer import llama, rows  # noqa: E402
 
 # 24 training rows = 3 optimizer steps of a global batch of 8; 7 and 3 held-out rows do not divide evenly
@@ -563,7 +564,8 @@ def zero_nonfinite(out: str) -> None:
                     if r.rank == 1:
                         next(iter(trainer.model_wrapped.parameters())).ds_tensor.data.fill_(float("inf"))
                     try:
-                        trainer._save_checkpoint()
+                        trainer._save_checkpoint(LoopPosition(epoch=1, batches=0, micro_batch=2, accumulation=2),
+                                                 RunningLog(trainer.accelerator.device))
                     except NonFiniteError as e:
                         outcome["save"] = str(e)
             except NonFiniteError as e:
