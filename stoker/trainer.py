@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
-import itertools
 import math
 import os
 import random
@@ -84,9 +82,10 @@ from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, log
 from .log import logger
 from .loop import LoopPosition, RunningLog, window_sizes
 from .lora import trainable_parameters
-from .loss import chunked_causal_lm_loss, chunked_loss_problems, output_head, smoothed_label_loss
+from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .trainer_api import TrainerAPI
+from .trainer_inputs import trainer_input_problems
 
 
 def set_seed(seed: int) -> None:
@@ -153,7 +152,11 @@ class Trainer(TrainerAPI):
             self.train_dataset, self._given_collator = packed_train_set(
                 self.args, model, self.train_dataset, data_collator, self._pad_token_id(), self._forward_kwargs)
             self._set_collator(_unwrap_peft(model))
-        self._check_inputs(model, optimizers)
+        problems = trainer_input_problems(self.args, model, optimizers, self.train_dataset, self.eval_dataset,
+                                          self.data_collator, self.compute_loss_func, self.label_names,
+                                          self._convention.family)
+        if problems:
+            raise ConfigError(problems, "Trainer inputs")
 
         self.accelerator = self._build_accelerator(model, optimizers)
         self._backend = _InterimBackend(self.accelerator)
@@ -244,105 +247,6 @@ class Trainer(TrainerAPI):
             raise ConfigError([f"save_on_each_node=True: this run has {nodes} nodes, and stoker commits each "
                                "checkpoint once, from the main process, into an output_dir that every node must "
                                "see (a shared disk); set it to False"], "Trainer inputs")
-
-    def _check_inputs(self, model, optimizers) -> None:
-        """Problems that need the model and data as well as the arguments, reported together."""
-        a, p = self.args, []
-        needs_eval = a.eval_strategy != "no" or a.eval_on_start or a.load_best_model_at_end
-        if needs_eval and self.eval_dataset is None:
-            p.append(f"eval_strategy={a.eval_strategy!r}"
-                     + (", eval_on_start=True" if a.eval_on_start else "")
-                     + ": evaluation needs an eval_dataset (pass one, or set eval_strategy='no')")
-        for name, ds in self._datasets():
-            if hasattr(ds, "__len__") and len(ds) == 0:
-                p.append(f"{name}: is empty (0 rows)")
-        ds = self.train_dataset
-        if ds is not None and not hasattr(ds, "__len__"):
-            if a.max_steps <= 0:
-                p.append("max_steps=-1: a train_dataset without a length (an IterableDataset) needs max_steps > 0")
-            if a.group_by_length:
-                p.append("group_by_length=True: needs a train_dataset with a length")
-        if not isinstance(model, torch.nn.Module):
-            p.append(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if a.gradient_checkpointing and isinstance(model, torch.nn.Module) and not hasattr(
-                model, "gradient_checkpointing_enable"):
-            p.append(f"gradient_checkpointing=True: {type(model).__name__} has no gradient_checkpointing_enable(); "
-                     "implement it (e.g. with torch.utils.checkpoint) or turn gradient checkpointing off")
-        if optimizers[1] is not None and optimizers[0] is None:
-            p.append("optimizers: a scheduler was given without its optimizer")
-        if a.chunked_loss and isinstance(model, torch.nn.Module):
-            p += chunked_loss_problems(model)
-            if self.compute_loss_func is not None:
-                p.append("chunked_loss=True: replaces the model's own loss and cannot feed compute_loss_func, "
-                         "which needs the logits; use one or the other")
-        if getattr(model, "hf_quantizer", None) is not None and not ckpt.is_peft_model(model):
-            p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
-                     "(LoRA) to train an adapter on it (QLoRA)")
-        if isinstance(model, torch.nn.Module):
-            for name, ds in self._datasets():
-                p += self._probe_rows(model, name, ds)
-        if p:
-            raise ConfigError(p, "Trainer inputs")
-
-    def _datasets(self) -> list[tuple[str, Any]]:
-        """(name, dataset) of the train dataset and every eval dataset (a dict of them as transformers takes)."""
-        found = [("train_dataset", self.train_dataset)]
-        if isinstance(self.eval_dataset, Mapping):
-            found += [(f"eval_dataset[{k!r}]", ds) for k, ds in self.eval_dataset.items()]
-        else:
-            found.append(("eval_dataset", self.eval_dataset))
-        return [(name, ds) for name, ds in found if ds is not None]
-
-    def _probe_rows(self, model, name: str, ds) -> list[str]:
-        """Collate the first rows of a dataset and check them against the model, so that a missing column,
-        a wrong label dtype or a collator that returns non-tensors fails here rather than mid-run."""
-        if isinstance(ds, torch.utils.data.IterableDataset):
-            rows = list(itertools.islice(iter(ds), 2))
-        elif hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
-            rows = [ds[i] for i in range(min(len(ds), 2))]
-        else:
-            return []
-        if not rows:
-            return [] if hasattr(ds, "__len__") else [f"{name}: yields no rows"]  # an empty one: reported above
-        try:
-            batch = self.data_collator(rows)
-        except Exception as e:
-            return [f"{name}: the data collator failed on its first rows: {type(e).__name__}: {e}"]
-        if not isinstance(batch, Mapping):
-            return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict (a Mapping) "
-                    "of tensors"]
-        p = []
-        loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
-        if loose:
-            p.append(f"{name}: the data collator returned non-tensor values for {loose}")
-        columns = sorted(rows[0]) if isinstance(rows[0], Mapping) else []
-        forward = inspect.signature(_unwrap_peft(model).forward).parameters.values()
-        if self._is_transformers:
-            accepted = {q.name for q in forward}
-            if "input_ids" in accepted and "input_ids" not in batch and "inputs_embeds" not in batch:
-                p.append(f"{name}: rows have columns {columns}; {type(model).__name__} needs 'input_ids'")
-            if (name == "train_dataset" and set(self.label_names) <= accepted and self.compute_loss_func is None
-                    and not any(k in batch for k in self.label_names)):
-                p.append(f"{name}: rows have columns {columns}; {type(model).__name__} computes its loss from "
-                         f"{self.label_names} (a 'label' or 'label_ids' column is renamed to 'labels'), which the "
-                         "batches lack")
-        elif self.compute_loss_func is None:
-            required = [q.name for q in forward if q.default is q.empty and q.kind in (q.POSITIONAL_OR_KEYWORD,
-                                                                                     q.KEYWORD_ONLY)]
-            missing = [r for r in required if r not in batch]
-            if missing:
-                p.append(f"{name}: rows have columns {columns}; {type(model).__name__}.forward needs {missing}")
-        labels = batch.get(self.label_names[0])
-        if self._convention.family in ("causal_lm", "token") and isinstance(labels, torch.Tensor):
-            kind = type(_unwrap_peft(model)).__name__
-            if labels.is_floating_point():
-                p.append(f"{name}: {self.label_names[0]} has dtype {labels.dtype}; {kind} needs integer "
-                         "token ids (-100 for ignored positions)")
-            ids = batch.get("input_ids")
-            if isinstance(ids, torch.Tensor) and labels.shape != ids.shape and "shift_labels" not in batch:
-                p.append(f"{name}: {self.label_names[0]} has shape {list(labels.shape)} but input_ids has "
-                         f"{list(ids.shape)}; {kind} needs one label per token")
-        return p
 
     def _build_accelerator(self, model, optimizers=(None, None)):
         from datetime import timedelta
