@@ -138,3 +138,13 @@ def data_wait_advice(fraction: float, args, on_gpu: bool) -> str:
     tips.append("pack short rows (stoker.packing.pack_rows) so each step fetches fewer, fuller rows")
     return (f"{100 * fraction:.1f}% of the step time in the last logging window was spent waiting for data "
             f"(over {100 * DATA_WAIT_WARNING:.0f}%); try: " + "; ".join(tips))
+
+
+def peak_memory_metrics(device: torch.device) -> dict[str, float]:
+    """The run's peak memory for train()'s metrics: torch's peak of allocated memory on a GPU, the process's
+    peak resident memory (ru_maxrss, KiB on Linux) on the CPU, its equivalent there."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return {"peak_memory_allocated_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+    import resource
+
+    return {"peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}

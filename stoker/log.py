@@ -42,3 +42,16 @@ if not logger.handlers:
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def set_log_levels(args) -> None:
+    """log_level / log_level_replica, as transformers applies them: the level of this process (see
+    TrainingArguments.get_process_log_level) for the 'stoker' and 'transformers' loggers; 'passive' leaves
+    both as they are."""
+    if (args.log_level if args.should_log else args.log_level_replica) == "passive":
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = args.get_process_log_level()
+    logger.setLevel(level)
+    hf_logging.set_verbosity(level)

@@ -4,14 +4,19 @@ logs (`RunningLog`, saved with every checkpoint so that a resumed run logs what 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+import signal
+import threading
 import time
 from typing import Any
 
 import torch
 
+from . import diagnostics
 from .data import count_input_tokens
-from .diagnostics import Stopwatch
+from .log import logger
 
 
 def window_sizes(num_batches: int, accumulation: int) -> list[int]:
@@ -54,7 +59,7 @@ class RunningLog:
         self.tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
         self.samples_seen, self.samples_at_log, self.tokens_seen = 0, 0, 0
         self.nonfinite_run, self.nonfinite_total = 0, 0
-        self.data_clock, self.warned_data_wait, self.flops_shape = Stopwatch(), False, None
+        self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(), False, None
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -108,6 +113,28 @@ class RunningLog:
         samples, self.samples_at_log = self.samples_seen - self.samples_at_log, self.samples_seen
         return samples
 
+    def diagnostics(self, args, accelerator, model, tokens: int, all_tokens: int, samples: int,
+                    elapsed: float) -> dict[str, float]:
+        """Where a logging window's time went (stoker.diagnostics): the fraction spent waiting for data (warned
+        about once above DATA_WAIT_WARNING) and, on a GPU, MFU and the peak of allocated memory so far."""
+        on_gpu = accelerator.device.type == "cuda"
+        wait = min(self.data_clock.take() / elapsed, 1.0)
+        out = {"data_wait_fraction": round(wait, 4)}
+        if wait > diagnostics.DATA_WAIT_WARNING and not self.warned_data_wait:
+            self.warned_data_wait = True
+            logger.warning(diagnostics.data_wait_advice(wait, args, on_gpu))
+        if not on_gpu:
+            return out
+        out["peak_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(accelerator.device) / 2**30, 3)
+        peak = args.peak_tflops or diagnostics.peak_tflops(torch.cuda.get_device_name(accelerator.device),
+                                                           diagnostics.matmul_precision(args.mixed_precision))
+        if peak and samples:
+            if self.flops_shape is None:  # parameter counts: computed once per run
+                self.flops_shape = diagnostics.model_flops_shape(accelerator.unwrap_model(model))
+            per_token = diagnostics.flops_per_token(*self.flops_shape, seq_len=round(all_tokens / samples))
+            out["mfu"] = round(diagnostics.mfu(tokens / elapsed, per_token, peak, accelerator.num_processes), 4)
+        return out
+
     def pending(self) -> dict[str, Any]:
         """What a checkpoint keeps of the log in progress."""
         return {"loss": self.loss, "steps": self.steps, "tokens": self.tokens, "total_loss": self.total_loss,
@@ -121,3 +148,48 @@ class RunningLog:
         self.steps, self.samples_seen = pending["steps"], pending["samples"]
         self.total_loss = pending.get("total_loss", 0.0)
         self.nonfinite_total, self.nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
+
+
+class PreemptionSignals:
+    """While training, SIGTERM / SIGUSR1 only record the signal in `received`: the loop finishes the optimizer
+    step, saves and exits. The handler never raises, so a second signal during the save cannot interrupt it.
+    Outside the main thread (where Python cannot install handlers) or with `enabled` False, nothing changes."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.received, self._previous = enabled, None, {}
+
+    def __enter__(self) -> PreemptionSignals:
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            wanted = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in wanted}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signum
+
+
+@contextlib.contextmanager
+def neftune_noise(embeddings: torch.nn.Module | None, alpha: float | None):
+    """NEFTune (neftune_noise_alpha): uniform noise on the input embeddings in training forwards, of bound
+    alpha / sqrt(sequence length x width), drawn from torch's RNG (saved with checkpoints, so resumes stay
+    exact). Nothing without an alpha."""
+    if not alpha:
+        yield
+        return
+
+    def add_noise(module, inputs, output):
+        if not module.training:
+            return output
+        bound = alpha / math.sqrt(output.size(1) * output.size(2))
+        return output + torch.zeros_like(output).uniform_(-bound, bound)
+
+    handle = embeddings.register_forward_hook(add_noise)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -16,7 +16,6 @@ import random
 import shutil
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -27,7 +26,6 @@ import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import checkpoint as ckpt
-from . import diagnostics
 from .arguments import TrainingArguments
 from .callbacks import (
     CallbackHandler,
@@ -48,7 +46,7 @@ from .data import (
     count_targets,
     forward_columns,
 )
-from .diagnostics import DATA_WAIT_WARNING, data_wait_advice
+from .diagnostics import peak_memory_metrics
 from .distributed import (
     MODEL_SHARDS,
     check_sharding_active,
@@ -79,8 +77,8 @@ from .errors import (
     exit_with_code_after_preemption,
 )
 from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, logits_of, predictions_of, split_batch
-from .log import logger
-from .loop import LoopPosition, RunningLog, window_sizes
+from .log import logger, set_log_levels
+from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, window_sizes
 from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
@@ -161,7 +159,7 @@ class Trainer(TrainerAPI):
         self.accelerator = self._build_accelerator(model, optimizers)
         self._backend = _InterimBackend(self.accelerator)
         self._apply_precision_switches()
-        self._set_log_levels()
+        set_log_levels(self.args)
         self._check_save_on_each_node()
         self._enable_gradient_checkpointing(model)
         self.model = model
@@ -228,17 +226,6 @@ class Trainer(TrainerAPI):
         self.data_collator = self._given_collator or PaddingCollator(self._pad_token_id())
         if self.args.remove_unused_columns and hasattr(base, "config"):
             self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
-
-    def _set_log_levels(self) -> None:
-        """log_level / log_level_replica, as transformers sets them: the 'stoker' and 'transformers' loggers."""
-        a = self.args
-        if (a.log_level if a.should_log else a.log_level_replica) == "passive":
-            return
-        from transformers.utils import logging as hf_logging
-
-        level = a.get_process_log_level()
-        logger.setLevel(level)
-        hf_logging.set_verbosity(level)
 
     def _check_save_on_each_node(self) -> None:
         acc = self.accelerator
@@ -528,10 +515,12 @@ class Trainer(TrainerAPI):
         started = time.perf_counter()
         first_step = s.global_step
         preempted = None
-        with self._preemption_signals(), self._neftune():
+        embeddings = (_unwrap_peft(acc.unwrap_model(self.model)).get_input_embeddings() if a.neftune_noise_alpha
+                      else None)
+        with PreemptionSignals(a.save_on_signal) as signals, neftune_noise(embeddings, a.neftune_noise_alpha):
             # resumed from the run's last checkpoint (the same script run again): nothing is left to do
             if s.global_step < s.max_steps:
-                preempted = self._train_loop(pos, run, per_epoch)
+                preempted = self._train_loop(pos, run, per_epoch, signals)
         if preempted is not None:
             if acc.num_processes > 1:  # every rank has its share of the checkpoint on disk once all are here
                 acc.wait_for_everyone()
@@ -547,7 +536,7 @@ class Trainer(TrainerAPI):
             "train_steps_per_second": round(steps_run / runtime, 3),
             "train_tokens_per_second": round(run.tokens_seen / runtime, 3),
             "train_loss": run.total_loss / max(s.global_step - run.nonfinite_total, 1),
-            **self._memory_metrics(),
+            **peak_memory_metrics(acc.device),
         }
         self.store_flos()
         metrics["total_flos"] = s.total_flos
@@ -578,29 +567,8 @@ class Trainer(TrainerAPI):
             self._memory = TrainerMemoryTracker(skip_memory_metrics=False)
         return self._memory
 
-    @contextlib.contextmanager
-    def _neftune(self):
-        """NEFTune (neftune_noise_alpha): uniform noise on the input embeddings in training forwards, drawn from
-        torch's RNG (saved with checkpoints, so resumes stay exact)."""
-        alpha = self.args.neftune_noise_alpha
-        if not alpha:
-            yield
-            return
-        embeddings = _unwrap_peft(self.accelerator.unwrap_model(self.model)).get_input_embeddings()
-
-        def add_noise(module, inputs, output):
-            if not module.training:
-                return output
-            bound = alpha / math.sqrt(output.size(1) * output.size(2))
-            return output + torch.zeros_like(output).uniform_(-bound, bound)
-
-        handle = embeddings.register_forward_hook(add_noise)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-    def _train_loop(self, pos: LoopPosition, run: RunningLog, per_epoch: int | None) -> int | None:
+    def _train_loop(self, pos: LoopPosition, run: RunningLog, per_epoch: int | None,
+                    signals: PreemptionSignals) -> int | None:
         """The epochs from `pos` on; returns the signal that preempted the run, or None."""
         s, c = self.state, self.control
         model = self.model_wrapped
@@ -611,7 +579,7 @@ class Trainer(TrainerAPI):
             pos.epoch = epoch
             self._fire("on_epoch_begin")
             for window in self._windows(pos, run):
-                preempted = self._optimizer_step(model, window, pos, run, per_epoch)
+                preempted = self._optimizer_step(model, window, pos, run, per_epoch, signals)
                 if c.should_epoch_stop or c.should_training_stop:
                     break
             if per_epoch and pos.batches >= len(self._train_dataloader):
@@ -627,7 +595,7 @@ class Trainer(TrainerAPI):
         return preempted
 
     def _optimizer_step(self, model, window: list[dict], pos: LoopPosition, run: RunningLog,
-                        per_epoch: int | None) -> int | None:
+                        per_epoch: int | None, signals: PreemptionSignals) -> int | None:
         """One optimizer step over a window of micro-batches, top to bottom as callbacks.py maps its events.
         Returns the signal that preempts the run after this step (its checkpoint is written), or None."""
         a, s, acc = self.args, self.state, self.accelerator
@@ -655,7 +623,7 @@ class Trainer(TrainerAPI):
         pos.batches += len(window)
         # with max_grad_norm=0 this only measures the norm (the non-finite guard needs it)
         grad_norm = full_tensor(acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf))
-        apply, signalled = self._check_step(window_loss, grad_norm, run)  # one host sync per step
+        apply, signalled = self._check_step(window_loss, grad_norm, run, signals.received)  # one host sync
         if apply:
             self._fire("on_pre_optimizer_step")
             self.optimizer.step()
@@ -671,8 +639,8 @@ class Trainer(TrainerAPI):
         s.global_step += 1
         s.epoch = pos.epoch + (pos.batches / len(self._train_dataloader) if per_epoch else 0)
         self._fire("on_step_end")
-        if acc.num_processes == 1 and self._signal is not None:  # alone, act on a signal as soon as the step is done
-            signalled = self._signal
+        if acc.num_processes == 1 and signals.received:  # alone, act on a signal as soon as the step is done
+            signalled = signals.received
         if signalled:  # checkpoint this step, then leave
             self.control.should_save = self.control.should_training_stop = True
         self._maybe_log_save_evaluate(pos, run)
@@ -739,7 +707,8 @@ class Trainer(TrainerAPI):
                        f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
         return [part for batch in window for part in split_batch(batch, pos.micro_batch)]
 
-    def _check_step(self, window_loss: torch.Tensor, grad_norm, run: RunningLog) -> tuple[bool, int | None]:
+    def _check_step(self, window_loss: torch.Tensor, grad_norm, run: RunningLog,
+                    received: int | None) -> tuple[bool, int | None]:
         """(whether the update may be applied, the preempting signal if any process has received one). Checked
         on every step, which costs one host sync per step: the price of never applying a non-finite update."""
         acc = self.accelerator
@@ -748,12 +717,12 @@ class Trainer(TrainerAPI):
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
         mine = bad
         if acc.num_processes > 1:  # every rank must take the same decisions
-            flags = torch.stack([bad.float(), torch.tensor(float(self._signal is not None), device=acc.device)])
+            flags = torch.stack([bad.float(), torch.tensor(float(received is not None), device=acc.device)])
             flags = acc.reduce(flags, reduction="sum")
             bad, signalled = flags[0] > 0, flags[1].item() > 0
         else:
-            signalled = self._signal is not None
-        signal_number = (self._signal or signal.SIGTERM) if signalled else None
+            signalled = received is not None
+        signal_number = (received or signal.SIGTERM) if signalled else None
         if not bad.item():
             run.nonfinite_run = 0
             return True, signal_number
@@ -773,25 +742,6 @@ class Trainer(TrainerAPI):
                                  f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping")
         logger.warning(f"{what}; update skipped")
         return False, signal_number
-
-    @contextlib.contextmanager
-    def _preemption_signals(self):
-        """While training, SIGTERM / SIGUSR1 only set a flag: the loop finishes the optimizer step, saves and
-        exits. The handler never raises, so a second signal during the save cannot interrupt it."""
-        self._signal = None
-        if not self.args.save_on_signal or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        wanted = [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in wanted}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, signum, frame) -> None:
-        self._signal = signum
 
     def _fold_tokens(self, run: RunningLog) -> tuple[int, int]:
         """The run's input tokens since the last call, over every process, into state.num_input_tokens_seen."""
@@ -818,7 +768,8 @@ class Trainer(TrainerAPI):
             logs["learning_rate"] = run.learning_rate if run.learning_rate is not None else self._learning_rate()
             logs["tokens_per_second"] = round(tokens / elapsed, 2)
             logs["samples_per_second"] = round(samples / elapsed, 3)
-            logs.update(self._throughput_diagnostics(run, tokens, all_tokens, samples, elapsed))
+            logs.update(run.diagnostics(self.args, self.accelerator, self.model_wrapped, tokens, all_tokens, samples,
+                                        elapsed))
             self.log(logs)
             run.restart_clock()
         c.should_log = False
@@ -842,37 +793,6 @@ class Trainer(TrainerAPI):
         record = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
         self.state.log_history.append(record)
         self._fire("on_log", logs=logs)
-
-    def _throughput_diagnostics(self, run: RunningLog, tokens: int, all_tokens: int, samples: int,
-                                elapsed: float) -> dict:
-        """Where the window's time went (stoker.diagnostics): the fraction spent waiting for data (warned
-        about once above DATA_WAIT_WARNING) and, on a GPU, MFU and the peak of allocated memory so far."""
-        a, acc = self.args, self.accelerator
-        on_gpu = acc.device.type == "cuda"
-        wait = min(run.data_clock.take() / elapsed, 1.0)
-        out = {"data_wait_fraction": round(wait, 4)}
-        if wait > DATA_WAIT_WARNING and not run.warned_data_wait:
-            run.warned_data_wait = True
-            logger.warning(data_wait_advice(wait, a, on_gpu))
-        if not on_gpu:
-            return out
-        out["peak_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(acc.device) / 2**30, 3)
-        peak = a.peak_tflops or diagnostics.peak_tflops(torch.cuda.get_device_name(acc.device),
-                                                        diagnostics.matmul_precision(a.mixed_precision))
-        if peak and samples:
-            if run.flops_shape is None:  # parameter counts: computed once per run
-                run.flops_shape = diagnostics.model_flops_shape(acc.unwrap_model(self.model_wrapped))
-            per_token = diagnostics.flops_per_token(*run.flops_shape, seq_len=round(all_tokens / samples))
-            out["mfu"] = round(diagnostics.mfu(tokens / elapsed, per_token, peak, acc.num_processes), 4)
-        return out
-
-    def _memory_metrics(self) -> dict[str, float]:
-        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
-            return {"peak_memory_allocated_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
-        import resource
-
-        # ru_maxrss is KiB on Linux: the process's peak resident memory, the CPU-side equivalent
-        return {"peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
