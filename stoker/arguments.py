@@ -77,6 +77,15 @@ def _help(text: str) -> dict:
 
 @dataclass
 class TrainingArguments:
+    """Every setting of a run, with the fields, defaults and meaning of transformers' TrainingArguments (5.x)
+    plus stoker's own (packing, chunked_loss, nonfinite_policy, resume_mismatch, save_on_signal, ...).
+
+    Validated as a whole when made: every problem is reported at once in one ConfigError that names the field,
+    the value and what is accepted ("did you mean" for misspelt choices), and a setting whose optional package
+    is missing gives the pip command. Loads from YAML/JSON config files and command lines (`stoker train`,
+    HfArgumentParser) with the same checks; `to_dict()` / `to_json_string()` round-trip it.
+    """
+
     default_optim = "adamw_torch_fused"  # as transformers' class attribute (not a field)
     # --- where the run writes -------------------------------------------------------------------
     output_dir: str | None = field(default=None, metadata=_help(

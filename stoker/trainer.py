@@ -1,9 +1,11 @@
 """The Trainer: one managed training loop over an accelerate.Accelerator, steered by callbacks.
 
-The loop (`Trainer._train_loop`) reads top to bottom: fetch a window of micro-batches, count the window's
-target tokens, forward/backward each micro-batch with the loss normalised over the whole window, clip,
-step, log, evaluate, save, stop. Every distributed mechanic (device placement, DDP, mixed precision,
-gradient sync) is Accelerate's; the Trainer only calls its API.
+One optimizer step reads top to bottom in `Trainer._optimizer_step`: a window of micro-batches, the window's
+target tokens counted over every process, `training_step` per micro-batch with the loss normalised over the
+whole window, clip, check, step, schedule, then log / evaluate / save as the callbacks ask. The loop's position
+and running sums are explicit objects (stoker.loop); how the loss of a model is normalised is decided once
+(stoker.convention); device placement, DDP, FSDP, DeepSpeed and mixed precision are Accelerate's, behind a
+backend object that the loop calls without branching on which one it is.
 """
 
 from __future__ import annotations
@@ -103,6 +105,27 @@ def _unwrap_peft(model):
 
 
 class Trainer(TrainerAPI):
+    """Trains, evaluates and predicts with a PyTorch model, with the constructor and methods of
+    transformers.Trainer (a script written for it runs with the import changed).
+
+    What it promises beyond that surface:
+
+    - Exact gradient accumulation and data parallelism: B micro-batches x A accumulation steps x N processes
+      give the update of one batch of B*A*N rows, for every model family (causal and masked LMs, classifiers,
+      seq2seq, plain modules), because each micro-batch's loss is normalised over the target items of the
+      whole window.
+    - Exact resume: a run resumed from a checkpoint ends with the same parameters, optimizer state and logged
+      losses as the run that was never stopped (float32 on CPU, bit for bit). Checkpoints are JSON and
+      safetensors only, committed atomically; nothing is ever unpickled.
+    - Preemption: on SIGTERM / SIGUSR1 the current step is finished, checkpointed, and train() raises
+      TrainingPreempted (exit code 75).
+    - Bad input (arguments, model, data, collator) is reported before any work, every problem at once, as a
+      ConfigError.
+
+    Override points, as in transformers: compute_loss, training_step, prediction_step, evaluation_loop,
+    create_optimizer, create_scheduler, get_train_dataloader, get_eval_dataloader, log.
+    """
+
     def __init__(
         self,
         # transformers.Trainer's parameters in its order (a positional call means the same), then stoker's
@@ -304,12 +327,15 @@ class Trainer(TrainerAPI):
         return pad if pad is not None else 0
 
     def add_callback(self, callback) -> None:
+        """Register a callback (an instance, or a class to instantiate); its events fire from now on."""
         self.callback_handler.add(callback)
 
     def remove_callback(self, callback) -> None:
+        """Unregister a callback (the instance, or every callback of a class)."""
         self.callback_handler.pop(callback)
 
     def pop_callback(self, callback):
+        """Unregister a callback and return it (None if it was not registered)."""
         return self.callback_handler.pop(callback)
 
     def _fire(self, event: str, **kwargs) -> None:
@@ -362,12 +388,17 @@ class Trainer(TrainerAPI):
     # training
 
     def get_train_dataloader(self):
+        """The training DataLoader of one process, before Accelerate prepares it: micro-batches of the current
+        size (halved by auto_find_batch_size), shuffled by data_seed (or grouped by length), collated by
+        data_collator. Override to change how batches are made; the loop shards and skips it."""
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
         micro_batch = getattr(self, "_train_batch_size", self.args.per_device_train_batch_size)
         return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
 
     def get_eval_dataloader(self, eval_dataset=None):
+        """The prepared evaluation DataLoader of `eval_dataset` (a dataset, a name in the Trainer's dict of them,
+        or None for the Trainer's own), in order, per_device_eval_batch_size rows per process."""
         if isinstance(eval_dataset, str):  # a name in the Trainer's dict of evaluation sets
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -861,6 +892,8 @@ class Trainer(TrainerAPI):
         return self.lr_scheduler.get_last_lr()[0]
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"):
+        """Predictions, labels (if the dataset has them) and metrics of a dataset, gathered from every process in
+        dataset order, as transformers returns them (a PredictionOutput of numpy arrays)."""
         memory = self._memory_tracker()
         if memory is not None:
             memory.start()
