@@ -15,6 +15,7 @@ import os
 import torch
 
 from .arguments import ConfigError
+from .inputs import adapter_folder_problem
 
 LORA_TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForSequenceClassification": "SEQ_CLS",
                    "ForTokenClassification": "TOKEN_CLS"}
@@ -127,8 +128,6 @@ def merge_adapter(base: str, adapter: str, out: str, dtype: str | None = None) -
     beside either) to `out` as a plain transformers model, and return `out`."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoConfig, AutoTokenizer
-
-    from .inputs import adapter_folder_problem
 
     problem = adapter_folder_problem("adapter", adapter)  # the base may be a hub id
     if problem:

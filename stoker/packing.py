@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .errors import ConfigError
+
 IGNORE_INDEX = -100
 
 
@@ -215,8 +217,6 @@ def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: in
     Packing is a pure function of the rows, so a resumed run packs them into the same rows, in the same order,
     and the number of target tokens per row is unchanged (first labels are no targets after the causal shift),
     so accumulation stays exact."""
-    from .arguments import ConfigError
-
     setting = "packing" if args.packing else "padding_free"
     problems = []
     if data_collator is not None and not isinstance(data_collator, PackingCollator):

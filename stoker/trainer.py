@@ -81,9 +81,12 @@ from .errors import (
 from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, logits_of, predictions_of, split_batch
 from .log import logger, set_log_levels
 from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, window_sizes
-from .lora import trainable_parameters
+from .lora import trainable_parameters, wrap
 from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
+from .optim import create_scheduler, parameter_groups
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
+from .packing import packed_train_set
+from .report import ReportCallback
 from .trainer_api import TrainerAPI
 from .trainer_inputs import trainer_input_problems
 
@@ -168,8 +171,6 @@ class Trainer(TrainerAPI):
         self._given_collator = data_collator
         model = self._set_up_model(model)
         if self.args.packing or self.args.padding_free:  # packs the train set once and picks the collator
-            from .packing import packed_train_set
-
             self.train_dataset, self._given_collator = packed_train_set(
                 self.args, model, self.train_dataset, data_collator, self._pad_token_id(), self._forward_kwargs)
             self._set_collator(_unwrap_peft(model))
@@ -202,8 +203,6 @@ class Trainer(TrainerAPI):
         if "tensorboard" in self.args.report_to:
             defaults.append(TensorBoardCallback())
         if self.args.training_report:
-            from .report import ReportCallback
-
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
         self._fire("on_init_end")
@@ -218,8 +217,6 @@ class Trainer(TrainerAPI):
         each fresh model from model_init. Returns the model to train (the peft model with peft_config)."""
         a = self.args
         if self._peft_config is not None:
-            from .lora import wrap
-
             model = wrap(model, self._peft_config, a.gradient_checkpointing)
         base = _unwrap_peft(model)
         if a.use_liger_kernel:
@@ -411,8 +408,6 @@ class Trainer(TrainerAPI):
         """An "optimizer" or "scheduler" section of the DeepSpeed config is built by DeepSpeed (Accelerate's
         placeholders stand for it until then); otherwise stoker's own is handed to DeepSpeed."""
         from accelerate.utils import DummyOptim, DummyScheduler
-
-        from .optim import create_scheduler, parameter_groups
 
         a, config = self.args, self.accelerator.state.deepspeed_plugin.deepspeed_config
         if self.optimizer is None:

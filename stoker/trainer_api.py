@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .arguments import ConfigError
+from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kwargs, parameter_groups
 
 
 class TrainerAPI:
@@ -150,22 +151,16 @@ class TrainerAPI:
         return model
 
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
-        from .optim import decay_parameter_names
-
         return decay_parameter_names(model)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]]:
-        from .optim import optimizer_cls_and_kwargs
-
         return optimizer_cls_and_kwargs(args)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The optimizer (unless one was given): args.optim, or Trainer(optimizer_cls_and_kwargs=...), over two
         groups, with and without weight decay. A subclass may override it; train() calls it."""
         if self.optimizer is None:
-            from .optim import parameter_groups
-
             cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args)
             groups = parameter_groups(self.model if model is None else model, self.args.weight_decay)
             if not groups:
@@ -175,8 +170,6 @@ class TrainerAPI:
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if self.lr_scheduler is None:
-            from .optim import create_scheduler
-
             self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
         return self.lr_scheduler
 
