@@ -1,16 +1,18 @@
 """Callbacks: the events of the training loop, the state they see and the controls they steer with.
 
-The loop in `Trainer.train`, with every event where it fires::
+The loop in `Trainer.train`, with every event where it fires; the window is `Trainer._optimizer_step`, line for
+line::
 
     on_init_end                              # end of Trainer.__init__
     on_train_begin
-    for epoch:
+    for epoch:                               # Trainer._train_loop
         on_epoch_begin
         for window of gradient_accumulation_steps micro-batches:
             on_step_begin
             for micro-batch in window:
-                forward, backward            # gradients sync on the window's last micro-batch only
+                training_step                # forward, backward; gradients sync on the window's last one only
                 on_substep_end               # after every micro-batch but the window's last
+            clip, check loss and gradient norm (one host sync: a non-finite step is skipped)
             on_pre_optimizer_step            # gradients are final and clipped
             optimizer.step()
             on_optimizer_step
