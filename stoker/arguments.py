@@ -662,6 +662,7 @@ class TrainingArguments:
     # ------------------------------------------------------------------------------------------
     @property
     def mixed_precision(self) -> str:
+        """Accelerate's name for the precision of the run: "bf16", "fp16" or "no"."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
     def warmup_for(self, max_steps: int) -> int:
@@ -699,6 +700,7 @@ class TrainingArguments:
         return out
 
     def to_json_string(self) -> str:
+        """to_dict() as indented JSON with sorted keys (tokens masked)."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def to_sanitized_dict(self) -> dict[str, Any]:
@@ -726,26 +728,33 @@ class TrainingArguments:
 
     @property
     def train_batch_size(self) -> int:
+        """Training rows per micro-batch on one process: per_device_train_batch_size (x n_gpu, which is 1 or 0
+        here), as transformers computes it."""
         return self.per_device_train_batch_size * max(1, self.n_gpu)
 
     @property
     def eval_batch_size(self) -> int:
+        """Evaluation rows per batch on one process: per_device_eval_batch_size (x n_gpu, which is 1 or 0 here)."""
         return self.per_device_eval_batch_size * max(1, self.n_gpu)
 
     @property
     def device(self):
+        """The torch.device this process runs on, as Accelerate assigns it (the CPU with use_cpu)."""
         return self._process().device
 
     @property
     def world_size(self) -> int:
+        """Processes in the run (1 without a launcher)."""
         return self._process().num_processes
 
     @property
     def process_index(self) -> int:
+        """This process's global rank, 0 to world_size - 1."""
         return self._process().process_index
 
     @property
     def local_process_index(self) -> int:
+        """This process's rank on its machine (0 on the machine's first process)."""
         return self._process().local_process_index
 
     @property
@@ -755,10 +764,13 @@ class TrainingArguments:
 
     @property
     def should_save(self) -> bool:
+        """Whether this process writes the files only one process writes: the run's main process, or each
+        machine's with save_on_each_node."""
         return (self.local_process_index if self.save_on_each_node else self.process_index) == 0
 
     @property
     def parallel_mode(self):
+        """transformers' ParallelMode: DISTRIBUTED with more than one process, else NOT_PARALLEL."""
         from transformers.training_args import ParallelMode
 
         return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
@@ -777,6 +789,7 @@ class TrainingArguments:
 
     @property
     def ddp_timeout_delta(self):
+        """ddp_timeout (seconds) as a datetime.timedelta, the process group's timeout."""
         from datetime import timedelta
 
         return timedelta(seconds=self.ddp_timeout)
@@ -788,6 +801,8 @@ class TrainingArguments:
         return None
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warm-up optimizer steps for a run of num_training_steps, as warmup_for (warmup_steps < 1 and
+        warmup_ratio are fractions of it, rounded up)."""
         return self.warmup_for(num_training_steps)
 
     @contextlib.contextmanager
@@ -809,6 +824,9 @@ class TrainingArguments:
     def set_training(self, learning_rate: float = 5e-5, batch_size: int = 8, weight_decay: float = 0,
                      num_epochs: float = 3, max_steps: int = -1, gradient_accumulation_steps: int = 1, seed: int = 42,
                      activation_checkpointing: bool = False, gradient_checkpointing: bool | None = None):
+        """Set do_train and the training fields (batch_size is per_device_train_batch_size; gradient_checkpointing,
+        when given, wins over activation_checkpointing and sets both), as transformers.
+        Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         checkpointing = activation_checkpointing if gradient_checkpointing is None else gradient_checkpointing
         return self._update(do_train=True, learning_rate=learning_rate, per_device_train_batch_size=batch_size,
                             weight_decay=weight_decay, num_train_epochs=num_epochs, max_steps=max_steps,
@@ -817,37 +835,51 @@ class TrainingArguments:
 
     def set_evaluate(self, strategy: str = "no", steps: int = 500, batch_size: int = 8,
                      accumulation_steps: int | None = None, delay: float | None = None, loss_only: bool = False):
+        """Set the evaluation fields (eval_strategy, and do_eval unless it is "no"), as transformers.
+        Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         return self._update(eval_strategy=str(strategy), do_eval=str(strategy) != "no", eval_steps=steps,
                             per_device_eval_batch_size=batch_size, eval_accumulation_steps=accumulation_steps,
                             eval_delay=delay or 0, prediction_loss_only=loss_only)
 
     def set_testing(self, batch_size: int = 8, loss_only: bool = False):
+        """Set do_predict, per_device_eval_batch_size and prediction_loss_only, as transformers.
+        Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         return self._update(do_predict=True, per_device_eval_batch_size=batch_size, prediction_loss_only=loss_only)
 
     def set_save(self, strategy: str = "steps", steps: int = 500, total_limit: int | None = None,
                  on_each_node: bool = False):
+        """Set the checkpoint fields (save_strategy, save_steps, save_total_limit, save_on_each_node), as
+        transformers. Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         return self._update(save_strategy=str(strategy), save_steps=steps, save_total_limit=total_limit,
                             save_on_each_node=on_each_node)
 
     def set_logging(self, strategy: str = "steps", steps: int = 500, report_to: str | list[str] = "none",
                     level: str = "passive", first_step: bool = False, nan_inf_filter: bool = False,
                     on_each_node: bool = False, replica_level: str = "passive"):
+        """Set the logging fields (strategy, steps, report_to, log levels, first step, nan/inf filter), as
+        transformers. Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         return self._update(logging_strategy=str(strategy), logging_steps=steps, report_to=report_to, log_level=level,
                             logging_first_step=first_step, logging_nan_inf_filter=nan_inf_filter,
                             log_on_each_node=on_each_node, log_level_replica=replica_level)
 
     def set_push_to_hub(self, model_id: str, strategy: str = "every_save", token: str | None = None,
                         private_repo: bool | None = None, always_push: bool = False, revision: str | None = None):
+        """transformers' setter for the Hub fields. It sets push_to_hub=True, which stoker refuses (it never uses
+        the network), so it always raises ConfigError and leaves the arguments unchanged."""
         return self._update(push_to_hub=True, hub_model_id=model_id, hub_strategy=str(strategy), hub_token=token,
                             hub_private_repo=private_repo, hub_always_push=always_push, hub_revision=revision)
 
     def set_optimizer(self, name: str = "adamw_torch", learning_rate: float = 5e-5, weight_decay: float = 0,
                       beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, args: str | None = None):
+        """Set the optimizer fields (optim, learning_rate, weight_decay, Adam's betas and epsilon, optim_args), as
+        transformers. Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         return self._update(optim=str(name), learning_rate=learning_rate, weight_decay=weight_decay,
                             adam_beta1=beta1, adam_beta2=beta2, adam_epsilon=epsilon, optim_args=args)
 
     def set_lr_scheduler(self, name: str = "linear", num_epochs: float = 3.0, max_steps: int = -1,
                          warmup_steps: float = 0):
+        """Set lr_scheduler_type, num_train_epochs, max_steps and warmup_steps (< 1: a fraction of the steps), as
+        transformers. Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         return self._update(lr_scheduler_type=str(name), num_train_epochs=num_epochs, max_steps=max_steps,
                             warmup_steps=warmup_steps)
 
@@ -856,6 +888,9 @@ class TrainingArguments:
                        prefetch_factor: int | None = None, multiprocessing_context: str | None = None,
                        in_order: bool = True, auto_find_batch_size: bool = False, ignore_data_skip: bool = False,
                        sampler_seed: int | None = None):
+        """Set the batch sizes, the dataloader_* fields, auto_find_batch_size, ignore_data_skip and data_seed
+        (sampler_seed, default seed), as transformers.
+        Returns these arguments, validated as a whole (ConfigError leaves them unchanged)."""
         return self._update(
             per_device_train_batch_size=train_batch_size, per_device_eval_batch_size=eval_batch_size,
             dataloader_drop_last=drop_last, dataloader_num_workers=num_workers, dataloader_pin_memory=pin_memory,

@@ -81,19 +81,23 @@ class TrainerState:
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)
 
     def to_json_string(self) -> str:
+        """Every field as indented JSON with sorted keys and a final newline (trainer_state.json's format)."""
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
     def save_to_json(self, json_path: str) -> None:
+        """Write to_json_string() to json_path, replacing the file."""
         with open(json_path, "w", encoding="utf-8") as f:
             f.write(self.to_json_string())
 
     @classmethod
     def load_from_json(cls, json_path: str) -> TrainerState:
+        """The state saved in json_path (by stoker or transformers); keys that are not fields are ignored."""
         with open(json_path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainerState:
+        """A state from a dict of field values; keys that are not fields are ignored, missing fields default."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
@@ -116,6 +120,8 @@ class TrainerControl:
     should_log: bool = False
 
     def state(self) -> dict[str, Any]:
+        """The flags as transformers' ExportableState: {"args": every flag, "attributes": {}}; saved with a
+        checkpoint, never restored (the run they steered has ended)."""
         return {"args": dataclasses.asdict(self), "attributes": {}}
 
 
@@ -159,21 +165,64 @@ class TrainerCallback:
     the Trainer saves it with each checkpoint and, with restore_callback_states_from_checkpoint, restores it.
     """
 
-    def on_init_end(self, args, state, control, **kwargs): ...
-    def on_train_begin(self, args, state, control, **kwargs): ...
-    def on_epoch_begin(self, args, state, control, **kwargs): ...
-    def on_step_begin(self, args, state, control, **kwargs): ...
-    def on_substep_end(self, args, state, control, **kwargs): ...
-    def on_pre_optimizer_step(self, args, state, control, **kwargs): ...
-    def on_optimizer_step(self, args, state, control, **kwargs): ...
-    def on_step_end(self, args, state, control, **kwargs): ...
-    def on_log(self, args, state, control, logs=None, **kwargs): ...
-    def on_prediction_step(self, args, state, control, **kwargs): ...
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs): ...
-    def on_save(self, args, state, control, **kwargs): ...
-    def on_epoch_end(self, args, state, control, **kwargs): ...
-    def on_train_end(self, args, state, control, **kwargs): ...
-    def on_predict(self, args, state, control, metrics=None, **kwargs): ...
+    def on_init_end(self, args, state, control, **kwargs):
+        """At the end of Trainer.__init__, once every callback is registered; nothing has run yet."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """At the start of train(), once max_steps and the step intervals are in `state` and a resumed run's
+        state is loaded, before the first epoch (kwargs: train_dataloader). A callback may refuse the run by
+        raising here, as EarlyStoppingCallback does."""
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        """At the start of every epoch, a resumed one included, before its first window is read."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        """Before the first forward of each optimizer step's window of gradient_accumulation_steps micro-batches;
+        state.global_step is still the previous step's."""
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        """After the backward of every micro-batch of a window but its last, while gradients still accumulate
+        (unsynchronised across processes)."""
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """Before optimizer.step(), with the window's gradients final, synchronised and clipped. Not fired for a
+        step whose loss or gradient norm is non-finite: that update is skipped."""
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        """Right after optimizer.step(), before the scheduler steps and the gradients are zeroed. Fired exactly
+        when on_pre_optimizer_step was."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """After every optimizer step (also one whose non-finite update was skipped), with state.global_step and
+        state.epoch counting it. The place to steer: set control.should_log / should_evaluate / should_save /
+        should_training_stop / should_epoch_stop, which the loop acts on right after."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Each time Trainer.log records `logs` (training logs, evaluation metrics, the final train metrics),
+        after they are appended to state.log_history. Fired on every process; write once by checking
+        state.is_world_process_zero."""
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        """After each batch of evaluate() or predict() (every process, every batch)."""
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """After evaluate() has computed and logged `metrics` (prefixed eval_ by default; once per set for a dict
+        of eval sets), in training or called directly. state.best_metric still holds the previous best here. A
+        callback may set should_training_stop."""
+
+    def on_save(self, args, state, control, **kwargs):
+        """After a checkpoint is completely written and committed by every process (and old ones rotated)."""
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        """At the end of every epoch (also one cut short by should_epoch_stop or should_training_stop), before
+        the epoch-strategy log / evaluate / save; a callback may set those flags here."""
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """At the end of train(), after the run's metrics are logged and the best model is loaded (with
+        load_best_model_at_end); control flags set here are not acted on."""
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        """At the end of predict(), with its `metrics` (prefixed test_ by default); not fired by evaluate()."""
 
 
 class CallbackHandler:
@@ -360,6 +409,7 @@ class EarlyStoppingCallback(TrainerCallback):
         self.early_stopping_patience_counter = 0  # evaluations in a row without improvement
 
     def on_train_begin(self, args, state, control, **kwargs):
+        """Raises ValueError unless metric_for_best_model is set and eval_strategy is not 'no'."""
         if args.metric_for_best_model is None or args.eval_strategy == "no":
             raise ValueError("EarlyStoppingCallback needs metric_for_best_model and an eval_strategy other than 'no'")
 
@@ -374,6 +424,8 @@ class EarlyStoppingCallback(TrainerCallback):
             self.early_stopping_patience_counter += 1
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """Count this evaluation against patience and set should_training_stop once it is used up. Raises
+        KeyError if metric_for_best_model (with or without its eval_ prefix) is not among the metrics."""
         name = args.metric_for_best_model
         key = name if name.startswith("eval_") else f"eval_{name}"
         value = (metrics or {}).get(key)
@@ -385,6 +437,8 @@ class EarlyStoppingCallback(TrainerCallback):
             control.should_training_stop = True
 
     def state(self) -> dict[str, Any]:
+        """{"args": patience and threshold, "attributes": the counter}, saved with each checkpoint so that a
+        resumed run keeps counting (with restore_callback_states_from_checkpoint)."""
         return {"args": {"early_stopping_patience": self.early_stopping_patience,
                          "early_stopping_threshold": self.early_stopping_threshold},
                 "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter}}

@@ -21,6 +21,10 @@ from .trainer import Trainer
 
 @dataclass
 class Seq2SeqTrainingArguments(TrainingArguments):
+    """TrainingArguments plus transformers' Seq2SeqTrainingArguments fields: sortish_sampler (stoker's
+    group_by_length sampler), predict_with_generate and the generation settings evaluation and predict use.
+    Validated as TrainingArguments: every problem in one ConfigError."""
+
     sortish_sampler: bool = field(default=False, metadata=_help(
         "Batch training samples of similar length together (stoker's group_by_length sampler)."))
     predict_with_generate: bool = field(default=False, metadata=_help(
@@ -39,6 +43,8 @@ class Seq2SeqTrainingArguments(TrainingArguments):
         super().__post_init__()
 
     def problems(self) -> list[str]:
+        """TrainingArguments' problems, and generation_max_length / generation_num_beams that are set but not
+        positive integers."""
         p = super().problems()
         for name in ("generation_max_length", "generation_num_beams"):
             value = getattr(self, name)
@@ -47,6 +53,8 @@ class Seq2SeqTrainingArguments(TrainingArguments):
         return p
 
     def to_dict(self) -> dict[str, Any]:
+        """TrainingArguments.to_dict (tokens masked), with a GenerationConfig object as its dict so that the
+        result is JSON."""
         out = super().to_dict()
         if hasattr(out["generation_config"], "to_dict"):
             out["generation_config"] = out["generation_config"].to_dict()
@@ -54,6 +62,10 @@ class Seq2SeqTrainingArguments(TrainingArguments):
 
 
 class Seq2SeqTrainer(Trainer):
+    """A Trainer whose evaluation and predict generate with predict_with_generate, as transformers'
+    Seq2SeqTrainer: training is the Trainer's; the generation_config argument, if set, replaces the model's
+    generation_config when the trainer is made (ValueError if it cannot be loaded locally)."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._gen_kwargs: dict[str, Any] = {}
@@ -87,11 +99,15 @@ class Seq2SeqTrainer(Trainer):
 
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
                  **gen_kwargs) -> dict[str, float]:
+        """Trainer.evaluate, generating with gen_kwargs (max_length / max_new_tokens, num_beams, ...) when
+        predict_with_generate; an unset max_length and num_beams come from the arguments' generation_* fields."""
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)
         return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
                 **gen_kwargs):
+        """Trainer.predict, generating with gen_kwargs as evaluate does: with predict_with_generate the
+        PredictionOutput's predictions are generated token ids padded with the pad token, not logits."""
         self._gen_kwargs = self._generation_kwargs(gen_kwargs)
         return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 

@@ -23,13 +23,19 @@ from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kw
 
 
 class TrainerAPI:
+    """transformers.Trainer's public methods besides train / evaluate / predict, with the same names, signatures and
+    results; `Trainer` inherits them and supplies the attributes they read (args, accelerator, model, optimizer,
+    lr_scheduler, state)."""
+
     # ------------------------------------------------------------------------------------------
     # processes
 
     def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of the whole run (global rank 0); True in a single process."""
         return self.accelerator.is_main_process
 
     def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its machine (local rank 0); True in a single process."""
         return self.accelerator.is_local_main_process
 
     def get_total_train_batch_size(self, args=None) -> int:
@@ -67,19 +73,24 @@ class TrainerAPI:
         return epochs, per_epoch, examples, samples, total, steps_in_epoch, max_steps
 
     def get_tp_size(self) -> int:
-        return 1  # stoker runs no tensor parallelism (parallelism_config is refused)
+        """Tensor-parallel degree: always 1, as stoker runs no tensor parallelism (parallelism_config is refused)."""
+        return 1
 
     def get_cp_size(self) -> int:
-        return 1  # nor context parallelism
+        """Context-parallel degree: always 1, as stoker runs no context parallelism."""
+        return 1
 
     def get_sp_size(self) -> int:
-        return 1  # nor sequence parallelism
+        """Sequence-parallel degree: always 1, as stoker runs no sequence parallelism."""
+        return 1
 
     def compute_loss_context_manager(self):
         """Context around compute_loss; Accelerate's prepared model already runs under autocast."""
         return contextlib.ExitStack()
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        """Accelerate's autocast for the run's mixed precision (a no-op context in float32); cache_enabled is
+        accepted for transformers' signature and not used."""
         return self.accelerator.autocast()
 
     def end(self) -> None:
@@ -90,11 +101,15 @@ class TrainerAPI:
     # metrics and state files (transformers' helpers, so the files are the same)
 
     def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """A copy of `metrics` made readable, as transformers: memory in MB, runtimes as h:mm:ss, total_flos in GF,
+        other floats rounded to 4 decimals. The dict given is not changed."""
         from transformers.trainer_pt_utils import metrics_format
 
         return metrics_format(metrics)
 
     def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        """Print `metrics` under a "***** {split} metrics *****" header, one formatted value a line sorted by name,
+        on the main process only (transformers' helper, so the output is the same)."""
         from transformers.trainer_pt_utils import log_metrics
 
         log_metrics(self, split, metrics)
@@ -131,10 +146,12 @@ class TrainerAPI:
             self.args.lr_scheduler_type = scheduler
 
     def push_to_hub(self, *args, **kwargs):
+        """Always raises RuntimeError: stoker never uses the network. The message says how to upload output_dir."""
         raise RuntimeError("push_to_hub: stoker does not upload to the Hugging Face Hub (it never uses the network); "
                            f"upload {self.args.output_dir!r} yourself, e.g. `hf upload <repo> {self.args.output_dir}`")
 
     def init_hf_repo(self, *args, **kwargs):
+        """Always raises RuntimeError, as push_to_hub: stoker creates no Hub repository."""
         self.push_to_hub()
 
     # ------------------------------------------------------------------------------------------
@@ -151,10 +168,14 @@ class TrainerAPI:
         return model
 
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """Names of the parameters that weight decay applies to: all but biases and the parameters of normalisation
+        layers, as transformers chooses them."""
         return decay_parameter_names(model)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]]:
+        """The optimizer class args.optim names and its keyword arguments (learning rate, Adam's betas and eps where
+        it takes them, then optim_args), as transformers returns them; `model` is accepted and not used."""
         return optimizer_cls_and_kwargs(args)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -169,18 +190,24 @@ class TrainerAPI:
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """The learning-rate schedule (unless one was given): lr_scheduler_type over num_training_steps optimizer
+        steps with the warmup of the arguments, on `optimizer` or self.optimizer. Sets and returns lr_scheduler."""
         if self.lr_scheduler is None:
             self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
         return self.lr_scheduler
 
     def create_optimizer_and_scheduler(self, num_training_steps: int, model: torch.nn.Module | None = None) -> None:
+        """create_optimizer, then create_scheduler for num_training_steps on it; either is kept if already set."""
         self.create_optimizer(model)
         self.create_scheduler(num_training_steps, self.optimizer)
 
     def get_num_trainable_parameters(self) -> int:
+        """Elements in the model's parameters with requires_grad (after LoRA: the adapters only)."""
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def get_learning_rates(self) -> list[float]:
+        """The current learning rate of each optimizer parameter group, in group order; ValueError before train()
+        has built the optimizer."""
         if self.optimizer is None:
             raise ValueError("get_learning_rates: there is no optimizer yet; it is built by train()")
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -199,9 +226,13 @@ class TrainerAPI:
     # data
 
     def get_test_dataloader(self, test_dataset):
+        """The loader predict() reads test_dataset with: built as get_eval_dataloader builds it (eval batch size,
+        in order, prepared for every process)."""
         return self.get_eval_dataloader(test_dataset)
 
     def num_examples(self, dataloader) -> int:
+        """Rows in the loader's dataset; for a loader without a sized dataset, its batches x
+        per_device_train_batch_size (as transformers estimates it). TypeError if the loader has no length either."""
         try:
             return len(dataloader.dataset)
         except (AttributeError, TypeError):  # no dataset, or one without a length
@@ -234,6 +265,8 @@ class TrainerAPI:
         return 6 * inputs[main_input].numel() * self._flops_parameters
 
     def store_flos(self) -> None:
+        """Add the FLOPs counted since the last call, summed over every process, to state.total_flos and restart
+        the count. Every process must call it (a collective when there are several)."""
         flos = torch.tensor(float(self.current_flos), device=self.accelerator.device, dtype=torch.float64)
         if self.accelerator.num_processes > 1:
             flos = self.accelerator.reduce(flos, reduction="sum")
