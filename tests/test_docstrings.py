@@ -14,8 +14,6 @@ import dataclasses
 import functools
 import inspect
 
-import pytest
-
 import stoker
 from stoker import callbacks
 
@@ -29,20 +27,6 @@ def public_classes() -> list[type]:
 
 def _is_stoker(owner: type) -> bool:
     return owner.__module__ == "stoker" or owner.__module__.startswith("stoker.")
-
-
-# Undocumented today in modules under restructuring, documented there as part of it: each name is excused only
-# while it has no docstring, and none may be added to this list. Empty it when they are documented.
-PENDING = frozenset({
-    "stoker.arguments.TrainingArguments",
-    "stoker.trainer.Trainer",
-    "stoker.trainer.Trainer.add_callback",
-    "stoker.trainer.Trainer.get_eval_dataloader",
-    "stoker.trainer.Trainer.get_train_dataloader",
-    "stoker.trainer.Trainer.pop_callback",
-    "stoker.trainer.Trainer.predict",
-    "stoker.trainer.Trainer.remove_callback",
-})
 
 
 def _has_docstring(obj) -> bool:
@@ -105,15 +89,9 @@ def test_checker_sees_a_dataclass_without_docstring():
 
 
 def test_every_public_class_and_member_has_a_docstring():
-    missing = [name for name in missing_docstrings() if name not in PENDING]
+    missing = missing_docstrings()
     assert not missing, f"{len(missing)} public classes / members without a docstring:\n  " + "\n  ".join(missing)
 
 
-@pytest.mark.xfail(reason="documented with the restructuring of their modules (PENDING)", strict=False)
-def test_pending_names_are_documented():
-    missing = [name for name in missing_docstrings() if name in PENDING]
-    assert not missing, f"{len(missing)} pending classes / members without a docstring:\n  " + "\n  ".join(missing)
-
-
-if __name__ == "__main__":  # the full list, pending names included
+if __name__ == "__main__":
     print("\n".join(missing_docstrings()))
