@@ -296,6 +296,7 @@ def fsdp_on_cpu(trainer, version: int = 2, **fsdp_config) -> None:
     from accelerate.utils import DistributedType
 
     from stoker import distributed as dist
+    from stoker.distributed.backends import backend_for
 
     kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"version": version, **fsdp_config}, model=trainer.model)
     assert not problems, problems
@@ -306,6 +307,8 @@ def fsdp_on_cpu(trainer, version: int = 2, **fsdp_config) -> None:
     if version == 1:  # FullyShardedDataParallel's CPU compute device is "cpu"; Accelerate's gloo device "cpu:0"
         PartialState._shared_state["device"] = state.device = torch.device("cpu")
     assert trainer.accelerator.is_fsdp2 == (version == 2)
+    # the Trainer's backend object follows the Accelerate state it was made from: made again for this one
+    trainer._backend = backend_for(trainer.accelerator, trainer.args)
 
 
 def fsdp_args(out: str, **kw) -> TrainingArguments:
