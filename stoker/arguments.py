@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .distributed import argument_problems, wants_cpu
+from .distributed.launch import wants_cpu
+from .distributed.options import argument_problems
 from .errors import ConfigError, suggest
 
 # Names that `transformers.get_scheduler` accepts ("greedy" needs a metric and is not offered).

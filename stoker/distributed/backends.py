@@ -3,14 +3,14 @@
 The Trainer builds its backend once, from the Accelerator (`backend_for`), and calls it wherever the backends
 differ, so that neither the loop nor the checkpointing branches on the kind of run:
 
-    prepare(trainer, max_steps)            optimizer and scheduler built and prepared with the model for a run
-    wraps_in_place                         whether prepare changed the model for good (train() cannot run twice)
-    micro_batch(model, last) / backward    one micro-batch of an accumulation window
-    scaler_handles_inf / update_applied_despite_nonfinite     what the non-finite guard may decide
-    state_dict_for_saving / writes_full_model / write_model   the model in a checkpoint or save_model
-    save_rank_parts / save_optimizer        the optimizer state (and shards) in a checkpoint
-    load_weights / load_training_state      what a checkpoint gives back
-    kind / check_checkpoint                 which checkpoints this run can resume
+    prepare(trainer, max_steps)              optimizer and scheduler built and prepared with the model for a run
+    wraps_in_place                           whether prepare changed the model for good (train() runs once)
+    micro_batch(model, last), backward(loss) one micro-batch of an accumulation window
+    scaler_handles_inf(args), update_applied_despite_nonfinite()   what the non-finite guard may decide
+    state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
+    save_rank_parts, save_optimizer          the optimizer state (and shards) in a checkpoint
+    load_weights, load_training_state        what a checkpoint gives back
+    kind, check_checkpoint                   which checkpoints this run can resume
 
 Every method that says "every rank" is a collective: all processes must call it.
 """
@@ -170,6 +170,7 @@ class FSDPBackend(Backend):
         return gather_full_model(model, trainable_only=self._is_peft(model))
 
     def writes_full_model(self, model) -> bool:
+        """With state_dict_type FULL_STATE_DICT, or for a peft adapter (small); else shards only."""
         return gathers_full_model(self.accelerator) or self._is_peft(model)
 
     def write_model(self, folder: str, model, state_dict: dict | None) -> None:
@@ -193,9 +194,11 @@ class FSDPBackend(Backend):
         """Nothing: the optimizer state is in every rank's shards."""
 
     def load_weights(self, folder: str, model) -> None:
+        """Every rank its shards of the checkpoint's model (or adapter), matched by name and offsets."""
         load_shards(folder, model, trainable_only=self._is_peft(model))
 
     def load_training_state(self, folder: str, model, optimizer) -> None:
+        """Every rank its shards of the model and of the optimizer state."""
         load_shards(folder, model, optimizer, self._is_peft(model))
 
 
@@ -212,6 +215,7 @@ class FSDP1Backend(FSDPBackend):
     wraps_in_place = True
 
     def prepare(self, trainer, max_steps: int) -> None:
+        """The model wrapped first, then the optimizer built on its flat parameters and prepared."""
         acc = self.accelerator
         trainer.model_wrapped = acc.prepare(trainer.model)
         trainer.create_optimizer_and_scheduler(max_steps, trainer.model_wrapped)
