@@ -1382,10 +1382,7 @@ class Trainer(TrainerAPI):
         takes a peft adapter from the model itself."""
         return self._backend.state_dict_for_saving(self.model_wrapped)
 
-    def _is_peft(self) -> bool:
-        return ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped))
-
-    # the loop calls these; stoker.checkpointing does the work
+    # checkpoints: the work is stoker.checkpointing's (the loop, load_best_model_at_end and tests call these)
     def _save_checkpoint(self) -> str:
         return self._checkpointer.save()
 
