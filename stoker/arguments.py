@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import difflib
 import json
 import os
 import re
@@ -21,7 +20,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .errors import ConfigError
+from .distributed.launch import wants_cpu
+from .distributed.options import argument_problems
+from .errors import ConfigError, suggest
 
 # Names that `transformers.get_scheduler` accepts ("greedy" needs a metric and is not offered).
 SCHEDULER_NAMES = (
@@ -57,12 +58,6 @@ RESUME_MISMATCH = ("error", "warn")
 # Dict-valued fields that may arrive as a JSON string from the command line.
 JSON_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config", "fsdp_config",
                "deepspeed", "activation_checkpointing_kwargs", "liger_kernel_config", "parallelism_config")
-
-
-def suggest(value: str, choices) -> str:
-    """' (did you mean X?)' for the closest valid name, or ''."""
-    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # as transformers declares its `bool | None` switches, so that a bare `--gradient_checkpointing` means True
@@ -557,9 +552,7 @@ class TrainingArguments:
         for name, off in NOT_YET_SUPPORTED.items():
             if getattr(self, name) not in (off, "", [], {}):
                 bad(name, "not yet supported by stoker; leave it unset")
-        from .distributed import argument_problems  # fsdp, fsdp_config, deepspeed
-
-        p += argument_problems(self)
+        p += argument_problems(self)  # fsdp, fsdp_config, deepspeed
         p += self._package_problems()
         p += self._packing_problems()
         return p
@@ -714,8 +707,6 @@ class TrainingArguments:
         """Accelerate's process state, set up as the Trainer's Accelerator sets it up (it is made once per
         process: whichever comes first decides)."""
         from accelerate import PartialState
-
-        from .distributed import wants_cpu
 
         return PartialState(cpu=wants_cpu(self.use_cpu) and not self.deepspeed)
 

@@ -4,6 +4,7 @@ can import it at the top."""
 from __future__ import annotations
 
 import atexit
+import difflib
 import logging
 import os
 import sys
@@ -39,6 +40,13 @@ class TrainingPreempted(SystemExit):
 
     def __str__(self):
         return f"preempted by signal {self.signum}: checkpoint-{self.step} saved; exiting with {PREEMPTED_EXIT_CODE}"
+
+
+
+def suggest(value: str, choices) -> str:
+    """' (did you mean X?)' for the closest valid name, or '': the tail of a message about an unknown name."""
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 _exit_code_after_preemption: int | None = None

@@ -10,8 +10,6 @@ backend object that the loop calls without branching on which one it is.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import os
 import random
@@ -21,7 +19,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,9 +34,8 @@ from .callbacks import (
     TensorBoardCallback,
     TrainerControl,
     TrainerState,
-    callback_states,
-    restore_callback_states,
 )
+from .checkpointing import Checkpointer
 from .convention import LossConvention, loss_of, loss_or_none
 from .data import (
     ColumnFilter,
@@ -49,29 +45,10 @@ from .data import (
     forward_columns,
 )
 from .diagnostics import peak_memory_metrics
-from .distributed import (
-    MODEL_SHARDS,
-    check_sharding_active,
-    check_world_size,
-    finish_deepspeed_config,
-    full_tensor,
-    gather_full_model,
-    gather_trainable_zero3,
-    gathers_full_model,
-    is_deepspeed,
-    is_sharded,
-    is_zero_checkpoint,
-    load_shards,
-    load_zero3_weights,
-    load_zero_partitions,
-    model_class_name,
-    parameters_finite,
-    save_shards,
-    save_zero_partition,
-    sharding_plugins,
-    wants_cpu,
-    zero_stage,
-)
+from .distributed.backends import backend_for
+from .distributed.fsdp import full_tensor
+from .distributed.launch import check_world_size
+from .distributed.options import accelerator_options
 from .errors import (
     ConfigError,
     NonFiniteError,
@@ -83,7 +60,6 @@ from .log import logger, set_log_levels
 from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, window_sizes
 from .lora import trainable_parameters, wrap
 from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
-from .optim import create_scheduler, parameter_groups
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .report import ReportCallback
@@ -181,7 +157,7 @@ class Trainer(TrainerAPI):
             raise ConfigError(problems, "Trainer inputs")
 
         self.accelerator = self._build_accelerator(model, optimizers)
-        self._backend = _InterimBackend(self.accelerator)
+        self._backend, self._checkpointer = backend_for(self.accelerator, self.args), Checkpointer(self)
         self._apply_precision_switches()
         set_log_levels(self.args)
         self._check_save_on_each_node()
@@ -281,28 +257,23 @@ class Trainer(TrainerAPI):
         # batch (Accelerate's default for one has the main process read and concatenate whole batches, which
         # fails on rows of different lengths); map-style datasets are read so either way
         config = {"use_seedable_sampler": True, "dispatch_batches": False, **(a.accelerator_config or {})}
-        sharding = sharding_plugins(a, model, optimizers)  # {}, an FSDP or a DeepSpeed plugin; refuses what
-        # cannot run here
-        deepspeed = "deepspeed_plugin" in sharding
-        # under torchrun without a GPU: gloo, not N lone processes (Accelerate's cpu flag, which would also turn
-        # DeepSpeed off: DeepSpeed gets the gloo backend asked for instead)
-        cpu = wants_cpu(a.use_cpu)
-        backend = a.ddp_backend or ("gloo" if deepspeed and cpu else None)
+        # no plugin (DDP or one process), an FSDP or a DeepSpeed plugin; refuses what cannot run here
+        distributed = accelerator_options(a, model, optimizers)
         accelerator = Accelerator(
             mixed_precision=a.mixed_precision,
-            cpu=cpu and not deepspeed,
+            cpu=distributed.cpu,
             # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss
             gradient_accumulation_steps=1,
             dataloader_config=DataLoaderConfiguration(data_seed=a.data_seed, **config),
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp),
-                             InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=a.ddp_timeout))],
+                             InitProcessGroupKwargs(backend=distributed.process_group_backend,
+                                                    timeout=timedelta(seconds=a.ddp_timeout))],
             dynamo_plugin=TorchDynamoPlugin(backend=a.torch_compile_backend, mode=a.torch_compile_mode)
             if a.torch_compile else None,
             step_scheduler_with_optimizer=False,
-            **sharding,
+            **distributed.plugins,
         )
         check_world_size(accelerator.num_processes)
-        check_sharding_active(a, accelerator.distributed_type)
         return accelerator
 
     def _apply_precision_switches(self) -> None:
@@ -404,26 +375,6 @@ class Trainer(TrainerAPI):
         loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
         return self.accelerator.prepare(loader)
 
-    def _create_deepspeed_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        """An "optimizer" or "scheduler" section of the DeepSpeed config is built by DeepSpeed (Accelerate's
-        placeholders stand for it until then); otherwise stoker's own is handed to DeepSpeed."""
-        from accelerate.utils import DummyOptim, DummyScheduler
-
-        a, config = self.args, self.accelerator.state.deepspeed_plugin.deepspeed_config
-        if self.optimizer is None:
-            self.optimizer = DummyOptim(parameter_groups(self.model, a.weight_decay), lr=a.learning_rate,
-                                        weight_decay=a.weight_decay) if "optimizer" in config else (
-                self.create_optimizer())
-        if self.lr_scheduler is not None:
-            return
-        if "scheduler" in config:
-            self.lr_scheduler = DummyScheduler(self.optimizer, total_num_steps=num_training_steps)
-        elif isinstance(self.optimizer, DummyOptim):  # stoker's schedule, on the optimizer DeepSpeed builds
-            self.lr_scheduler = DummyScheduler(
-                self.optimizer, lr_scheduler_callable=lambda opt: create_scheduler(opt, a, num_training_steps))
-        else:
-            self.lr_scheduler = create_scheduler(self.optimizer, a, num_training_steps)
-
     def _plan_steps(self, train_dataloader, accumulation: int) -> tuple[int, int | None]:
         """(max_steps, steps per epoch or None for a dataset without a length)."""
         a = self.args
@@ -465,9 +416,9 @@ class Trainer(TrainerAPI):
                                "twice: build a new Trainer and model for another run")
         a = self.args
         self._ignore_keys_for_eval = ignore_keys_for_eval
-        resume_dir = self._resolve_resume(resume_from_checkpoint)
+        resume_dir = self._checkpointer.resolve(resume_from_checkpoint)
         if resume_dir is not None:
-            self._check_checkpoint_kind(resume_dir)
+            self._checkpointer.check_kind(resume_dir)
         # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
         s = self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                       is_world_process_zero=self.accelerator.is_main_process)
@@ -488,7 +439,7 @@ class Trainer(TrainerAPI):
                            accumulation=a.gradient_accumulation_steps)
         loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
         if loop is not None:  # may adopt the micro-batch that auto_find_batch_size settled on
-            self._check_resume_settings(loop, resume_dir, pos)
+            self._checkpointer.check_resume_settings(loop, resume_dir, pos)
         self._train_batch_size = pos.micro_batch  # what get_train_dataloader batches by (as transformers)
         # checkpoints of this run carry its id; a resumed run continues the id of its checkpoint
         self._run_id = (loop or {}).get("run_id") or uuid.uuid4().hex
@@ -497,27 +448,17 @@ class Trainer(TrainerAPI):
         self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
         max_steps, per_epoch = self._plan_steps(self._train_dataloader, pos.accumulation)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
-        if is_sharded(acc) and not acc.is_fsdp2:  # FSDP1 flattens the parameters into its own, which the
-            self.model_wrapped = acc.prepare(self.model)  # optimizer must be built on
-            self.create_optimizer_and_scheduler(max_steps, self.model_wrapped)
-            self.optimizer = acc.prepare(self.optimizer)
-        elif is_deepspeed(acc):  # DeepSpeed builds one engine of the model, optimizer and schedule
-            finish_deepspeed_config(acc, a, max_steps)
-            self._create_deepspeed_optimizer_and_scheduler(max_steps)
-            self.model_wrapped, self.optimizer, self.lr_scheduler = acc.prepare(self.model, self.optimizer,
-                                                                                self.lr_scheduler)
-        else:  # FSDP2 shards the parameters in place, and Accelerate moves the optimizer onto the shards
-            self.create_optimizer_and_scheduler(max_steps)
-            self.model_wrapped, self.optimizer = acc.prepare(self.model, self.optimizer)
-        self._wrapped_in_place = is_deepspeed(acc) or (is_sharded(acc) and not acc.is_fsdp2)
+        self._backend.prepare(self, max_steps)  # sets model_wrapped, optimizer, lr_scheduler
+        self._wrapped_in_place = self._backend.wraps_in_place
 
         s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.compute_steps(a, max_steps)
         run = RunningLog(acc.device)
         if resume_dir is not None:
-            self._load_checkpoint(resume_dir, run)
-            pos.epoch, pos.batches = loop["epoch"], 0 if a.ignore_data_skip else self._resume_skip(loop, pos)
+            self._checkpointer.load(resume_dir, run)
+            pos.epoch = loop["epoch"]
+            pos.batches = 0 if a.ignore_data_skip else self._checkpointer.resume_skip(loop, pos)
             if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
                 left = len(window_sizes(max(len(self._train_dataloader) - pos.batches, 0), pos.accumulation))
@@ -567,7 +508,7 @@ class Trainer(TrainerAPI):
         self.store_flos()
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
-            self._load_model_weights(s.best_model_checkpoint)
+            self._checkpointer.load_model_weights(s.best_model_checkpoint)
         if memory is not None:
             memory.stop_and_update_metrics(metrics)
         self.log(metrics)
@@ -739,7 +680,8 @@ class Trainer(TrainerAPI):
         on every step, which costs one host sync per step: the price of never applying a non-finite update."""
         acc = self.accelerator
         bad = ~torch.isfinite(window_loss)
-        if not self._backend.scaler_handles_inf(self.args):  # with fp16 loss scaling inf gradients are its business
+        # with fp16 loss scaling (Accelerate's or DeepSpeed's), inf gradients are the scaler's business
+        if not self._backend.scaler_handles_inf(self.args):
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
         mine = bad
         if acc.num_processes > 1:  # every rank must take the same decisions
@@ -758,7 +700,7 @@ class Trainer(TrainerAPI):
         what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
         if not mine.item():  # this process's numbers are finite: another one's are not
             what += f" on another process (this is process {acc.process_index})"
-        if self._backend.update_applied_despite_nonfinite():
+        if self._backend.update_applied_despite_nonfinite():  # its own overflow check skips some, not all
             raise NonFiniteError(f"{what}; DeepSpeed has applied the update inside its engine, where it cannot be "
                                  "skipped: stopping")
         if self.args.nonfinite_policy == "stop":
@@ -1021,314 +963,15 @@ class Trainer(TrainerAPI):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for use outside stoker: transformers/peft models with save_pretrained
-        (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json."""
-        output_dir = output_dir or self.args.output_dir
-        acc = self.accelerator
-        state_dict = self._state_dict_for_saving()
-        if acc.is_main_process:
-            os.makedirs(output_dir, exist_ok=True)
-            ckpt.save_weights(acc.unwrap_model(self.model_wrapped), output_dir, state_dict=state_dict)
-            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(output_dir)
-            ckpt.write_json(output_dir, "training_args.json", self.args.to_dict())
-        acc.wait_for_everyone()
+        (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json. Every
+        process must call it (a sharded model is gathered)."""
+        self._checkpointer.save_model(output_dir or self.args.output_dir)
 
     def _state_dict_for_saving(self) -> dict | None:
-        """The full state dict, gathered across shards (every rank must call it). A peft model's save_pretrained
-        picks the adapter weights from it (a frozen, maybe 4-bit, base is never gathered nor written), or from
-        the model itself when it is not sharded (None)."""
-        acc = self.accelerator
-        if is_sharded(acc):
-            return gather_full_model(self.model_wrapped, trainable_only=self._is_peft())
-        if not self._is_peft():
-            return acc.get_state_dict(self.model_wrapped)
-        return gather_trainable_zero3(self.model_wrapped) if is_deepspeed(acc) and zero_stage(acc) == 3 else None
-
-    def _is_peft(self) -> bool:
-        return ckpt.is_peft_model(self.accelerator.unwrap_model(self.model_wrapped))
+        """The full state dict, gathered across shards (every rank must call it); None where save_pretrained
+        takes a peft adapter from the model itself."""
+        return self._backend.state_dict_for_saving(self.model_wrapped)
 
     def _save_checkpoint(self, pos: LoopPosition, run: RunningLog) -> str:
-        a, s, acc = self.args, self.state, self.accelerator
-        final = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.global_step}")
-        tmp = ckpt.temp_dir_for(final)
-        if s.best_global_step == s.global_step:  # (an evaluation after this save sets it in _evaluate_and_track)
-            s.best_model_checkpoint = final
-        self.store_flos()
-        s.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
-        if not parameters_finite(acc, self.model_wrapped):  # decided by every rank together
-            raise NonFiniteError(f"refusing to save {os.path.basename(final)}: the model has non-finite parameters")
-        # a sharded model's checkpoint holds every rank's shards, and the full model only if asked for (a peft
-        # adapter, small, always)
-        sharded = is_sharded(acc)
-        full = not sharded or gathers_full_model(acc) or self._is_peft()
-        state_dict = self._state_dict_for_saving() if full else None
-        # every rank writes part of the folder: a rank's failure (a full disk, a permission error, state that
-        # cannot be stored) is shared with all before they go on, and nothing half-written stays behind
-        failure = None
-        try:
-            if acc.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.makedirs(tmp)
-        except OSError as e:
-            failure = e
-        self._all_saved(failure, tmp, final)
-        try:
-            if sharded:  # a collective, whose failures every rank raises
-                save_shards(tmp, self.model_wrapped, self.optimizer, acc.is_main_process, self._is_peft())
-            elif is_deepspeed(acc):  # every rank its partition of the optimizer state
-                save_zero_partition(tmp, self.optimizer, acc.process_index)
-            if acc.is_main_process:
-                self._write_checkpoint_files(tmp, state_dict, full, sharded, pos)
-            if not a.save_only_model:
-                ckpt.save_state(tmp, f"process_{acc.process_index}",
-                                {"rng": _rng_state(), "pending_log": run.pending()})
-        except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
-            failure = e
-        self._all_saved(failure, tmp, final)
-        try:
-            if acc.is_main_process:
-                ckpt.commit(tmp, final, s.global_step)
-        except OSError as e:
-            failure = e
-        self._all_saved(failure, tmp, final)
-        if acc.is_main_process:
-            self._rotate_checkpoints()
-        acc.wait_for_everyone()
-        self._fire("on_save")
-        return final
-
-    def _rotate_checkpoints(self) -> None:
-        """save_total_limit counts this run's checkpoints only: those an earlier run left in output_dir are kept
-        (as transformers keeps them), unless overwrite_output_dir, which removes them once this run has a
-        complete checkpoint of its own."""
-        a, s = self.args, self.state
-        mine, others = [], []
-        for path in ckpt.list_checkpoints(a.output_dir):
-            (mine if _run_of(path) == self._run_id else others).append(path)
-        ckpt.rotate(a.output_dir, a.save_total_limit, keep=s.best_model_checkpoint, among=mine)
-        if a.overwrite_output_dir:
-            for path in others:
-                shutil.rmtree(path, ignore_errors=True)
-
-    def _write_checkpoint_files(self, tmp: str, state_dict: dict | None, full: bool, sharded: bool,
-                                pos: LoopPosition) -> None:
-        """The main process's part of a checkpoint: the model (or what its shards are the weights of), the
-        optimizer state when it is whole, and the scheduler, scaler, trainer and loop state."""
-        acc, a, s = self.accelerator, self.args, self.state
-        model = acc.unwrap_model(self.model_wrapped)
-        if full:
-            ckpt.save_weights(model, tmp, state_dict=state_dict)
-        elif hasattr(model, "config"):  # what the shards are the weights of, for `stoker consolidate`
-            config = copy.deepcopy(model.config)
-            config.architectures = [model_class_name(model)]  # as save_pretrained records it
-            config.save_pretrained(tmp)
-        if not a.save_only_model:
-            if not sharded and not is_deepspeed(acc):
-                ckpt.save_state(tmp, "optimizer", self.optimizer.state_dict())
-            ckpt.save_state(tmp, "scheduler", self.lr_scheduler.state_dict())
-            if acc.scaler is not None:
-                ckpt.save_state(tmp, "scaler", acc.scaler.state_dict())
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            f.write(s.to_json_string())
-        ckpt.write_json(tmp, "training_args.json", a.to_dict())
-        ckpt.write_json(tmp, "loop_state.json", self._loop_state(pos))
-
-    def _all_saved(self, failure: Exception | None, tmp: str, final: str) -> None:
-        """Raise CheckpointError on every rank if any rank failed to write its part (a collective)."""
-        acc = self.accelerator
-        failed = failure is not None
-        if acc.num_processes > 1:
-            failed = acc.reduce(torch.tensor(float(failed), device=acc.device), reduction="sum").item() > 0
-        if not failed:
-            return
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        why = (getattr(failure, "strerror", None) or failure) if failure is not None else (
-            "another process could not write its part")
-        raise ckpt.CheckpointError(f"saving {final} failed: {why}; the partial folder was removed and earlier "
-                                   "checkpoints are intact") from failure
-
-    def _load_model_weights(self, folder: str) -> None:
-        """The weights of a checkpoint of this kind of run (see _check_checkpoint_kind), as
-        load_best_model_at_end loads them."""
-        acc, model = self.accelerator, self.model_wrapped
-        if is_sharded(acc):
-            load_shards(folder, model, trainable_only=self._is_peft())
-        elif is_deepspeed(acc) and zero_stage(acc) == 3:
-            load_zero3_weights(model, folder, acc.is_main_process)
-        else:
-            ckpt.load_weights(acc.unwrap_model(model), folder)
-
-    def _check_checkpoint_kind(self, folder: str) -> None:
-        """Sharded (FSDP), ZeRO-partitioned (DeepSpeed) and whole optimizer states load only into their own kind."""
-        def kind(sharded: bool, deepspeed: bool) -> str:
-            return "an FSDP" if sharded else "a DeepSpeed" if deepspeed else "a data-parallel (or single-process)"
-
-        saved = kind(os.path.isdir(os.path.join(folder, MODEL_SHARDS)),
-                     is_zero_checkpoint(folder))
-        now = kind(is_sharded(self.accelerator), is_deepspeed(self.accelerator))
-        if saved != now:
-            raise ckpt.CheckpointError(f"{folder} was written by {saved} run and this is {now} run: resume it with "
-                                       "the fsdp / deepspeed settings it was written with")
-
-    def _loop_state(self, pos: LoopPosition) -> dict[str, Any]:
-        """Where the data stream stands, and the settings that must not change for an exact resume."""
-        a = self.args
-        return {
-            "epoch": pos.epoch,
-            "batches_in_epoch": pos.batches,
-            "data_seed": a.data_seed,
-            "world_size": self.accelerator.num_processes,
-            "seed": a.seed,
-            "per_device_train_batch_size": pos.micro_batch,  # as run: auto_find_batch_size may have halved it
-            "gradient_accumulation_steps": pos.accumulation,
-            "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,
-            "run_id": self._run_id,
-            "save_only_model": a.save_only_model,
-        }
-
-    def _check_resume_settings(self, loop: dict[str, Any], folder: str, pos: LoopPosition) -> None:
-        """Refuse (or, with resume_mismatch='warn', report) settings that make the resume inexact."""
-        a = self.args
-        saved_micro, saved_acc = loop["per_device_train_batch_size"], loop["gradient_accumulation_steps"]
-        if a.auto_find_batch_size and saved_micro * saved_acc == pos.micro_batch * pos.accumulation:
-            pos.micro_batch, pos.accumulation = saved_micro, saved_acc  # the size that fit memory
-        now = {"per_device_train_batch_size": pos.micro_batch, "gradient_accumulation_steps": pos.accumulation,
-               "world_size": self.accelerator.num_processes, "data_seed": a.data_seed, "seed": a.seed,
-               "train_dataset_len": len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None}
-        changed = [f"{k}={loop[k]!r} (now {v!r})" for k, v in now.items() if loop.get(k) != v]
-        if not changed:
-            return
-        what = f"{folder} was written with {', '.join(changed)}: resuming cannot reproduce the original run"
-        if a.resume_mismatch == "error":
-            raise ckpt.CheckpointError(f"{what}; restore those settings, or set resume_mismatch='warn' to continue")
-        logger.warning(f"{what}; continuing with the new settings (resume_mismatch='warn')")
-
-    def _resume_skip(self, loop: dict[str, Any], pos: LoopPosition) -> int:
-        """Micro-batches of the current size to skip in the resumed epoch (the same samples, if sizes match)."""
-        consumed = loop["batches_in_epoch"] * loop["per_device_train_batch_size"] * loop["world_size"]
-        return consumed // (pos.micro_batch * self.accelerator.num_processes)
-
-    def _resolve_resume(self, resume) -> str | None:
-        a = self.args
-        if resume is None or resume is False:
-            resume = a.resume_from_checkpoint
-        if isinstance(resume, str) and resume.lower() in ("true", "false"):  # from a flag or a config file
-            resume = resume.lower() == "true"
-        if resume is None or resume is False:
-            # a new run, also into an output_dir that holds an earlier run's checkpoints (as transformers 5): each
-            # checkpoint it writes replaces one of the same step atomically (see _rotate_checkpoints for the rest)
-            return None
-        if resume is True:
-            complete = []
-            for path in reversed(ckpt.list_checkpoints(a.output_dir)):
-                problem = ckpt.verify(path)
-                if problem is None:
-                    complete.append(path)
-                else:
-                    logger.warning(f"skipping {path}: {problem}")
-            runs = {}
-            for path in complete:
-                runs.setdefault(_run_of(path), []).append(os.path.basename(path))
-            if len(runs) > 1:  # the newest by step may be the other run's: which run goes on is not the user's call
-                listing = "; ".join(", ".join(sorted(names, key=ckpt.checkpoint_step)) for names in runs.values())
-                raise ckpt.CheckpointError(
-                    f"resume_from_checkpoint=True: output_dir={a.output_dir!r} holds the checkpoints of "
-                    f"{len(runs)} different runs ({listing}), and resuming the newest could continue another run "
-                    "than the last one: pass the checkpoint to resume as resume_from_checkpoint='<path>', or "
-                    "remove the other run's checkpoints")
-            if complete:
-                return self._resumable(complete[0])
-            logger.info(f"no complete checkpoint in {a.output_dir}; starting from scratch")
-            return None
-        problem = ckpt.verify(resume) if os.path.isdir(resume) else "no such folder"
-        if problem:
-            raise ckpt.CheckpointError(f"resume_from_checkpoint={resume!r}: {problem}")
-        return self._resumable(resume)
-
-    @staticmethod
-    def _resumable(folder: str) -> str:
-        loop = ckpt.read_json(folder, "loop_state.json")
-        if loop.get("save_only_model"):
-            raise ckpt.CheckpointError(f"{folder} was written with save_only_model=True: it holds the model only (no "
-                                       "optimizer, scheduler or RNG state) and cannot be resumed; load its weights "
-                                       "(from_pretrained) to start a new run, or save without save_only_model")
-        return folder
-
-    def _load_checkpoint(self, folder: str, run: RunningLog) -> None:
-        """Restore everything saved by _save_checkpoint but the data position (see _resume_skip)."""
-        acc = self.accelerator
-        if is_sharded(acc):
-            load_shards(folder, self.model_wrapped, self.optimizer, self._is_peft())
-        elif is_deepspeed(acc):  # every rank's partition, as DeepSpeed wants them all
-            if zero_stage(acc) < 3:  # ZeRO-3 takes the parameters from its partitions
-                self._load_model_weights(folder)
-            load_zero_partitions(folder, self.optimizer, acc.num_processes, acc.process_index)
-        else:
-            self._load_model_weights(folder)
-            self.optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
-        self.lr_scheduler.load_state_dict(ckpt.load_state(folder, "scheduler"))
-        if acc.scaler is not None and os.path.exists(os.path.join(folder, "scaler.json")):
-            acc.scaler.load_state_dict(ckpt.load_state(folder, "scaler"))
-        saved = TrainerState.from_dict(ckpt.read_json(folder, "trainer_state.json"))
-        s = self.state
-        for name in ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
-                     "best_global_step", "best_model_checkpoint", "stateful_callbacks"):
-            setattr(s, name, getattr(saved, name))
-        if self.args.restore_callback_states_from_checkpoint:
-            missing = restore_callback_states(self.callback_handler.callbacks, s.stateful_callbacks)
-            if missing:
-                logger.warning(f"{folder} holds the state of callbacks {missing}, which this Trainer does not have; "
-                               "their state is not restored")
-        own = ckpt.load_state(folder, f"process_{acc.process_index}")
-        _set_rng_state(own["rng"])
-        run.restore(own["pending_log"])
-
-
-def _run_of(checkpoint: str) -> str | None:
-    """The id of the run that wrote a checkpoint (None for one written before stoker recorded it)."""
-    try:
-        return ckpt.read_json(checkpoint, "loop_state.json").get("run_id")
-    except (OSError, ValueError):
-        return None
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class _InterimBackend:
-    def __init__(self, accelerator):
-        self.acc = accelerator
-
-    @contextlib.contextmanager
-    def micro_batch(self, model, last: bool):
-        acc = self.acc
-        if is_deepspeed(acc):
-            acc.sync_gradients = last
-        try:
-            with contextlib.nullcontext() if last else acc.no_sync(model):
-                yield
-        finally:
-            acc.sync_gradients = True
-
-    def backward(self, loss):
-        self.acc.backward(loss, **({"scale_wrt_gas": False} if is_deepspeed(self.acc) else {}))
-
-    def scaler_handles_inf(self, args) -> bool:
-        return self.acc.scaler is not None or (is_deepspeed(self.acc) and args.fp16)
-
-    def update_applied_despite_nonfinite(self) -> bool:
-        return is_deepspeed(self.acc) and not self.acc.optimizer_step_was_skipped
+        """Write checkpoint-<global_step> of the run at `pos` (stoker.checkpointing does the work)."""
+        return self._checkpointer.save(pos, run)

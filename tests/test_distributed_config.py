@@ -28,12 +28,12 @@ def problems_of(**kw) -> list[str]:
 
 def test_a_launcher_without_accelerators_gets_the_cpu_backend(monkeypatch):
     """Without cpu=True, Accelerate leaves each of torchrun's processes on its own on a machine without GPUs."""
-    monkeypatch.setattr(dist, "accelerator_available", lambda: False)
+    monkeypatch.setattr(dist.launch, "accelerator_available", lambda: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert dist.launcher_world_size() == 1 and not dist.wants_cpu(False) and dist.wants_cpu(True)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert dist.launcher_world_size() == 2 and dist.wants_cpu(False)
-    monkeypatch.setattr(dist, "accelerator_available", lambda: True)
+    monkeypatch.setattr(dist.launch, "accelerator_available", lambda: True)
     assert not dist.wants_cpu(False)
 
 

@@ -1,0 +1,318 @@
+"""One object per way of running a model over processes: plain (one process, or DDP), FSDP1, FSDP2 and DeepSpeed.
+
+The Trainer builds its backend once, from the Accelerator (`backend_for`), and calls it wherever the backends
+differ, so that neither the loop nor the checkpointing branches on the kind of run:
+
+    prepare(trainer, max_steps)              optimizer and scheduler built and prepared with the model for a run
+    wraps_in_place                           whether prepare changed the model for good (train() runs once)
+    micro_batch(model, last), backward(loss) one micro-batch of an accumulation window
+    scaler_handles_inf(args), update_applied_despite_nonfinite()   what the non-finite guard may decide
+    state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
+    save_rank_parts, save_optimizer          the optimizer state (and shards) in a checkpoint
+    load_weights, load_training_state        what a checkpoint gives back
+    kind, check_checkpoint                   which checkpoints this run can resume
+
+Every method that says "every rank" is a collective: all processes must call it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+
+from .. import checkpoint as ckpt
+from ..errors import CheckpointError
+from ..optim import create_scheduler, parameter_groups
+from .deepspeed import (
+    finish_deepspeed_config,
+    gather_trainable_zero3,
+    is_deepspeed,
+    is_zero_checkpoint,
+    load_zero3_weights,
+    load_zero_partitions,
+    save_zero_partition,
+    zero_stage,
+)
+from .fsdp import (
+    MODEL_SHARDS,
+    gather_full_model,
+    gathers_full_model,
+    is_sharded,
+    load_shards,
+    model_class_name,
+    save_shards,
+)
+from .options import check_sharding_active
+
+# how checkpoint messages name each kind of run
+PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"
+
+
+def backend_for(accelerator, args) -> Backend:
+    """The backend of the run Accelerate set up. Refuses (ConfigError) a run with `fsdp` set in which Accelerate
+    did not set up FSDP, which would otherwise train unsharded."""
+    check_sharding_active(args, accelerator.distributed_type)
+    if is_deepspeed(accelerator):
+        return DeepSpeedBackend(accelerator)
+    if is_sharded(accelerator):
+        # the plugin's version, read without AcceleratorState.is_fsdp2, which fails where the process-wide state
+        # says FSDP but this Accelerator has no plugin (a state set up by hand before it was built)
+        version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 2)
+        return FSDP1Backend(accelerator) if version == 1 else FSDP2Backend(accelerator)
+    return Backend(accelerator)
+
+
+def checkpoint_kind(folder: str) -> str:
+    """The kind of run that wrote a checkpoint, from what it holds (FSDP shards, ZeRO partitions, or neither), as
+    checkpoint messages name it."""
+    if os.path.isdir(os.path.join(folder, MODEL_SHARDS)):
+        return FSDP_KIND
+    return DEEPSPEED_KIND if is_zero_checkpoint(folder) else PLAIN_KIND
+
+
+class Backend:
+    """The plain backend: one process, or DDP (Accelerate's wrapper; every process holds the whole model and
+    optimizer state). The base of the others, which override where they differ."""
+
+    kind = PLAIN_KIND  # as checkpoint messages name this kind of run
+    wraps_in_place = False  # prepare leaves the model usable by another train() call
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    # -- a run -------------------------------------------------------------------------------------------
+
+    def prepare(self, trainer, max_steps: int) -> None:
+        """Build the optimizer and schedule for `max_steps` steps (unless given, through the Trainer's
+        create_optimizer_and_scheduler) and prepare them with the model; sets trainer.model_wrapped,
+        trainer.optimizer and trainer.lr_scheduler."""
+        trainer.create_optimizer_and_scheduler(max_steps)
+        trainer.model_wrapped, trainer.optimizer = self.accelerator.prepare(trainer.model, trainer.optimizer)
+
+    @contextlib.contextmanager
+    def micro_batch(self, model, last: bool):
+        """The context of one micro-batch of an accumulation window: gradients are synchronised across
+        processes only on the window's last micro-batch (`last`)."""
+        with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+            yield
+
+    def backward(self, loss) -> None:
+        """Backward of a micro-batch's loss, as normalised by the loop (Accelerate scales it for fp16)."""
+        self.accelerator.backward(loss)
+
+    def scaler_handles_inf(self, args) -> bool:
+        """Whether fp16 loss scaling owns inf gradients (it skips their step and lowers the scale), so that the
+        non-finite guard looks at the loss only."""
+        return self.accelerator.scaler is not None
+
+    def update_applied_despite_nonfinite(self) -> bool:
+        """Whether a step found non-finite has already been applied, so that it cannot be skipped."""
+        return False
+
+    # -- saving ------------------------------------------------------------------------------------------
+
+    def _is_peft(self, model) -> bool:
+        return ckpt.is_peft_model(self.accelerator.unwrap_model(model))
+
+    def state_dict_for_saving(self, model) -> dict | None:
+        """The state dict that save_pretrained / save_weights writes (every rank must call it). A peft model's
+        save_pretrained picks the adapter weights from the model itself (None): a frozen, maybe 4-bit, base is
+        never gathered nor written."""
+        return None if self._is_peft(model) else self.accelerator.get_state_dict(model)
+
+    def writes_full_model(self, model) -> bool:
+        """Whether a checkpoint holds the model in save_pretrained's form (rather than shards only)."""
+        return True
+
+    def write_model(self, folder: str, model, state_dict: dict | None) -> None:
+        """Main process: the model files of a checkpoint, from `state_dict_for_saving`'s result."""
+        ckpt.save_weights(self.accelerator.unwrap_model(model), folder, state_dict=state_dict)
+
+    def save_rank_parts(self, folder: str, model, optimizer) -> None:
+        """Every rank: what each process writes of a checkpoint itself (nothing here: the state is whole)."""
+
+    def save_optimizer(self, folder: str, optimizer) -> None:
+        """Main process: the optimizer state, when it is whole on every process (optimizer.json + tensors)."""
+        ckpt.save_state(folder, "optimizer", optimizer.state_dict())
+
+    # -- loading -----------------------------------------------------------------------------------------
+
+    def load_weights(self, folder: str, model) -> None:
+        """Every rank: the weights of a checkpoint of this kind of run into the model (as load_best_model_at_end
+        loads them)."""
+        ckpt.load_weights(self.accelerator.unwrap_model(model), folder)
+
+    def load_training_state(self, folder: str, model, optimizer) -> None:
+        """Every rank: the weights and optimizer state of a checkpoint, to resume from it."""
+        self.load_weights(folder, model)
+        optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
+
+    def check_checkpoint(self, folder: str) -> None:
+        """Refuse a checkpoint written by another kind of run: sharded (FSDP), ZeRO-partitioned (DeepSpeed) and
+        whole optimizer states load only into their own kind."""
+        saved = checkpoint_kind(folder)
+        if saved != self.kind:
+            raise CheckpointError(f"{folder} was written by {saved} run and this is {self.kind} run: resume it with "
+                                  "the fsdp / deepspeed settings it was written with")
+
+
+class FSDPBackend(Backend):
+    """What FSDP1 and FSDP2 share: every rank writes and reads its own shards of the model and optimizer state
+    (torch.distributed.checkpoint, in safetensors files). A checkpoint holds the full model too with
+    state_dict_type FULL_STATE_DICT (the default), or for a peft adapter."""
+
+    kind = FSDP_KIND
+
+    def state_dict_for_saving(self, model) -> dict | None:
+        """The full state dict, gathered across shards on the main process ({} on the others), or only the
+        trainable parameters of a peft model (every rank must call it)."""
+        return gather_full_model(model, trainable_only=self._is_peft(model))
+
+    def writes_full_model(self, model) -> bool:
+        """With state_dict_type FULL_STATE_DICT, or for a peft adapter (small); else shards only."""
+        return gathers_full_model(self.accelerator) or self._is_peft(model)
+
+    def write_model(self, folder: str, model, state_dict: dict | None) -> None:
+        """The full model when it is gathered; otherwise the config of what the shards are the weights of, for
+        `stoker consolidate`."""
+        if self.writes_full_model(model):
+            super().write_model(folder, model, state_dict)
+            return
+        model = self.accelerator.unwrap_model(model)
+        if hasattr(model, "config"):
+            config = copy.deepcopy(model.config)
+            config.architectures = [model_class_name(model)]  # as save_pretrained records it
+            config.save_pretrained(folder)
+
+    def save_rank_parts(self, folder: str, model, optimizer) -> None:
+        """Every rank its shards of the model (or of its trainable parameters) and of the optimizer state (a
+        collective, whose failures every rank raises)."""
+        save_shards(folder, model, optimizer, self.accelerator.is_main_process, self._is_peft(model))
+
+    def save_optimizer(self, folder: str, optimizer) -> None:
+        """Nothing: the optimizer state is in every rank's shards."""
+
+    def load_weights(self, folder: str, model) -> None:
+        """Every rank its shards of the checkpoint's model (or adapter), matched by name and offsets."""
+        load_shards(folder, model, trainable_only=self._is_peft(model))
+
+    def load_training_state(self, folder: str, model, optimizer) -> None:
+        """Every rank its shards of the model and of the optimizer state."""
+        load_shards(folder, model, optimizer, self._is_peft(model))
+
+
+class FSDP2Backend(FSDPBackend):
+    """FSDP2 (fully_shard): the parameters become DTensor shards in place, and Accelerate moves the optimizer
+    onto the shards (the plain backend's prepare); the model stays usable by another train() call."""
+
+
+class FSDP1Backend(FSDPBackend):
+    """FSDP1 (FullyShardedDataParallel): it flattens the parameters into its own, so the model is wrapped first
+    and the optimizer built on the flat parameters; that wrapping cannot be undone (train() runs once per
+    Trainer)."""
+
+    wraps_in_place = True
+
+    def prepare(self, trainer, max_steps: int) -> None:
+        """The model wrapped first, then the optimizer built on its flat parameters and prepared."""
+        acc = self.accelerator
+        trainer.model_wrapped = acc.prepare(trainer.model)
+        trainer.create_optimizer_and_scheduler(max_steps, trainer.model_wrapped)
+        trainer.optimizer = acc.prepare(trainer.optimizer)
+
+
+class DeepSpeedBackend(Backend):
+    """DeepSpeed: one engine of the model, optimizer and schedule, which steps inside backward at the end of a
+    window. Every rank writes its ZeRO partition of the optimizer state; ZeRO-3 also partitions the parameters,
+    which are gathered to save and loaded one module at a time. The engine cannot be built twice on one model."""
+
+    kind = DEEPSPEED_KIND
+    wraps_in_place = True
+
+    def prepare(self, trainer, max_steps: int) -> None:
+        """Fill the config's "auto" values known only now (the schedule's steps), build the optimizer and
+        schedule (DeepSpeed's from the config's sections, else stoker's) and one engine of all three."""
+        acc = self.accelerator
+        finish_deepspeed_config(acc, trainer.args, max_steps)
+        self._create_optimizer_and_scheduler(trainer, max_steps)
+        trainer.model_wrapped, trainer.optimizer, trainer.lr_scheduler = acc.prepare(
+            trainer.model, trainer.optimizer, trainer.lr_scheduler)
+
+    def _create_optimizer_and_scheduler(self, trainer, num_training_steps: int) -> None:
+        """An "optimizer" or "scheduler" section of the DeepSpeed config is built by DeepSpeed (Accelerate's
+        placeholders stand for it until then); otherwise stoker's own is handed to DeepSpeed."""
+        from accelerate.utils import DummyOptim, DummyScheduler
+
+        a, config = trainer.args, self.accelerator.state.deepspeed_plugin.deepspeed_config
+        if trainer.optimizer is None:
+            trainer.optimizer = DummyOptim(parameter_groups(trainer.model, a.weight_decay), lr=a.learning_rate,
+                                           weight_decay=a.weight_decay) if "optimizer" in config else (
+                trainer.create_optimizer())
+        if trainer.lr_scheduler is not None:
+            return
+        if "scheduler" in config:
+            trainer.lr_scheduler = DummyScheduler(trainer.optimizer, total_num_steps=num_training_steps)
+        elif isinstance(trainer.optimizer, DummyOptim):  # stoker's schedule, on the optimizer DeepSpeed builds
+            trainer.lr_scheduler = DummyScheduler(
+                trainer.optimizer, lr_scheduler_callable=lambda opt: create_scheduler(opt, a, num_training_steps))
+        else:
+            trainer.lr_scheduler = create_scheduler(trainer.optimizer, a, num_training_steps)
+
+    @contextlib.contextmanager
+    def micro_batch(self, model, last: bool):
+        """As the plain backend's, and DeepSpeed steps (inside backward) on the window's last micro-batch only:
+        Accelerate's sync_gradients says which; it is True again afterwards, since Accelerate's optimizer
+        ignores step and zero_grad until it is."""
+        self.accelerator.sync_gradients = last
+        try:
+            with super().micro_batch(model, last):
+                yield
+        finally:
+            self.accelerator.sync_gradients = True
+
+    def backward(self, loss) -> None:
+        """The loop normalises the loss over the whole window, so DeepSpeed must not divide it by the
+        accumulation steps again."""
+        self.accelerator.backward(loss, scale_wrt_gas=False)
+
+    def scaler_handles_inf(self, args) -> bool:
+        """DeepSpeed's own fp16 loss scaler (with args.fp16), or Accelerate's."""
+        return self.accelerator.scaler is not None or bool(args.fp16)
+
+    def update_applied_despite_nonfinite(self) -> bool:
+        """DeepSpeed applies the update inside its engine; its own overflow check skips some non-finite steps,
+        not all, and one it did not skip cannot be undone."""
+        return not self.accelerator.optimizer_step_was_skipped
+
+    def _zero3(self) -> bool:
+        return zero_stage(self.accelerator) == 3
+
+    def state_dict_for_saving(self, model) -> dict | None:
+        """As the plain backend's, but a peft adapter under ZeRO-3 is gathered whole on every rank (ZeRO-3 leaves
+        each rank only its partition of a parameter)."""
+        if self._is_peft(model) and self._zero3():
+            return gather_trainable_zero3(model)
+        return super().state_dict_for_saving(model)
+
+    def save_rank_parts(self, folder: str, model, optimizer) -> None:
+        """Every rank its ZeRO partition of the optimizer state."""
+        save_zero_partition(folder, optimizer, self.accelerator.process_index)
+
+    def save_optimizer(self, folder: str, optimizer) -> None:
+        """Nothing: the optimizer state is in every rank's partition."""
+
+    def load_weights(self, folder: str, model) -> None:
+        """Under ZeRO-3, one module at a time, gathered and partitioned again (no rank holds the whole model)."""
+        if self._zero3():
+            load_zero3_weights(model, folder, self.accelerator.is_main_process)
+        else:
+            super().load_weights(folder, model)
+
+    def load_training_state(self, folder: str, model, optimizer) -> None:
+        """The weights (ZeRO-3 takes the parameters from its partitions instead), then every rank's partition of
+        the optimizer state."""
+        acc = self.accelerator
+        if not self._zero3():
+            self.load_weights(folder, model)
+        load_zero_partitions(folder, optimizer, acc.num_processes, acc.process_index)

@@ -1,0 +1,350 @@
+"""FSDP: transformers' `fsdp` / `fsdp_config` translated into Accelerate's FullyShardedDataParallelPlugin, and the
+checkpoint state that every rank of a sharded run writes and reads (shards of the model and optimizer state, the
+gathered full model, `consolidate`).
+
+Cheap to import: torch, accelerate and transformers are imported where they are used.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .. import checkpoint as ckpt
+from ..errors import CheckpointError, ConfigError, suggest
+from .parsing import as_bool, load_json_config
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP: transformers' `fsdp` / `fsdp_config` -> accelerate.FullyShardedDataParallelPlugin
+
+FSDP_OPTIONS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload",
+                "auto_wrap")
+FSDP1_ONLY_STRATEGIES = ("no_shard", "hybrid_shard", "hybrid_shard_zero2")
+FSDP_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+FSDP_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
+FSDP_BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+# fsdp_config keys, as transformers reads them (a leading "fsdp_" is dropped, as transformers does)
+FSDP_CONFIG_KEYS = ("version", "min_num_params", "transformer_layer_cls_to_wrap", "auto_wrap_policy", "cpu_offload",
+                    "reshard_after_forward", "cpu_ram_efficient_loading", "activation_checkpointing",
+                    "state_dict_type", "backward_prefetch", "forward_prefetch", "use_orig_params",
+                    "sync_module_states", "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt",
+                    "xla_fsdp_settings")
+_FSDP1_ONLY_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
+                    "limit_all_gathers")
+
+
+def fsdp_enabled(fsdp) -> bool:
+    """`fsdp` as transformers reads it: True, a non-empty option string or list; False, None, '' are off."""
+    if isinstance(fsdp, str):
+        return fsdp.strip().lower() not in ("", "false", "no", "0")
+    return bool(fsdp)
+
+
+def fsdp_plugin_kwargs(fsdp, fsdp_config, gradient_checkpointing: bool = False,
+                       model=None) -> tuple[dict, list[str]]:
+    """FullyShardedDataParallelPlugin keyword arguments for transformers' `fsdp` and `fsdp_config`, with the
+    meanings transformers 5 gives them (FSDP2 by default), and every problem found.
+
+    `fsdp`: True, or options 'full_shard' / 'shard_grad_op' (FSDP2: reshard_after_forward True / False),
+    'no_shard' / 'hybrid_shard' / 'hybrid_shard_zero2' (FSDP1 only), 'offload' (cpu_offload), 'auto_wrap' (the
+    default wrapping). With a model, transformer_layer_cls_to_wrap defaults to its `_no_split_modules` and every
+    class named must exist in it.
+    """
+    problems: list[str] = []
+    if not fsdp_enabled(fsdp):
+        if fsdp_config not in (None, {}, ""):
+            problems.append(f"fsdp_config={fsdp_config!r}: is set but fsdp is not; set fsdp (e.g. 'full_shard') "
+                            "or remove fsdp_config")
+        return {}, problems
+    config, problems = load_json_config(fsdp_config, "fsdp_config")
+    if config is None:
+        config = {}
+    config = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in config.items()}
+    for key in config:
+        if key not in FSDP_CONFIG_KEYS:
+            problems.append(f"fsdp_config[{key!r}]: unknown key{suggest(key, FSDP_CONFIG_KEYS)}; accepted: "
+                            f"{', '.join(FSDP_CONFIG_KEYS)}")
+    if any(as_bool(config.get(k, False), f"fsdp_config[{k!r}]", problems) for k in ("xla", "xla_fsdp_v2")):
+        problems.append("fsdp_config['xla']: PyTorch/XLA FSDP is not supported by stoker; leave it false")
+
+    try:
+        version = int(config.get("version", 2))
+    except (TypeError, ValueError):
+        version = None
+    if version not in (1, 2):
+        problems.append(f"fsdp_config['version']={config.get('version')!r}: accepted: 1, 2 (default 2)")
+        version = 2
+    kwargs: dict = {"fsdp_version": version}
+
+    options = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, (list, tuple)) else []
+    options = [o for o in options if str(o).lower() not in ("true", "1", "yes")]
+    for option in options:
+        if option not in FSDP_OPTIONS:
+            problems.append(f"fsdp={fsdp!r}: unknown option {option!r}{suggest(option, FSDP_OPTIONS)}; accepted: "
+                            f"{', '.join(FSDP_OPTIONS)} (or true)")
+        elif option == "offload":
+            config.setdefault("cpu_offload", True)
+        elif option in ("full_shard", "shard_grad_op") and version == 2:
+            config.setdefault("reshard_after_forward", option == "full_shard")
+        elif option in FSDP1_ONLY_STRATEGIES and version == 2:
+            problems.append(f"fsdp={fsdp!r}: {option!r} exists only in FSDP1; set fsdp_config['version']=1 or use "
+                            "full_shard / shard_grad_op")
+        elif option != "auto_wrap":
+            config.setdefault("reshard_after_forward", option)
+    strategies = [o for o in options if o in FSDP_OPTIONS and o not in ("offload", "auto_wrap")]
+    if len(strategies) > 1:
+        problems.append(f"fsdp={fsdp!r}: choose one sharding strategy, not {' and '.join(strategies)}")
+
+    # wrapping: transformer layers by default; min_num_params alone means size-based wrapping (as transformers 4)
+    layers = config.get("transformer_layer_cls_to_wrap")
+    if isinstance(layers, str):
+        layers = [c.strip() for c in layers.split(",") if c.strip()]
+    min_params = config.get("min_num_params", 0)
+    if not isinstance(min_params, int) or isinstance(min_params, bool) or min_params < 0:
+        problems.append(f"fsdp_config['min_num_params']={min_params!r}: must be an integer >= 0")
+        min_params = 0
+    policy = str(config.get("auto_wrap_policy", "SIZE_BASED_WRAP" if min_params > 0 and not layers
+                            else "TRANSFORMER_BASED_WRAP")).upper()
+    if policy not in FSDP_WRAP_POLICIES:
+        problems.append(f"fsdp_config['auto_wrap_policy']={config['auto_wrap_policy']!r}: accepted: "
+                        f"{', '.join(FSDP_WRAP_POLICIES)}")
+    if layers and min_params > 0:
+        problems.append(f"fsdp_config['transformer_layer_cls_to_wrap']={layers!r} and fsdp_config['min_num_params']="
+                        f"{min_params}: wrap by layer class or by size, not both")
+    elif layers and policy != "TRANSFORMER_BASED_WRAP":
+        problems.append(f"fsdp_config['transformer_layer_cls_to_wrap']={layers!r}: needs auto_wrap_policy "
+                        f"TRANSFORMER_BASED_WRAP, not {policy}")
+    elif min_params > 0 and policy != "SIZE_BASED_WRAP":
+        problems.append(f"fsdp_config['min_num_params']={min_params}: needs auto_wrap_policy SIZE_BASED_WRAP, "
+                        f"not {policy}")
+    kwargs["auto_wrap_policy"] = policy
+    if policy == "SIZE_BASED_WRAP":
+        kwargs["min_num_params"] = min_params
+    if policy == "TRANSFORMER_BASED_WRAP":
+        if model is not None:
+            layers, more = _layers_to_wrap(model, layers)
+            problems += more
+        if layers:
+            kwargs["transformer_cls_names_to_wrap"] = list(layers)
+
+    if as_bool(config.get("cpu_offload", False), "fsdp_config['cpu_offload']", problems):
+        kwargs["cpu_offload"] = True
+    kwargs["cpu_ram_efficient_loading"] = as_bool(config.get("cpu_ram_efficient_loading", False),
+                                                   "fsdp_config['cpu_ram_efficient_loading']", problems)
+    if "activation_checkpointing" in config:
+        kwargs["activation_checkpointing"] = as_bool(config["activation_checkpointing"],
+                                                      "fsdp_config['activation_checkpointing']", problems)
+        if kwargs["activation_checkpointing"] and gradient_checkpointing:
+            problems.append("fsdp_config['activation_checkpointing']=True and gradient_checkpointing=True: use one "
+                            "(with FSDP, activation_checkpointing avoids a redundant all-gather in the backward pass)")
+    state_dict_type = str(config.get("state_dict_type", "FULL_STATE_DICT")).upper()
+    if state_dict_type not in FSDP_STATE_DICT_TYPES or (version == 2 and state_dict_type == "LOCAL_STATE_DICT"):
+        accepted = FSDP_STATE_DICT_TYPES[:2] if version == 2 else FSDP_STATE_DICT_TYPES
+        problems.append(f"fsdp_config['state_dict_type']={config['state_dict_type']!r}: accepted with FSDP{version}: "
+                        f"{', '.join(accepted)}")
+    kwargs["state_dict_type"] = state_dict_type
+
+    reshard = config.get("reshard_after_forward")
+    if version == 2:
+        kwargs["reshard_after_forward"] = True if reshard is None else as_bool(
+            reshard, "fsdp_config['reshard_after_forward']", problems)
+        for key in _FSDP1_ONLY_KEYS:
+            if key in config:
+                problems.append(f"fsdp_config[{key!r}]={config[key]!r}: exists only in FSDP1 (fsdp_config['version']"
+                                "=1); FSDP2 has no such setting")
+    else:
+        strategy = str(reshard if reshard is not None else "full_shard").upper()
+        if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+            problems.append(f"fsdp_config['reshard_after_forward']={reshard!r}: with FSDP1 a sharding strategy: "
+                            "full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2")
+        kwargs["reshard_after_forward"] = strategy.lower()
+        prefetch = str(config.get("backward_prefetch", "NO_PREFETCH")).upper()
+        if prefetch not in FSDP_BACKWARD_PREFETCH:
+            problems.append(f"fsdp_config['backward_prefetch']={config['backward_prefetch']!r}: accepted: "
+                            f"{', '.join(FSDP_BACKWARD_PREFETCH)}")
+        kwargs["backward_prefetch"] = prefetch
+        for key, default in (("forward_prefetch", False), ("use_orig_params", True), ("sync_module_states", True)):
+            kwargs[key] = as_bool(config.get(key, default), f"fsdp_config[{key!r}]", problems)
+        if "limit_all_gathers" in config:
+            kwargs["limit_all_gathers"] = as_bool(config["limit_all_gathers"], "fsdp_config['limit_all_gathers']",
+                                                   problems)
+    return kwargs, problems
+
+
+def _layers_to_wrap(model, names) -> tuple[list[str], list[str]]:
+    """The layer classes FSDP wraps one by one: the ones named, else the model's _no_split_modules (its
+    transformer blocks, as transformers and Accelerate default to); each must occur in the model."""
+    present = {type(m).__name__ for m in model.modules()}
+    if not names:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        names = list(getattr(base, "_no_split_modules", None) or [])
+        if not names:
+            return [], [f"fsdp: {type(model).__name__} has no _no_split_modules to wrap by layer; set "
+                        "fsdp_config['transformer_layer_cls_to_wrap'] to its block class, or 'min_num_params' to wrap "
+                        "by size"]
+        names = [n for n in names if n in present] or names
+    missing = [n for n in names if n not in present]
+    if missing:
+        return list(names), [f"fsdp_config['transformer_layer_cls_to_wrap']={list(names)!r}: {missing} not in "
+                             f"{type(model).__name__}; its module classes are {sorted(present)}"]
+    return list(names), []
+
+
+def fsdp_plugin(kwargs: dict):
+    """The Accelerate plugin for `fsdp_plugin_kwargs`' result."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def full_tensor(value):
+    """A sharded model's (FSDP2) tensors are DTensors; their full value, as a plain tensor (a collective:
+    every rank must call it). Anything else passes through."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoints of a sharded model (FSDP): every rank writes its own shards of the model and optimizer state.
+# torch.distributed.checkpoint plans and reshards them; its HuggingFace storage writer and reader keep them in
+# safetensors files whose headers hold each shard's offsets as JSON (its default writer stores a pickled
+# `.metadata` and its reader unpickles it, so it is never used).
+
+MODEL_SHARDS, OPTIMIZER_SHARDS = "model_shards", "optimizer_shards"
+
+
+def is_sharded(accelerator) -> bool:
+    """Whether Accelerate set up FSDP (version 1 or 2) for this run."""
+    return str(accelerator.distributed_type).rsplit(".", 1)[-1] == "FSDP"
+
+
+def gathers_full_model(accelerator) -> bool:
+    """Whether checkpoints also hold the full model (fsdp_config state_dict_type FULL_STATE_DICT, the default,
+    as in transformers): gathered on the main process and saved as save_pretrained saves it."""
+    return str(accelerator.state.fsdp_plugin.state_dict_type).rsplit(".", 1)[-1] == "FULL_STATE_DICT"
+
+
+def gather_full_model(model, trainable_only: bool = False) -> dict:
+    """The full state dict of a sharded model (FSDP1 or 2) on the main process, in CPU memory ({} on the others;
+    a collective), or only its trainable parameters. torch's API for both versions (Accelerate's FSDP1 gather,
+    like an offload to the CPU of a model already there, crashes FSDP1 on the CPU)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu,
+                                                                ignore_frozen_params=trainable_only))
+
+
+def model_class_name(model) -> str:
+    """The model's own class name (FSDP2 replaces a sharded module's class by a subclass, FSDP<name>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _optimizer_tensors(model, optimizer):
+    """The optimizer state keyed by parameter name, split into its JSON structure and its (sharded) tensors."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    tree, tensors = ckpt.flatten(get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer)))
+    return tree, ckpt.unshared(tensors)
+
+
+def _model_state(model, trainable_only: bool) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+
+
+def save_shards(folder: str, model, optimizer, is_main: bool, trainable_only: bool = False) -> None:
+    """Every rank writes its shards of the model (or of its trainable parameters: a peft adapter) and of the
+    optimizer state into `folder` (a collective); the main process writes the optimizer state's structure
+    (optimizer.json)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    tree, tensors = _optimizer_tensors(model, optimizer)
+    for name, state in ((MODEL_SHARDS, _model_state(model, trainable_only)), (OPTIMIZER_SHARDS, tensors)):
+        try:  # torch gathers every rank's failure and raises it on all of them
+            dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, name),
+                                                                    save_distributed=True))
+        except dcp.CheckpointException as e:
+            raise OSError(f"writing {name}/ failed: {e}") from e
+    if is_main:
+        ckpt.write_json(folder, "optimizer.json", tree)
+
+
+def load_shards(folder: str, model, optimizer=None, trainable_only: bool = False) -> None:
+    """Every rank reads its shards of the model (or of its trainable parameters), and of the optimizer state,
+    from `folder` (a collective). The shards are matched by name and offsets, so they load under any number of
+    ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def read(name: str, targets: dict) -> None:
+        try:
+            dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(folder, name)))
+        except Exception as e:  # torch raises CheckpointException and others, naming the keys
+            raise CheckpointError(f"{folder}/{name} does not fit this model: {e}") from e
+
+    state = _model_state(model, trainable_only)
+    read(MODEL_SHARDS, state)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=not trainable_only))
+    if optimizer is None:
+        return
+    saved_tree = ckpt.read_json(folder, "optimizer.json")
+    tensors = _optimizer_tensors(model, optimizer)[1]
+    differ = sorted(set(tensors) ^ _tensor_keys(saved_tree))
+    if differ:
+        raise CheckpointError(f"{folder}/optimizer.json does not fit this optimizer: state tensors {differ[:5]} are "
+                              "in only one of the two")
+    read(OPTIMIZER_SHARDS, tensors)
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), ckpt.unflatten(saved_tree, tensors))
+
+
+def _tensor_keys(tree) -> set[str]:
+    if isinstance(tree, list):
+        return set().union(*map(_tensor_keys, tree)) if tree else set()
+    if not isinstance(tree, dict):
+        return set()
+    if "__tensor__" in tree:
+        return {tree["__tensor__"]}
+    return set().union(*map(_tensor_keys, tree.values())) if tree else set()
+
+
+def consolidate(checkpoint: str, out: str) -> str:
+    """Save the full model of a sharded checkpoint in `out` with save_pretrained, for transformers: one process
+    reads every rank's shards (no process group, no GPU). The model class comes from the checkpoint's
+    config.json (`architectures`)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    shards = os.path.join(checkpoint, MODEL_SHARDS)
+    if not os.path.isdir(shards):
+        raise ConfigError([f"checkpoint={checkpoint!r}: no {MODEL_SHARDS}/ folder; give the checkpoint-<step> folder "
+                           "of a run with fsdp"], "consolidate")
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        raise ConfigError([f"checkpoint={checkpoint!r}: no config.json: the model class is unknown"], "consolidate")
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    name = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, name or "", None)
+    if model_class is None:
+        raise ConfigError([f"{checkpoint}/config.json: architectures={config.architectures!r}: not a transformers "
+                           "model class"], "consolidate")
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device="cpu")
+    state = get_model_state_dict(model)
+    with warnings.catch_warnings():  # that it reads in one process, which is the point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(shards), no_dist=True)
+    set_model_state_dict(model, state)
+    model.save_pretrained(out)
+    return out

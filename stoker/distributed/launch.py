@@ -1,0 +1,68 @@
+"""The launcher's world: how many processes it started, whether they joined one process group, whether this
+machine has an accelerator, and the decisions every process of a run takes together.
+
+Cheap to import: torch is imported where it is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Environment variables in which launchers state the number of processes: torchrun and `accelerate launch`
+# set WORLD_SIZE, MPI launchers the others (the same list Accelerate reads).
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+# what torchrun, `accelerate launch` and the deepspeed launcher set for every process
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_world_size() -> int:
+    """Processes the launcher started for this job (1 when the script runs without a launcher)."""
+    for name in _WORLD_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def accelerator_available() -> bool:
+    """Whether torch sees an accelerator (CUDA, XPU, MPS, ...)."""
+    import torch
+
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def wants_cpu(use_cpu: bool) -> bool:
+    """The `cpu` flag for Accelerator. Under a multi-process launcher on a machine without an accelerator,
+    Accelerate needs cpu=True to set up a gloo process group: without it, every process trains alone."""
+    return use_cpu or (launcher_world_size() > 1 and not accelerator_available())
+
+
+def check_world_size(num_processes: int) -> None:
+    """Refuse a run in which the launcher's processes did not join one process group (each would train its own
+    model and write the same output_dir)."""
+    launched = launcher_world_size()
+    if launched > 1 and num_processes != launched:
+        raise RuntimeError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but Accelerate set up "
+            f"{num_processes}: they would train separately and overwrite each other's output. Accelerate "
+            "supports multi-process runs on CUDA, XPU and other accelerators, and on the CPU (gloo, "
+            "use_cpu=True); run with a supported device, or without a launcher")
+
+
+def parameters_finite(accelerator, model) -> bool:
+    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
+    DTensor's local part, a ZeRO-3 parameter's partition)."""
+    import torch
+
+    def own(p):
+        return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+
+    local = all(bool(torch.isfinite(own(p)).all()) for p in model.parameters())
+    if accelerator.num_processes == 1:
+        return local
+    flag = torch.tensor(0.0 if local else 1.0, device=accelerator.device)
+    return accelerator.reduce(flag, reduction="sum").item() == 0

@@ -1,0 +1,95 @@
+"""What the arguments ask of Accelerate for distribution: the problems visible from the arguments alone
+(TrainingArguments' validation), what keeps this machine from running them, and the Accelerator options (FSDP or
+DeepSpeed plugin, CPU flag, process-group backend) for a run. Accelerate would rather run something else than fail;
+these checks refuse before any work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+from ..errors import ConfigError
+from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_problems
+from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs
+from .launch import LAUNCHER_VARIABLES, accelerator_available, wants_cpu
+
+
+def argument_problems(args) -> list[str]:
+    """Problems of fsdp / fsdp_config / deepspeed visible from the arguments alone (TrainingArguments)."""
+    p = []
+    fsdp_on = fsdp_enabled(args.fsdp)
+    if fsdp_on and args.deepspeed not in (None, "", {}):
+        p.append(f"fsdp={args.fsdp!r} and deepspeed={args.deepspeed!r}: both shard the model; choose one")
+    p += fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing)[1]
+    if args.deepspeed not in (None, "", {}):
+        p += deepspeed_config(args)[1]
+    return p
+
+
+def runtime_problems(args) -> list[str]:
+    """What keeps this machine from running the requested FSDP or DeepSpeed: Accelerate would run without
+    them (DDP, or one process) rather than fail, so stoker refuses before any work."""
+    p = []
+    on_accelerator = accelerator_available() and not args.use_cpu
+    if fsdp_enabled(args.fsdp) and not on_accelerator:
+        p.append(f"fsdp={args.fsdp!r}: FSDP needs GPUs (or another accelerator); "
+                 + ("use_cpu=True" if args.use_cpu else "this machine has none")
+                 + ", and Accelerate would silently train with DDP instead")
+    if args.deepspeed not in (None, "", {}):
+        if importlib.util.find_spec("deepspeed") is None:
+            p.append(f"deepspeed={args.deepspeed!r}: the deepspeed package is not installed (pip install deepspeed)")
+        if args.use_cpu:
+            p.append(f"deepspeed={args.deepspeed!r} and use_cpu=True: Accelerate turns DeepSpeed off with use_cpu "
+                     "(DeepSpeed runs on the CPU by itself where there is no GPU); remove use_cpu")
+        missing = [v for v in LAUNCHER_VARIABLES if v not in os.environ]
+        if missing:  # DeepSpeed would look for MPI instead
+            p.append(f"deepspeed={args.deepspeed!r}: DeepSpeed runs under a launcher, which sets "
+                     f"{', '.join(LAUNCHER_VARIABLES)} (missing: {', '.join(missing)}); start the script with "
+                     "torchrun --nproc_per_node N (1 for one device), accelerate launch or deepspeed")
+    return p
+
+
+class AcceleratorOptions(NamedTuple):
+    """What the Accelerator is built with for the distribution the arguments ask for."""
+
+    cpu: bool  # Accelerator(cpu=...)
+    process_group_backend: str | None  # InitProcessGroupKwargs(backend=...); None: Accelerate's choice
+    plugins: dict  # {} (DDP or one process), {"fsdp_plugin": ...} or {"deepspeed_plugin": ...}
+
+
+def accelerator_options(args, model, optimizers=(None, None)) -> AcceleratorOptions:
+    """The Accelerator options for the sharding the arguments ask for. Raises ConfigError, before any work, for
+    what cannot run here or is not supported."""
+    problems = runtime_problems(args)
+    plugins = {}
+    if args.deepspeed not in (None, "", {}):
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        config, more = deepspeed_config(args, hidden_size=hidden)
+        problems += more + (deepspeed_trainer_problems(config, args, optimizers) if config else [])
+        if not problems:
+            plugins["deepspeed_plugin"] = deepspeed_plugin(config)
+    if fsdp_enabled(args.fsdp):
+        plugin_kwargs, more = fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing, model)
+        problems += more
+        if not problems:
+            plugins["fsdp_plugin"] = fsdp_plugin(plugin_kwargs)
+    if problems:
+        raise ConfigError(problems, "distributed configuration")
+    deepspeed = "deepspeed_plugin" in plugins
+    # under torchrun without a GPU: gloo, not N lone processes (Accelerate's cpu flag, which would also turn
+    # DeepSpeed off: DeepSpeed gets the gloo backend asked for instead)
+    cpu = wants_cpu(args.use_cpu)
+    return AcceleratorOptions(cpu=cpu and not deepspeed,
+                              process_group_backend=args.ddp_backend or ("gloo" if deepspeed and cpu else None),
+                              plugins=plugins)
+
+
+def check_sharding_active(args, distributed_type) -> None:
+    """Refuse a run with `fsdp` set in which Accelerate did not set up FSDP: it turns FSDP on only in
+    multi-process runs on accelerators and otherwise trains without it."""
+    if fsdp_enabled(args.fsdp) and str(distributed_type).rsplit(".", 1)[-1] != "FSDP":
+        raise ConfigError([f"fsdp={args.fsdp!r}: Accelerate set up {distributed_type}, not FSDP: it shards only "
+                           "in runs started by a launcher (torchrun or accelerate launch, also with one process) "
+                           "on GPUs; refusing to train unsharded"], "distributed configuration")
