@@ -62,6 +62,7 @@ from .lora import trainable_parameters, wrap
 from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
+from .plan import start_of_training_line
 from .report import ReportCallback
 from .trainer_api import TrainerAPI
 from .trainer_inputs import trainer_input_problems
@@ -167,7 +168,6 @@ class Trainer(TrainerAPI):
         self.current_flos = 0  # FLOPs since the last store_flos (transformers' estimate)
         self.is_in_train = False
         self._ignore_keys_for_eval = None
-        self._wrapped_in_place = False  # by a train() call that cannot be repeated (DeepSpeed, FSDP1)
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
@@ -409,26 +409,48 @@ class Trainer(TrainerAPI):
 
     # named as transformers names it: its memory tracker recognises the stage by the caller's name
     def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval, memory):
-        acc = self.accelerator
-        if self._wrapped_in_place:
-            raise RuntimeError(f"train() was called before on this Trainer, and {acc.distributed_type} wrapped the "
-                               "model in place (DeepSpeed's engine, FSDP1's flat parameters), which cannot be done "
-                               "twice: build a new Trainer and model for another run")
+        """One run: set up (fresh state, the model, optimizer and schedule prepared by the backend, the checkpoint
+        resumed from), the loop, the run's metrics."""
         a = self.args
         self._ignore_keys_for_eval = ignore_keys_for_eval
         resume_dir = self._checkpointer.resolve(resume_from_checkpoint)
+        pos, run, per_epoch = self._start_run(resume_dir, trial)
+        s = self.state
+        self._fire("on_train_begin", train_dataloader=self._train_dataloader)
+        if a.eval_on_start and resume_dir is None:
+            self._evaluate_and_track()
+
+        started, first_step, preempted = time.perf_counter(), s.global_step, None
+        embeddings = (_unwrap_peft(self.accelerator.unwrap_model(self.model)).get_input_embeddings()
+                      if a.neftune_noise_alpha else None)
+        with PreemptionSignals(a.save_on_signal) as signals, neftune_noise(embeddings, a.neftune_noise_alpha):
+            # resumed from the run's last checkpoint (the same script run again): nothing is left to do
+            if s.global_step < s.max_steps:
+                preempted = self._train_loop(pos, run, per_epoch, signals)
+        if preempted is not None:
+            if self.accelerator.num_processes > 1:  # every rank has its share of the checkpoint once all are here
+                self.accelerator.wait_for_everyone()
+                exit_with_code_after_preemption()
+            raise TrainingPreempted(preempted, s.global_step)
+        return self._finalize_training(run, time.perf_counter() - started, s.global_step - first_step, memory)
+
+    def _start_run(self, resume_dir: str | None, trial) -> tuple[LoopPosition, RunningLog, int | None]:
+        """Everything before the first step: returns where the loop starts, its running log and the optimizer
+        steps per epoch (None for a dataset without a length)."""
+        a, acc = self.args, self.accelerator
+        self._backend.check_new_run()
         if resume_dir is not None:
             self._checkpointer.check_kind(resume_dir)
         # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
-        s = self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
-                                      is_world_process_zero=self.accelerator.is_main_process)
+        s = self.state = TrainerState(is_local_process_zero=acc.is_local_main_process,
+                                      is_world_process_zero=acc.is_main_process)
         if trial is not None:
             s.is_hyper_param_search = True
             s.trial_params = dict(getattr(trial, "params", trial))
             s.trial_name = str(getattr(trial, "number", ""))
         self.control = TrainerControl()
         self.optimizer, self.lr_scheduler = self._given_optimizers
-        self.current_flos = 0
+        self.current_flos, self._last_saved_step = 0, None
         self._seed()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
             model = self._set_up_model(self.call_model_init(trial))
@@ -445,11 +467,10 @@ class Trainer(TrainerAPI):
         self._run_id = (loop or {}).get("run_id") or uuid.uuid4().hex
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
-        self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
+        self._train_dataloader = acc.prepare(self.get_train_dataloader())
         max_steps, per_epoch = self._plan_steps(self._train_dataloader, pos.accumulation)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
         self._backend.prepare(self, max_steps)  # sets model_wrapped, optimizer, lr_scheduler
-        self._wrapped_in_place = self._backend.wraps_in_place
 
         s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
@@ -467,43 +488,23 @@ class Trainer(TrainerAPI):
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
             if self._convention.causal:  # what memory this run should take (stoker.plan), before it takes it
-                from .plan import start_of_training_line
-
-                plan = start_of_training_line(self.model, a, self.train_dataset, self.accelerator.num_processes)
-                logger.info(plan)
+                logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
             os.makedirs(a.output_dir, exist_ok=True)
             for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
                 shutil.rmtree(stale, ignore_errors=True)
-        self._last_saved_step = None
-        self._fire("on_train_begin", train_dataloader=self._train_dataloader)
-        if a.eval_on_start and resume_dir is None:
-            self._evaluate_and_track()
+        return pos, run, per_epoch
 
-        started = time.perf_counter()
-        first_step = s.global_step
-        preempted = None
-        embeddings = (_unwrap_peft(acc.unwrap_model(self.model)).get_input_embeddings() if a.neftune_noise_alpha
-                      else None)
-        with PreemptionSignals(a.save_on_signal) as signals, neftune_noise(embeddings, a.neftune_noise_alpha):
-            # resumed from the run's last checkpoint (the same script run again): nothing is left to do
-            if s.global_step < s.max_steps:
-                preempted = self._train_loop(pos, run, per_epoch, signals)
-        if preempted is not None:
-            if acc.num_processes > 1:  # every rank has its share of the checkpoint on disk once all are here
-                acc.wait_for_everyone()
-                exit_with_code_after_preemption()
-            raise TrainingPreempted(preempted, s.global_step)
-
-        runtime = time.perf_counter() - started
-        steps_run = max(s.global_step - first_step, 1)
-        # over the whole run, a resumed one included: the losses before the checkpoint came back with it
+    def _finalize_training(self, run: RunningLog, runtime: float, steps_run: int, memory) -> TrainOutput:
+        """The run's metrics (over the whole run, a resumed one included: the losses before the checkpoint came
+        back with it), the best model loaded back if asked for, on_train_end."""
+        a, s = self.args, self.state
         metrics = {
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(run.samples_seen / runtime, 3),
-            "train_steps_per_second": round(steps_run / runtime, 3),
+            "train_steps_per_second": round(max(steps_run, 1) / runtime, 3),
             "train_tokens_per_second": round(run.tokens_seen / runtime, 3),
             "train_loss": run.total_loss / max(s.global_step - run.nonfinite_total, 1),
-            **peak_memory_metrics(acc.device),
+            **peak_memory_metrics(self.accelerator.device),
         }
         self.store_flos()
         metrics["total_flos"] = s.total_flos

@@ -80,13 +80,23 @@ class Backend:
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
+        self.runs = 0  # prepare calls so far: one per train()
 
     # -- a run -------------------------------------------------------------------------------------------
+
+    def check_new_run(self) -> None:
+        """Refuse a second train() after one that wrapped the model in place, which cannot be done twice (a
+        RuntimeError, before anything of the run is set up)."""
+        if self.wraps_in_place and self.runs:
+            raise RuntimeError(f"train() was called before on this Trainer, and {self.accelerator.distributed_type} "
+                               "wrapped the model in place (DeepSpeed's engine, FSDP1's flat parameters), which "
+                               "cannot be done twice: build a new Trainer and model for another run")
 
     def prepare(self, trainer, max_steps: int) -> None:
         """Build the optimizer and schedule for `max_steps` steps (unless given, through the Trainer's
         create_optimizer_and_scheduler) and prepare them with the model; sets trainer.model_wrapped,
         trainer.optimizer and trainer.lr_scheduler."""
+        self.runs += 1
         trainer.create_optimizer_and_scheduler(max_steps)
         trainer.model_wrapped, trainer.optimizer = self.accelerator.prepare(trainer.model, trainer.optimizer)
 
@@ -217,6 +227,7 @@ class FSDP1Backend(FSDPBackend):
     def prepare(self, trainer, max_steps: int) -> None:
         """The model wrapped first, then the optimizer built on its flat parameters and prepared."""
         acc = self.accelerator
+        self.runs += 1
         trainer.model_wrapped = acc.prepare(trainer.model)
         trainer.create_optimizer_and_scheduler(max_steps, trainer.model_wrapped)
         trainer.optimizer = acc.prepare(trainer.optimizer)
@@ -234,6 +245,7 @@ class DeepSpeedBackend(Backend):
         """Fill the config's "auto" values known only now (the schedule's steps), build the optimizer and
         schedule (DeepSpeed's from the config's sections, else stoker's) and one engine of all three."""
         acc = self.accelerator
+        self.runs += 1
         finish_deepspeed_config(acc, trainer.args, max_steps)
         self._create_optimizer_and_scheduler(trainer, max_steps)
         trainer.model_wrapped, trainer.optimizer, trainer.lr_scheduler = acc.prepare(
