@@ -533,7 +533,8 @@ def lora_zero3(out: str) -> None:
     resumed = trainer("resumed")
     resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
     resumed.save_model(os.path.join(r.folder, "resumed_saved"))
-    resumed._checkpointer.load_model_weights(os.path.join(r.folder, "out", "checkpoint-2"))  # as load_best_model_at_end does
+    # as load_best_model_at_end does
+    resumed._checkpointer.load_model_weights(os.path.join(r.folder, "out", "checkpoint-2"))
     resumed.save_model(os.path.join(r.folder, "step_2_saved"))
     r.values.update(losses=losses(full), resumed_losses=losses(resumed))
     r.write()
