@@ -47,8 +47,7 @@ from .data import (
 from .diagnostics import peak_memory_metrics
 from .distributed.backends import backend_for
 from .distributed.fsdp import full_tensor
-from .distributed.launch import check_world_size
-from .distributed.options import accelerator_options
+from .distributed.options import build_accelerator
 from .errors import (
     ConfigError,
     NonFiniteError,
@@ -157,9 +156,8 @@ class Trainer(TrainerAPI):
         if problems:
             raise ConfigError(problems, "Trainer inputs")
 
-        self.accelerator = self._build_accelerator(model, optimizers)
+        self.accelerator = build_accelerator(self.args, model, optimizers)
         self._backend, self._checkpointer = backend_for(self.accelerator, self.args), Checkpointer(self)
-        self._apply_precision_switches()
         set_log_levels(self.args)
         self._check_save_on_each_node()
         self._enable_gradient_checkpointing(model)
@@ -230,56 +228,6 @@ class Trainer(TrainerAPI):
             raise ConfigError([f"save_on_each_node=True: this run has {nodes} nodes, and stoker commits each "
                                "checkpoint once, from the main process, into an output_dir that every node must "
                                "see (a shared disk); set it to False"], "Trainer inputs")
-
-    def _build_accelerator(self, model, optimizers=(None, None)):
-        from datetime import timedelta
-
-        from accelerate import Accelerator, DataLoaderConfiguration
-        from accelerate.state import AcceleratorState, GradientState
-        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
-
-        a = self.args
-        # AcceleratorState is a process-wide singleton that refuses a second configuration. A new Trainer
-        # carries its own precision, so it resets the singleton (the process group in PartialState stays).
-        AcceleratorState._reset_state()
-        GradientState._reset_state()
-        find_unused = a.ddp_find_unused_parameters
-        if find_unused is None:  # as transformers: checkpointed models re-enter forward, which DDP dislikes
-            find_unused = not a.gradient_checkpointing if hasattr(model, "config") else True
-        ddp = {"find_unused_parameters": find_unused}
-        if a.ddp_static_graph is not None:
-            ddp["static_graph"] = a.ddp_static_graph
-        if a.ddp_bucket_cap_mb is not None:
-            ddp["bucket_cap_mb"] = a.ddp_bucket_cap_mb
-        if a.ddp_broadcast_buffers is not None:
-            ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
-        # dispatch_batches=False: every process reads an IterableDataset itself and keeps its share of each global
-        # batch (Accelerate's default for one has the main process read and concatenate whole batches, which
-        # fails on rows of different lengths); map-style datasets are read so either way
-        config = {"use_seedable_sampler": True, "dispatch_batches": False, **(a.accelerator_config or {})}
-        # no plugin (DDP or one process), an FSDP or a DeepSpeed plugin; refuses what cannot run here
-        distributed = accelerator_options(a, model, optimizers)
-        accelerator = Accelerator(
-            mixed_precision=a.mixed_precision,
-            cpu=distributed.cpu,
-            # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss
-            gradient_accumulation_steps=1,
-            dataloader_config=DataLoaderConfiguration(data_seed=a.data_seed, **config),
-            kwargs_handlers=[DistributedDataParallelKwargs(**ddp),
-                             InitProcessGroupKwargs(backend=distributed.process_group_backend,
-                                                    timeout=timedelta(seconds=a.ddp_timeout))],
-            dynamo_plugin=TorchDynamoPlugin(backend=a.torch_compile_backend, mode=a.torch_compile_mode)
-            if a.torch_compile else None,
-            step_scheduler_with_optimizer=False,
-            **distributed.plugins,
-        )
-        check_world_size(accelerator.num_processes)
-        return accelerator
-
-    def _apply_precision_switches(self) -> None:
-        if self.args.tf32 is not None and torch.cuda.is_available():
-            torch.backends.cuda.matmul.allow_tf32 = self.args.tf32
-            torch.backends.cudnn.allow_tf32 = self.args.tf32
 
     def _enable_gradient_checkpointing(self, model) -> None:
         if not self.args.gradient_checkpointing:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .arguments import ConfigError
+from .distributed.options import build_accelerator
 from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kwargs, parameter_groups
 
 
@@ -45,7 +46,7 @@ class TrainerAPI:
 
     def create_accelerator_and_postprocess(self) -> None:
         """Build the Accelerator anew from the arguments (after changing them, say)."""
-        self.accelerator = self._build_accelerator(self.model, self._given_optimizers)
+        self.accelerator = build_accelerator(self.args, self.model, self._given_optimizers)
 
     def set_initial_training_values(self, args, dataloader) -> tuple[int, int, int, int, int, int | None, int]:
         """(num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,

@@ -10,10 +10,12 @@ import importlib.util
 import os
 from typing import NamedTuple
 
+import torch
+
 from ..errors import ConfigError
 from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_problems
 from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs
-from .launch import LAUNCHER_VARIABLES, accelerator_available, wants_cpu
+from .launch import LAUNCHER_VARIABLES, accelerator_available, check_world_size, wants_cpu
 
 
 def argument_problems(args) -> list[str]:
@@ -93,3 +95,55 @@ def check_sharding_active(args, distributed_type) -> None:
         raise ConfigError([f"fsdp={args.fsdp!r}: Accelerate set up {distributed_type}, not FSDP: it shards only "
                            "in runs started by a launcher (torchrun or accelerate launch, also with one process) "
                            "on GPUs; refusing to train unsharded"], "distributed configuration")
+
+
+def build_accelerator(args, model, optimizers=(None, None)):
+    """The Accelerator of a run: mixed precision, DDP options, the FSDP or DeepSpeed plugin (refusing what
+    cannot run here, before any work), data loading that is resumable (seedable samplers), and no gradient
+    accumulation of its own (the loop's is token-exact). Also applies tf32."""
+    from datetime import timedelta
+
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
+
+    a = args
+    # AcceleratorState is a process-wide singleton that refuses a second configuration. A new Trainer
+    # carries its own precision, so it resets the singleton (the process group in PartialState stays).
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    find_unused = a.ddp_find_unused_parameters
+    if find_unused is None:  # as transformers: checkpointed models re-enter forward, which DDP dislikes
+        find_unused = not a.gradient_checkpointing if hasattr(model, "config") else True
+    ddp = {"find_unused_parameters": find_unused}
+    if a.ddp_static_graph is not None:
+        ddp["static_graph"] = a.ddp_static_graph
+    if a.ddp_bucket_cap_mb is not None:
+        ddp["bucket_cap_mb"] = a.ddp_bucket_cap_mb
+    if a.ddp_broadcast_buffers is not None:
+        ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
+    # dispatch_batches=False: every process reads an IterableDataset itself and keeps its share of each global
+    # batch (Accelerate's default for one has the main process read and concatenate whole batches, which
+    # fails on rows of different lengths); map-style datasets are read so either way
+    config = {"use_seedable_sampler": True, "dispatch_batches": False, **(a.accelerator_config or {})}
+    # no plugin (DDP or one process), an FSDP or a DeepSpeed plugin; refuses what cannot run here
+    distributed = accelerator_options(a, model, optimizers)
+    accelerator = Accelerator(
+        mixed_precision=a.mixed_precision,
+        cpu=distributed.cpu,
+        # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss
+        gradient_accumulation_steps=1,
+        dataloader_config=DataLoaderConfiguration(data_seed=a.data_seed, **config),
+        kwargs_handlers=[DistributedDataParallelKwargs(**ddp),
+                         InitProcessGroupKwargs(backend=distributed.process_group_backend,
+                                                timeout=timedelta(seconds=a.ddp_timeout))],
+        dynamo_plugin=TorchDynamoPlugin(backend=a.torch_compile_backend, mode=a.torch_compile_mode)
+        if a.torch_compile else None,
+        step_scheduler_with_optimizer=False,
+        **distributed.plugins,
+    )
+    check_world_size(accelerator.num_processes)
+    if a.tf32 is not None and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = a.tf32
+        torch.backends.cudnn.allow_tf32 = a.tf32
+    return accelerator
