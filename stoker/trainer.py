@@ -83,6 +83,7 @@ from .log import logger
 from .lora import trainable_parameters
 from .loss import chunked_causal_lm_loss, chunked_loss_problems, model_family, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainOutput, speed_metrics
+from .plan import start_of_training_line
 from .trainer_api import TrainerAPI
 
 
@@ -741,8 +742,6 @@ class Trainer(TrainerAPI):
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
             if self._causal:  # what memory this run should take (stoker.plan), before it takes it
-                from .plan import start_of_training_line
-
                 plan = start_of_training_line(self.model, a, self.train_dataset, self.accelerator.num_processes)
                 logger.info(plan)
             os.makedirs(a.output_dir, exist_ok=True)
