@@ -76,3 +76,15 @@ def _leave_after_preemption() -> None:
         except (OSError, ValueError):  # a closed or broken stream has nothing left to write
             pass
     os._exit(_exit_code_after_preemption)
+
+
+def report(error: Exception) -> int:
+    """Print bad input (a ConfigError's problems, or a CheckpointError) to stderr as 'stoker: <problem>', one line
+    per problem, with no traceback; return the exit code for it, 2 (as argparse uses). What the commands and the
+    recipe scripts do with an error that must stop them before any work."""
+    problems = getattr(error, "problems", None) or [str(error)]
+    if len(problems) == 1:
+        print(f"stoker: {problems[0]}", file=sys.stderr)
+    else:
+        print(f"stoker: {len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+    return 2

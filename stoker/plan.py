@@ -3,6 +3,10 @@
     stoker plan CONFIG.yaml [--budget_gb 24] [--world_size 8] [--device cuda|cpu] [--field value ...]
     stoker plan MODEL_FOLDER | config.json | HUB_ID [--budget_gb 24] [--field value ...]
 
+This module is the estimator, a leaf that imports nothing from stoker (and torch and transformers only to read
+a model's shape): the command's code (reading its arguments and the model's config, printing) is in stoker.cli,
+and the Trainer prints `start_of_training_line` when a causal LM starts training.
+
 The parts, for a transformer whose shape `ModelShape` reads from the model's modules and config (norm type,
 MLP kind, attention implementation, dropout, rotary or learned positions, tied head, masked-LM head):
 
@@ -349,25 +353,25 @@ def propose(shape: ModelShape, setup: Setup, budget_bytes: float) -> tuple[Setup
     return option, result
 
 
+def largest_micro_batch(shape: ModelShape, setup: Setup, budget_bytes: float, limit: int = 2**16) -> int:
+    """The largest micro-batch (rows per device) whose estimate fits the budget with the other settings as in
+    `setup`, 0 if not even one row does. The peak grows with the micro-batch, so a doubling and a bisection
+    find it."""
+    fits = lambda micro: estimate(shape, dataclasses.replace(setup, micro_batch=micro)).peak <= budget_bytes
+    if not fits(1):
+        return 0
+    low = 1
+    while low < limit and fits(min(2 * low, limit)):
+        low = min(2 * low, limit)
+    high = min(2 * low, limit + 1)  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
 # ---------------------------------------------------------------------------------------------------
-# the `stoker plan` command
-
-
-def setup_from_arguments(model_args, data_args, args, world_size: int) -> Setup:
-    """A Setup from the recipe's ModelArguments / DataArguments and TrainingArguments."""
-    targets = getattr(model_args, "lora_target_modules", None) or ["all-linear"]
-    seq_len = (getattr(args, "packing_length", None) if getattr(args, "packing", False) else None) or getattr(
-        data_args, "block_size", None) or getattr(data_args, "max_length", 512)
-    return Setup(
-        micro_batch=args.per_device_train_batch_size, seq_len=seq_len, accumulation=args.gradient_accumulation_steps,
-        world_size=world_size, gradient_checkpointing=args.gradient_checkpointing,
-        chunked_loss=getattr(args, "chunked_loss", False), optim=args.optim, mixed_precision=args.mixed_precision,
-        lora_r=model_args.lora_r if getattr(model_args, "use_peft", False) else 0,
-        lora_all_linear="all-linear" in targets or len(targets) > 2,
-        lora_dropout=getattr(model_args, "lora_dropout", 0.0),
-        quantization=4 if getattr(model_args, "load_in_4bit", False) else 8 if getattr(
-            model_args, "load_in_8bit", False) else None,
-        fsdp=args.fsdp if args.fsdp not in (None, "", False) else None)
+# what the Trainer and `stoker plan` (stoker.cli) print
 
 
 def start_of_training_line(model, args, dataset, world_size: int) -> str:
@@ -396,10 +400,13 @@ def start_of_training_line(model, args, dataset, world_size: int) -> str:
 
 
 def _size(n: float) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def describe(setup: Setup) -> str:
+    """One line naming a Setup's batch (micro-batch x accumulation x processes), row length, optimizer and memory
+    settings, as `stoker plan` prints it."""
     parts = [f"micro-batch {setup.micro_batch} x accumulation {setup.accumulation} x {setup.world_size} "
              f"process(es) = global batch {setup.global_batch}, {setup.seq_len} tokens per row",
              f"optim={setup.optim}", f"gradient_checkpointing={setup.gradient_checkpointing}",
@@ -409,157 +416,3 @@ def describe(setup: Setup) -> str:
     if setup.fsdp:
         parts.append(f"fsdp={setup.fsdp!r}")
     return "; ".join(parts)
-
-
-SHARDINGS = {"DDP": None, "FSDP (full_shard)": "full_shard", "FSDP + CPU offload": "full_shard offload"}
-
-
-def largest_micro_batch(shape: ModelShape, setup: Setup, budget_bytes: float, limit: int = 2**16) -> int:
-    """The largest micro-batch (rows per device) whose estimate fits the budget with the other settings as in
-    `setup`, 0 if not even one row does. The peak grows with the micro-batch, so a doubling and a bisection
-    find it."""
-    fits = lambda micro: estimate(shape, dataclasses.replace(setup, micro_batch=micro)).peak <= budget_bytes
-    if not fits(1):
-        return 0
-    low = 1
-    while low < limit and fits(min(2 * low, limit)):
-        low = min(2 * low, limit)
-    high = min(2 * low, limit + 1)  # fits(low), not fits(high)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
-def load_model_config(name_or_path: str):
-    """A transformers config from a model folder, a config.json file, or a hub id (when the hub is reachable)."""
-    import json
-    import os
-
-    from transformers import AutoConfig
-
-    from .arguments import ConfigError
-
-    if os.path.isfile(name_or_path):
-        try:
-            with open(name_or_path) as f:
-                values = json.load(f)
-            return AutoConfig.for_model(values.pop("model_type"), **values)
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError([f"model_name_or_path={name_or_path!r}: not a transformers config.json "
-                               f"({type(e).__name__}: {e}); give a model folder, its config.json or a hub id"]) from e
-    if not os.path.exists(name_or_path) and name_or_path.startswith((os.sep, ".", "~")):  # a path, not a hub id
-        raise ConfigError([f"model_name_or_path={name_or_path!r}: no such folder or file; give a model folder, its "
-                           "config.json or a hub id"])
-    try:
-        return AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError) as e:
-        where = ("the folder has no readable config.json" if os.path.isdir(name_or_path) else
-                 "not a local folder or file, and the hub did not answer for it")
-        raise ConfigError([f"model_name_or_path={name_or_path!r}: {where} ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); give a model folder, its config.json "
-                           "or a hub id"]) from e
-
-
-def _model_argument(argv: list[str]) -> list[str]:
-    """`stoker plan MODEL ...`: a first argument that is a model folder, a model's config.json (it names a
-    model_type) or a hub id becomes --model_name_or_path; a stoker config file stays as it is."""
-    import json
-    import os
-
-    from .arguments import CONFIG_SUFFIXES
-
-    if not argv or argv[0].startswith("-"):
-        return argv
-    first = argv[0]
-    if first.endswith(CONFIG_SUFFIXES) and os.path.isfile(first):
-        if not first.endswith(".json"):
-            return argv
-        try:
-            with open(first) as f:
-                if "model_type" not in json.load(f):
-                    return argv
-        except (OSError, ValueError):
-            return argv
-    return ["--model_name_or_path", first, *argv[1:]]
-
-
-def _positive(kind: type):
-    """An argparse type: a number of `kind` above 0."""
-
-    def convert(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise ValueError(text)
-        return value
-
-    convert.accepted = f"must be a positive {'whole ' if kind is int else ''}number"
-    return convert
-
-
-def main(argv: list[str]) -> int:
-    """`stoker plan [CONFIG.yaml | MODEL] [--budget_gb N] [--world_size N] [--device D] [--field value ...]`."""
-    import os
-
-    from .arguments import CollectingParser, ConfigError
-    from .cli import report
-    from .distributed import launcher_world_size
-    from .recipes import build_causal_lm, parse_recipe_args
-
-    parser = CollectingParser(prog="stoker plan", add_help=False)
-    parser.add_argument("--budget_gb", type=_positive(float), default=None)
-    parser.add_argument("--world_size", type=_positive(int), default=None)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("-h", "--help", action="store_true")
-    try:
-        plan_args, rest = parser.parse_known_args(argv)
-        if plan_args.help:
-            print("usage: stoker plan [CONFIG.yaml|json | MODEL] [--budget_gb GiB] [--world_size N] "
-                  "[--device cuda|cpu] [--field value ...]\n\n"
-                  "Estimate the peak memory per device of the training run the config describes (the fields of "
-                  "`stoker train`), and with --budget_gb propose settings that fit it with the same global batch and "
-                  "give the largest micro-batch that fits with DDP, FSDP and FSDP with CPU offload. MODEL is a model "
-                  "folder, its config.json or a hub id (read when the hub is reachable); the run's other fields "
-                  "come from the flags and the recipe's defaults.")
-            return 0
-        rest = _model_argument(rest)
-        named = rest[rest.index("--model_name_or_path") + 1] if "--model_name_or_path" in rest[:-1] else None
-        try:  # the model is the one input a plan reads (a config.json file is read by load_model_config)
-            _, m, d, args = parse_recipe_args(rest, prog="stoker plan",
-                                              checks=() if named and os.path.isfile(named) else ("model",))
-        except ConfigError as e:
-            raise ConfigError(parser.flag_problems() + e.problems) from None
-        if parser.bad_values:
-            raise ConfigError(parser.flag_problems())
-        world = plan_args.world_size or launcher_world_size()
-        if m.model_name_or_path:
-            shape = ModelShape.from_config(load_model_config(m.model_name_or_path))
-        else:
-            shape = ModelShape.from_model(build_causal_lm(m, args.seed)[1])
-    except ConfigError as e:
-        return report(e)
-    setup = dataclasses.replace(setup_from_arguments(m, d, args, world), device=plan_args.device)
-    result = estimate(shape, setup)
-    print(f"model: {shape.params / 1e6:.1f}M parameters, {shape.layers} layers, hidden {shape.hidden}, vocab "
-          f"{shape.vocab} ({shape.norm} norm, {shape.mlp} MLP, {shape.attention} attention)\n"
-          f"run: {describe(setup)}\n{result.table()}")
-    if plan_args.budget_gb is None:
-        return 0
-    budget = plan_args.budget_gb * GIB
-    print(f"largest micro-batch per device within {plan_args.budget_gb:g} GiB with {world} process(es), "
-          f"{setup.seq_len} tokens per row:")
-    for name, sharding in SHARDINGS.items():
-        most = largest_micro_batch(shape, dataclasses.replace(setup, fsdp=sharding), budget)
-        print(f"  {name:<20}{most if most else 'out of memory at 1':>20}")
-    if result.peak <= budget:
-        print(f"fits the budget of {plan_args.budget_gb:g} GiB as configured")
-        return 0
-    found = propose(shape, setup, budget)
-    if found is None:
-        print(f"nothing fits {plan_args.budget_gb:g} GiB per device with global batch {setup.global_batch}, even "
-              "with micro-batch 1, chunked loss, gradient checkpointing"
-              + (", sharding and offload" if world > 1 else " (more processes would allow sharding)"))
-        return 1
-    option, fitted = found
-    print(f"to fit {plan_args.budget_gb:g} GiB: {describe(option)}\n{fitted.table()}")
-    return 0

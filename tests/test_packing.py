@@ -347,7 +347,8 @@ def test_packing_reports_rows_collators_and_settings_that_cannot_pack(tmp_path):
 
 
 def test_recipes_take_packing_and_pack_to_their_max_length(tmp_path, capsys):
-    from stoker.recipes import main, parse_recipe_args
+    from stoker.recipes import parse_recipe_args
+    from stoker.recipes.clm import main
 
     *_, a = parse_recipe_args(["--packing", "true", "--max_length", "96"], "sft")
     assert a.packing and a.packing_length == 96
@@ -357,7 +358,7 @@ def test_recipes_take_packing_and_pack_to_their_max_length(tmp_path, capsys):
             "--disable_tqdm", "true", "--eval_strategy", "no", "--save_strategy", "no", "--max_length", "64"]
     steps = {}
     for packing in ("false", "true"):
-        assert main([*argv, "--output_dir", str(tmp_path / packing), "--packing", packing], "clm") == 0
+        assert main([*argv, "--output_dir", str(tmp_path / packing), "--packing", packing]) == 0
         steps[packing] = int(re.findall(r"step (\d+): train_runtime", capsys.readouterr().err)[-1])
     # 256 rows of 8 to 10 tokens: 64 steps of 4 rows; packed 5 to 7 to a row of 64 tokens, 4 rows a step
     assert steps["false"] == 64 and 10 <= steps["true"] <= 13

@@ -1,0 +1,251 @@
+"""The recipes' arguments: what each field means, the embedded default jobs, parsing and the checks before work.
+
+    RecipeArguments   which recipe runs, torch's threads
+    ModelArguments    the model (a hub id or a folder, or the sizes of one built from scratch), LoRA and QLoRA
+    DataArguments     the data (a generated task, a hub dataset or local files), lengths, generated sizes
+    TrainingArguments every field of transformers' TrainingArguments, and stoker's own
+
+`parse_recipe_args` reads them from `[CONFIG.yaml|json] [--field value ...]`: flags override the file, the file
+overrides the recipe's embedded default (DEFAULT_JOBS, used only when no file is given), and every problem, the
+inputs' included (`input_problems`: the model, the data files, the folders the run writes), is reported at once
+before any work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .. import checkpoint as ckpt
+from ..arguments import CONFIG_SUFFIXES, TrainingArguments, load_config_file, parse_config
+from ..errors import ConfigError
+from ..inputs import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
+
+RECIPES = ("clm", "sft", "classification")
+GENERATED = ("addition", "subtraction", "topics")
+
+
+@dataclass
+class RecipeArguments:
+    """Which recipe runs and with how many torch threads; validated on construction (ConfigError)."""
+
+    _argument_group_name = "recipe"
+
+    recipe: str = field(default="sft", metadata={"help": f"What to run: {', '.join(RECIPES)}."})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch threads for the run's CPU work (torch.set_num_threads); unset: torch's choice."})
+
+    def __post_init__(self):
+        p = []
+        if self.recipe not in RECIPES:
+            p.append(f"recipe={self.recipe!r}: accepted: {', '.join(RECIPES)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            p.append(f"num_threads={self.num_threads!r}: must be a positive integer, or unset for torch's choice")
+        if p:
+            raise ConfigError(p, "RecipeArguments")
+
+
+@dataclass
+class ModelArguments:
+    """The model a recipe trains: loaded (`model_name_or_path`, k-bit for QLoRA) or built from the sizes here, and
+    whether a LoRA adapter is trained instead of every weight. Validated on construction (ConfigError)."""
+
+    _argument_group_name = "model (recipe)"
+
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "A hub id or a local folder for from_pretrained. Unset: clm and classification build a tiny "
+                "model from the sizes below; sft starts from the model the clm recipe makes (output_dir/base)."})
+    hidden_size: int = field(default=128, metadata={"help": "Width of a model built from scratch."})
+    num_hidden_layers: int = field(default=4, metadata={"help": "Layers of a model built from scratch."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of a model built from scratch."})
+    intermediate_size: int = field(default=256, metadata={"help": "MLP width of a model built from scratch."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of every weight."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "Linear layers to adapt by name (e.g. q_proj v_proj), or 'all-linear'."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained in full and saved with the adapter (e.g. a classification head)."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "Load the base in 4 bits (QLoRA; needs use_peft)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bits (needs use_peft)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit data type: nf4 or fp4."})
+    use_bnb_nested_quant: bool = field(default=True, metadata={"help": "Double quantisation of the 4-bit scales."})
+    bnb_4bit_compute_dtype: str = field(default="float32", metadata={
+        "help": "dtype of 4-bit matmuls: float32, bfloat16 or float16."})
+    merge_adapter: bool = field(default=True, metadata={
+        "help": "After LoRA training, also save the adapter merged into the base in output_dir/merged."})
+
+    def __post_init__(self):
+        p = [f"{n}={getattr(self, n)!r}: must be a positive integer"
+             for n in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "lora_r")
+             if getattr(self, n) < 1]
+        if not p and self.hidden_size % self.num_attention_heads:
+            p.append(f"hidden_size={self.hidden_size}: must be divisible by num_attention_heads="
+                     f"{self.num_attention_heads}")
+        if (self.load_in_4bit or self.load_in_8bit) and not self.use_peft:
+            p.append(f"load_in_{'4' if self.load_in_4bit else '8'}bit=True: a k-bit base cannot be trained "
+                     "itself; set use_peft=True (QLoRA)")
+        if p:
+            raise ConfigError(p, "ModelArguments")
+
+
+@dataclass
+class DataArguments:
+    """The data a recipe trains and evaluates on: a generated task, a hub dataset or local files, and how rows are
+    cut. Validated on construction (ConfigError)."""
+
+    _argument_group_name = "dataset (recipe)"
+
+    dataset_name: str | None = field(default=None, metadata={
+        "help": f"A generated task ({', '.join(GENERATED)}) or a dataset id for datasets.load_dataset. Unset "
+                "with no files: the recipe's own generated task."})
+    train_file: str | None = field(default=None, metadata={
+        "help": "Local .txt/.json/.jsonl training file: rows with 'text', 'prompt' and 'completion', "
+                "'messages' (sft) or 'text' and 'label' (classification)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Local held-out file, same format."})
+    text_column: str = field(default="text", metadata={"help": "Column holding plain text."})
+    label_column: str = field(default="label", metadata={"help": "Column holding class labels."})
+    messages_column: str = field(default="messages", metadata={"help": "Column holding chat messages (sft)."})
+    max_length: int = field(default=512, metadata={"help": "Truncate every row to this many tokens."})
+    block_size: int | None = field(default=None, metadata={
+        "help": "clm on text: concatenate the texts and cut them into blocks of this many tokens."})
+    num_train_examples: int = field(default=9000, metadata={"help": "Generated training examples."})
+    num_eval_examples: int = field(default=500, metadata={"help": "Generated held-out examples."})
+
+    def __post_init__(self):
+        p = []
+        if self.dataset_name is not None and self.train_file:
+            p.append(f"dataset_name={self.dataset_name!r} and train_file={self.train_file!r}: give one of them")
+        if self.validation_file and not self.train_file:
+            p.append(f"validation_file={self.validation_file!r}: needs train_file too")
+        for name in ("max_length", "num_train_examples", "num_eval_examples"):
+            if getattr(self, name) < 1:
+                p.append(f"{name}={getattr(self, name)!r}: must be a positive integer")
+        if self.block_size is not None and self.block_size < 2:
+            p.append(f"block_size={self.block_size!r}: must be >= 2")
+        if p:
+            raise ConfigError(p, "DataArguments")
+
+
+ARGUMENT_TYPES = (RecipeArguments, ModelArguments, DataArguments, TrainingArguments)
+_COMMON = {"per_device_train_batch_size": 32, "per_device_eval_batch_size": 100, "lr_scheduler_type": "cosine",
+           "warmup_steps": 0.05, "weight_decay": 0.01, "save_total_limit": 2, "eval_strategy": "steps"}
+# The embedded defaults, one per recipe; `stoker train` with no config runs DEFAULT_JOBS["sft"].
+DEFAULT_JOBS = {
+    # a tiny Llama learns 2-digit addition from scratch: about half a minute on 2 CPU cores, exact match 0 -> ~1.
+    # At 3e-3 some seeds stall at a plateau (the carries unlearned); 1e-3 over 5 epochs learns them for every seed
+    "clm": {**_COMMON, "recipe": "clm", "dataset_name": "addition", "output_dir": "stoker_output/base",
+            "num_train_epochs": 5, "learning_rate": 1e-3, "logging_steps": 100, "eval_steps": 250,
+            "save_steps": 250},
+    # LoRA teaches that model to answer in chat form (the main job; it makes the base first if needed)
+    "sft": {**_COMMON, "recipe": "sft", "dataset_name": "addition", "output_dir": "stoker_output",
+            "use_peft": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "num_train_examples": 4500,
+            "num_train_epochs": 3, "learning_rate": 5e-3, "logging_steps": 50, "eval_steps": 100,
+            "save_steps": 200, "training_report": True},
+    # a tiny BERT with a locally trained word tokenizer sorts sentences into four topics
+    "classification": {**_COMMON, "recipe": "classification", "dataset_name": "topics",
+                       "output_dir": "stoker_output/classifier", "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_train_examples": 4000, "num_train_epochs": 3,
+                       "learning_rate": 1e-3, "logging_steps": 50, "eval_steps": 100, "save_steps": 100},
+}
+
+
+def recipe_of(argv: list[str]) -> str:
+    """The recipe `[CONFIG] [--flags]` asks for: the last --recipe flag, else the config file's `recipe:` key, else
+    sft (the main job). A name that is no recipe is returned as it is, for parsing to report with the rest."""
+    flags = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--recipe"]
+    if flags:
+        return flags[-1]
+    if not (argv and argv[0].endswith(CONFIG_SUFFIXES)):
+        return "sft"
+    try:
+        return str(load_config_file(argv[0]).get("recipe", "sft"))
+    except ConfigError:  # parse_config reports the file's problem with the others
+        return "sft"
+
+
+def parse_recipe_args(argv: list[str], recipe: str | None = None, prog: str | None = None,
+                      checks: tuple[str, ...] = ()):
+    """(RecipeArguments, ModelArguments, DataArguments, TrainingArguments) from `[CONFIG] [--flags]`.
+
+    `recipe` unset: the one `recipe_of(argv)` names. With no config file the recipe's embedded default fills in
+    what the flags leave out. `checks` names the inputs (of INPUT_CHECKS) to check before returning; their
+    problems are reported with the arguments'."""
+    argv = list(argv)
+    has_file = bool(argv) and argv[0].endswith(CONFIG_SUFFIXES)
+    if recipe is None:
+        recipe = recipe_of(argv)
+    elif "--recipe" not in argv:
+        argv += ["--recipe", recipe]
+    defaults = None if has_file else dict(DEFAULT_JOBS.get(recipe, {}))
+    if defaults and "--train_file" in argv:  # the user's data replaces the default's generated task
+        defaults.pop("dataset_name", None)
+    r, m, d, args = parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog,
+                                 check=(lambda built: input_problems(built, checks)) if checks else None)
+    if args.packing and args.packing_length is None:  # rows are cut to max_length, packed rows hold as many
+        args.packing_length = max(d.max_length, 2)
+    return r, m, d, args
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs, checked before any work: the model, the data, and the folders the run writes
+
+INPUT_CHECKS = ("model", "data", "output")
+
+
+def input_problems(built: dict, checks: tuple[str, ...] = INPUT_CHECKS) -> list[str]:
+    """Problems with what a run reads and writes, for the arguments that parsed ({type: instance})."""
+    r, m, d, args = (built.get(t) for t in ARGUMENT_TYPES)
+    recipe = r.recipe if r else None
+    p = []
+    if m and m.model_name_or_path and "model" in checks:
+        head = "sequence_classification" if recipe == "classification" else "causal_lm"
+        # a run that reads data tokenizes it with the model's tokenizer; a plan needs the config only
+        p.append(model_source_problem("model_name_or_path", m.model_name_or_path, head, tokenizer="data" in checks))
+    if d and "data" in checks:
+        if d.dataset_name is not None:
+            p.append(dataset_source_problem("dataset_name", d.dataset_name, GENERATED))
+        for name in ("train_file", "validation_file"):
+            if getattr(d, name):
+                p += data_file_problems(name, getattr(d, name), row_columns(recipe, d) if recipe else None,
+                                        lambda column, value: _row_value_problem(d, column, value))
+    if args and "output" in checks:
+        p.append(writable_folder_problem("output_dir", args.output_dir))
+        outside = os.path.relpath(os.path.abspath(args.logging_dir), os.path.abspath(args.output_dir)).startswith("..")
+        if "tensorboard" in args.report_to and outside:
+            p.append(writable_folder_problem("logging_dir", args.logging_dir))
+        resume = args.resume_from_checkpoint
+        if isinstance(resume, str) and resume.lower() not in ("true", "false"):
+            # names and sizes only: the Trainer checks every byte against the manifest when it loads it
+            problem = ckpt.verify(resume, hashes=False)
+            if problem:
+                p.append(f"resume_from_checkpoint={resume!r}: {problem}")
+        elif (resume is None or str(resume).lower() == "false") and not args.overwrite_output_dir:
+            existing = ckpt.list_checkpoints(args.output_dir)
+            if existing:
+                p.append(f"output_dir={args.output_dir!r}: already holds {len(existing)} checkpoint(s) (newest "
+                         f"{os.path.basename(existing[-1])}); resume with resume_from_checkpoint=true, or set "
+                         "overwrite_output_dir=true")
+    return [problem for problem in p if problem]
+
+
+def row_columns(recipe: str, d: DataArguments) -> list[list[str]]:
+    """The column sets a recipe trains on, the first one the rows have being used."""
+    return {"clm": [["prompt", "completion"], [d.text_column]],
+            "sft": [[d.messages_column], ["prompt", "completion"]],
+            "classification": [[d.text_column, d.label_column]]}[recipe]
+
+
+def _row_value_problem(d: DataArguments, column: str, value) -> str | None:
+    if column == d.label_column:
+        ok = isinstance(value, (str, int, float))  # a class name; datasets keeps numbers and booleans as they are
+        return None if ok else f"is {value!r}; accepted: a class name (string) or number"
+    if column == d.messages_column:
+        turns_ok = isinstance(value, list) and value and all(
+            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+            for t in value)
+        if not turns_ok:
+            return 'must be a list of {"role": ..., "content": ...} messages'
+        return None if value[-1]["role"] == "assistant" else "must end with an assistant message"
+    return None if isinstance(value, str) else f"is {value!r}; accepted: a string"

@@ -1,0 +1,118 @@
+"""The clm recipe: causal-LM training on plain text (cut into blocks) or on prompt/completion rows.
+
+    python -m stoker.recipes.clm                                   # the embedded default, offline (below)
+    python -m stoker.recipes.clm recipes/clm.yaml --learning_rate 1e-3
+    torchrun --nproc_per_node 2 -m stoker.recipes.clm recipes/clm.yaml
+    stoker train --recipe clm [CONFIG] [--field value ...]         # the same run through the command
+
+With nothing given, a tiny Llama (built from ModelArguments' sizes, with a character tokenizer) learns 2-digit
+addition from scratch ("37+45=" -> "082"), scored by exact match on 500 problems it never saw: the base model of
+the main job, which the sft recipe then adapts.
+
+To change more than a setting, fork it: `stoker cp clm my_clm.py` writes this file, which runs as it is with
+`python my_clm.py CONFIG.yaml`. It reads top to bottom: setup (arguments, tokenizer and model, data, Trainer),
+train, evaluate, save, report; the pieces it calls live in stoker.recipes (args, data, models, results).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from stoker.arguments import TrainingArguments
+from stoker.errors import CheckpointError, ConfigError, report
+from stoker.log import logger
+from stoker.lora import merge_adapter
+from stoker.recipes.args import GENERATED, INPUT_CHECKS, DataArguments, ModelArguments, parse_recipe_args
+from stoker.recipes.data import clm_rows, generated_pairs, load_rows
+from stoker.recipes.models import build_causal_lm, peft_config_for
+from stoker.recipes.results import generate_sample, summary, write_results
+from stoker.tasks import answer_metrics, argmax_logits
+from stoker.trainer import Trainer
+
+RECIPE = "clm"
+
+
+def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
+    """Train a causal LM as the arguments say; save it and report. Returns {'before', 'after', 'train'} metrics,
+    with 'sample' (a generated answer) for prompt/completion data and 'merged' for a LoRA run."""
+    # --- setup: tokenizer and model (its weights drawn from the seed when it is built from scratch)
+    tokenizer, model = build_causal_lm(m, args.seed)
+
+    # --- setup: data. Local files or a hub dataset hold text (cut into blocks with block_size) or
+    # prompt/completion rows; a generated task gives prompt/completion pairs and held-out problems
+    if d.train_file or d.dataset_name not in (None, *GENERATED):
+        train_raw, held_raw = load_rows(d)
+        train, paired = clm_rows(train_raw, tokenizer, d, "train data")
+        held = clm_rows(held_raw, tokenizer, d, "validation data")[0] if held_raw is not None else None
+    else:
+        train_pairs, held_pairs = generated_pairs(d.dataset_name or "addition", d, args.seed)
+        as_rows = lambda pairs: [{"prompt": p, "completion": a} for p, a in pairs]
+        train, paired = clm_rows(as_rows(train_pairs), tokenizer, d, "generated data")
+        held = clm_rows(as_rows(held_pairs), tokenizer, d, "generated data")[0]
+
+    # --- setup: the Trainer. Prompt/completion rows are scored on the answer (exact match, token accuracy), from
+    # the logits' argmax, so evaluation never holds a whole vocabulary of logits per token
+    trainer = Trainer(model, args, train_dataset=train, eval_dataset=held, processing_class=tokenizer,
+                      compute_metrics=answer_metrics if paired else None,
+                      preprocess_logits_for_metrics=argmax_logits if paired else None,
+                      peft_config=peft_config_for(m, model))
+
+    # --- train, with the held-out metrics before and after (nothing held out: train without evaluating)
+    if held is None and args.eval_strategy != "no":
+        args.eval_strategy = "no"
+    before = trainer.evaluate() if held else {}
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    after = trainer.evaluate() if held else {}
+
+    # --- save: the model into output_dir (a LoRA run: the adapter only, and the adapter merged into its base)
+    trainer.save_model()
+    results = {"before": before, "after": after, "train": result.metrics}
+    if not trainer.accelerator.is_main_process:
+        return results
+    if m.use_peft and m.merge_adapter and m.model_name_or_path:
+        # a k-bit base is merged from its full-precision files, which is what merge_adapter loads
+        results["merged"] = merge_adapter(m.model_name_or_path, args.output_dir,
+                                          os.path.join(args.output_dir, "merged"))
+
+    # --- report: a generated answer to the first held-out prompt, results.json, what was learned and where it is
+    if paired and held:
+        results["sample"] = generate_sample(trainer, tokenizer, held[0])
+    write_results(args.output_dir, results)
+    print(summary(results, args, m, len(held or [])))
+    return results
+
+
+def make_base_model(folder: str, seed: int) -> str:
+    """The model this recipe's embedded default makes with `seed`, trained into `folder` unless a model is there
+    already; returns `folder`. The sft recipe's default job adapts it."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        logger.info(f"no base model in {folder}: training one with the clm recipe first")
+        _, m, d, args = parse_recipe_args(["--output_dir", folder, "--overwrite_output_dir", "true",
+                                           "--disable_tqdm", "true", "--seed", str(seed)], RECIPE)
+        run(m, d, args)
+    return folder
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The command line: `[CONFIG.yaml|json] [--field value ...]` (sys.argv without argv). Every bad argument or
+    input is named at once with exit code 2 before any work; a finished run returns 0."""
+    try:
+        r, m, d, args = parse_recipe_args(sys.argv[1:] if argv is None else argv, RECIPE, prog=prog,
+                                          checks=INPUT_CHECKS)
+        if r.num_threads:
+            torch.set_num_threads(r.num_threads)
+        run(m, d, args)
+    except (ConfigError, CheckpointError) as e:
+        return report(e)
+    # under a launcher, leave the process group before the interpreter exits: a gloo group torn down by
+    # interpreter shutdown can abort the process after a successful run
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The recipes' models: loaded from a hub id or a folder (in 4 or 8 bits for QLoRA), or built small from the
+sizes in ModelArguments with a tokenizer made locally, and the LoRA config a run asks for.
+
+transformers is imported inside these functions: `stoker --version`, `stoker plan` on a config and the other
+commands that build no model do not pay for its model classes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..lora import lora_config, quantization_config
+from ..tasks import char_tokenizer, train_word_tokenizer
+from .args import ModelArguments
+
+
+def build_causal_lm(m: ModelArguments, seed: int):
+    """(tokenizer, model): from model_name_or_path (k-bit if asked; a tokenizer without a pad token pads with its
+    eos token), or a tiny Llama built from the sizes with the character tokenizer, its weights drawn from `seed`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if m.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(m.model_name_or_path)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        quant = quantization_config(m.load_in_4bit, m.load_in_8bit, m.bnb_4bit_quant_type, m.use_bnb_nested_quant,
+                                    m.bnb_4bit_compute_dtype)
+        return tokenizer, AutoModelForCausalLM.from_pretrained(m.model_name_or_path, quantization_config=quant)
+    if m.load_in_4bit or m.load_in_8bit:
+        raise ConfigError(["load_in_4bit/load_in_8bit: quantise a pretrained model (set model_name_or_path); a "
+                           "model built from scratch has nothing to keep frozen"], "ModelArguments")
+    tokenizer = char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_attention_heads, max_position_embeddings=512, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)  # the initial weights are part of the run's seed
+    return tokenizer, LlamaForCausalLM(config)
+
+
+def build_classifier(m: ModelArguments, labels: list[str], texts: list[str], max_length: int, seed: int):
+    """(tokenizer, model) for sequence classification into `labels` (the index of each is its class id): from
+    model_name_or_path with a new classification head, or a tiny BERT built from the sizes with a word tokenizer
+    trained on `texts`. The new head (or the whole BERT) is drawn from `seed`; the model pads with the
+    tokenizer's pad id."""
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+    )
+
+    id2label, label2id = dict(enumerate(labels)), {n: i for i, n in enumerate(labels)}
+    torch.manual_seed(seed)  # a new classification head is initialised from the seed
+    if m.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(m.model_name_or_path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            m.model_name_or_path, num_labels=len(labels), id2label=id2label, label2id=label2id)
+    else:
+        tokenizer = train_word_tokenizer(texts, max_length=max_length)
+        model = BertForSequenceClassification(BertConfig(
+            vocab_size=len(tokenizer), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
+            max_position_embeddings=max(max_length, 64), num_labels=len(labels), id2label=id2label,
+            label2id=label2id, pad_token_id=tokenizer.pad_token_id))
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer, model
+
+
+def peft_config_for(m: ModelArguments, model):
+    """The LoRA config of `m` for `model` (rank, alpha, dropout, target and saved modules), or None without
+    use_peft. Target modules the model does not have are a ConfigError that lists its linear layers."""
+    if not m.use_peft:
+        return None
+    return lora_config(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_target_modules, m.lora_modules_to_save)

@@ -1,0 +1,65 @@
+"""What a recipe reports after training: a generated answer, results.json, and a summary of what was learned
+(held-out metrics before and after) and where the outputs are."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..arguments import TrainingArguments
+from .args import ModelArguments
+
+
+def generate_sample(trainer, tokenizer, row: dict) -> dict:
+    """Greedy completion (up to 8 tokens) of one held-out row's prompt (its tokens before the first label) by the
+    trained model: {'prompt', 'generated', 'expected'}, decoded without special tokens."""
+    prompt_len = next(i for i, label in enumerate(row["labels"]) if label != -100)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    model.eval()
+    ids = torch.tensor([row["input_ids"][:prompt_len]], device=trainer.accelerator.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)
+    return {"prompt": decode(ids[0]), "generated": decode(out[0, prompt_len:]),
+            "expected": decode([t for t in row["labels"] if t != -100])}
+
+
+def write_results(output_dir: str, results: dict) -> str:
+    """Write `results` (before, after, train metrics; merged model, sample) to output_dir/results.json; its path."""
+    path = os.path.join(output_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    return path
+
+
+def summary(results: dict, args: TrainingArguments, m: ModelArguments, held_rows: int) -> str:
+    """What the run learned (held-out metrics before and after, a generated answer) and where its outputs are."""
+    lines = [format_before_after(results["before"], results["after"], held_rows)]
+    if "sample" in results:
+        s = results["sample"]
+        lines.append(f"sample: {s['prompt']!r} -> {s['generated']!r} (expected {s['expected']!r})")
+    out = args.output_dir
+    lines.append(f"{'adapter' if m.use_peft else 'model'}: {out}"
+                 + (" (peft.PeftModel.from_pretrained)" if m.use_peft else " (from_pretrained)"))
+    if "merged" in results:
+        lines.append(f"merged model: {results['merged']} (transformers' from_pretrained)")
+    report = os.path.join(out, "report.html")
+    if args.training_report and os.path.isfile(report):
+        lines.append(f"report: {report} (loss, evaluation and learning-rate curves)")
+    lines.append(f"results: {os.path.join(out, 'results.json')}")
+    return "\n".join(line for line in lines if line)
+
+
+def format_before_after(before: dict, after: dict, n: int) -> str:
+    """A table of the metrics both evaluations have (timings left out), before and after, over `n` held-out rows;
+    empty when there is nothing to compare."""
+    keys = [k for k in before if k in after and not k.endswith(("_runtime", "_per_second"))]
+    if not keys:
+        return ""
+    width = max(len(k) for k in keys)
+    lines = [f"{'held-out (' + str(n) + ' rows)':<{width}}  {'before':>8}  {'after':>8}"]
+    lines += [f"{k:<{width}}  {before[k]:>8.4f}  {after[k]:>8.4f}" for k in keys]
+    return "\n".join(lines)
