@@ -159,7 +159,6 @@ class Trainer(TrainerAPI):
         self.accelerator = build_accelerator(self.args, model, optimizers)
         self._backend, self._checkpointer = backend_for(self.accelerator, self.args), Checkpointer(self)
         set_log_levels(self.args)
-        self._check_save_on_each_node()
         self._enable_gradient_checkpointing(model)
         self.model = model
         self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
@@ -220,14 +219,6 @@ class Trainer(TrainerAPI):
         self.data_collator = self._given_collator or PaddingCollator(self._pad_token_id())
         if self.args.remove_unused_columns and hasattr(base, "config"):
             self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
-
-    def _check_save_on_each_node(self) -> None:
-        acc = self.accelerator
-        nodes = acc.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
-        if self.args.save_on_each_node and nodes > 1:
-            raise ConfigError([f"save_on_each_node=True: this run has {nodes} nodes, and stoker commits each "
-                               "checkpoint once, from the main process, into an output_dir that every node must "
-                               "see (a shared disk); set it to False"], "Trainer inputs")
 
     def _enable_gradient_checkpointing(self, model) -> None:
         if not self.args.gradient_checkpointing:

@@ -568,17 +568,15 @@ def test_use_cache_and_debug_underflow_overflow(tiny_llama, make_args):
 
 
 def test_save_on_each_node_is_refused_with_several_nodes(tiny_llama, make_args, monkeypatch):
-    import types
-
     from stoker import ConfigError
+    from stoker.distributed.launch import check_save_on_each_node
 
-    t = Trainer(tiny_llama(), make_args(save_on_each_node=True))  # one node: the same as writing once
-    t.accelerator = types.SimpleNamespace(num_processes=4)
+    Trainer(tiny_llama(), make_args(save_on_each_node=True))  # one node: the same as writing once
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="save_on_each_node=True: this run has 2 nodes"):
-        t._check_save_on_each_node()
+        check_save_on_each_node(True, 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    t._check_save_on_each_node()
+    check_save_on_each_node(True, 4)
 
 
 def test_a_dict_of_evaluation_sets(tiny_llama, make_args):

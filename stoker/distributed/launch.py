@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from ..errors import ConfigError
+
 # Environment variables in which launchers state the number of processes: torchrun and `accelerate launch`
 # set WORLD_SIZE, MPI launchers the others (the same list Accelerate reads).
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -66,3 +68,13 @@ def parameters_finite(accelerator, model) -> bool:
         return local
     flag = torch.tensor(0.0 if local else 1.0, device=accelerator.device)
     return accelerator.reduce(flag, reduction="sum").item() == 0
+
+
+def check_save_on_each_node(save_on_each_node: bool, num_processes: int) -> None:
+    """Refuse save_on_each_node with several nodes (LOCAL_WORLD_SIZE processes each): stoker commits each
+    checkpoint once, from the main process, into an output_dir every node must see."""
+    nodes = num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    if save_on_each_node and nodes > 1:
+        raise ConfigError([f"save_on_each_node=True: this run has {nodes} nodes, and stoker commits each "
+                           "checkpoint once, from the main process, into an output_dir that every node must "
+                           "see (a shared disk); set it to False"], "Trainer inputs")
