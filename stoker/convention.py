@@ -108,11 +108,13 @@ class LossConvention:
             labels, ids = batch.get(self.label_name), batch.get("input_ids")
             if isinstance(labels, torch.Tensor) and isinstance(ids, torch.Tensor) and labels.shape == ids.shape and (
                     labels.dim() == 2 and not labels.is_floating_point()):
-                self.causal = shared(self._probe_shift(model, batch, labels, accelerator.device))
+                probe = _probe_rows(batch, labels, first_is_target=True)
+                self.causal = shared(self._probe_shift(model, probe, probe[self.label_name], accelerator.device))
             else:
                 self.causal = False  # not one integer label per input token: nothing to shift
         if self.honours_num_items is None and self.own_loss:
-            self.honours_num_items = shared(self._probe_num_items(model, {**batch, **self.forward_kwargs},
+            probe = _probe_rows(batch, batch.get(self.label_name), first_is_target=False)
+            self.honours_num_items = shared(self._probe_num_items(model, {**probe, **self.forward_kwargs},
                                                                   accelerator.device))
 
     def _probe_shift(self, model, batch: dict, labels: torch.Tensor, device) -> bool | None:
@@ -145,6 +147,26 @@ class LossConvention:
         if not torch.isfinite(one) or one == 0:
             return None
         return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
+
+
+def _probe_rows(batch: dict, labels, first_is_target: bool) -> dict:
+    """Two rows of the batch that can decide a probe, which then costs a fraction of one forward: from the first
+    row with a target after the first position (which a causal LM never scores), and with `first_is_target` a
+    target at the first position too. Two rows, since a model with batch norm cannot train on one; the whole
+    batch when no row qualifies (it may still decide together)."""
+    rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+    first = 0
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
+        flat = labels.reshape(labels.shape[0], -1)
+        usable = (flat[:, 1:] != -100).any(dim=1)
+        if first_is_target:
+            usable &= flat[:, 0] != -100
+        found = usable.nonzero()
+        if not len(found):
+            return batch
+        first = int(found[0, 0])
+    return {k: v[first:first + 2] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v
+            for k, v in batch.items()}
 
 
 @contextlib.contextmanager

@@ -42,3 +42,49 @@ def test_num_items_in_batch_is_passed_only_to_models_that_divide_by_it(tmp_path,
     it."""
     trainer = train_family(family, str(tmp_path), 8, per_device_train_batch_size=8, max_steps=1)
     assert trainer._convention.honours_num_items is divides
+
+
+@pytest.mark.parametrize("family", ["shifting_module", "bert_mlm"])
+def test_the_probes_run_on_two_rows_of_the_first_batch(tmp_path, family, monkeypatch):
+    """A probe decides from two rows with targets (a fraction of one forward), not from the whole micro-batch;
+    the verdicts are those of the whole-batch probe (the parametrized tests above)."""
+    import torch
+
+    from stoker import convention
+
+    seen, real = [], convention._probe_forwards
+
+    def recording(model, device):
+        context = real(model, device)
+        forward = context.__enter__()
+
+        def counted(**inputs):
+            seen.append(next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[0])
+            return forward(**inputs)
+
+        class Recorded:
+            def __enter__(self):
+                return counted
+
+            def __exit__(self, *exc):
+                return context.__exit__(*exc)
+
+        return Recorded()
+
+    monkeypatch.setattr(convention, "_probe_forwards", recording)
+    trainer = train_family(family, str(tmp_path), 8, per_device_train_batch_size=8, max_steps=1)
+    assert trainer._convention.settled and seen and set(seen) == {2}
+
+
+def test_a_probe_falls_back_to_the_whole_batch_when_no_row_decides_alone():
+    """Rows whose only target is their first label cannot tell a causal shift from one row (the shifted loss
+    has nothing left): the probe then gets the whole batch, as before."""
+    import torch
+
+    from stoker.convention import _probe_rows
+
+    labels = torch.tensor([[5, -100, -100], [-100, 7, -100], [-100, -100, 9]])
+    batch = {"input_ids": torch.ones(3, 3, dtype=torch.long), "labels": labels}
+    assert _probe_rows(batch, labels, first_is_target=True) is batch
+    two = _probe_rows(batch, labels, first_is_target=False)
+    assert two["labels"].tolist() == [[-100, 7, -100], [-100, -100, 9]] and two["input_ids"].shape == (2, 3)
