@@ -14,11 +14,14 @@ before any work.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
+
+import torch
 
 from .. import checkpoint as ckpt
 from ..arguments import CONFIG_SUFFIXES, TrainingArguments, load_config_file, parse_config
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError, report
 from ..inputs import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
 
 RECIPES = ("clm", "sft", "classification")
@@ -249,3 +252,22 @@ def _row_value_problem(d: DataArguments, column: str, value) -> str | None:
             return 'must be a list of {"role": ..., "content": ...} messages'
         return None if value[-1]["role"] == "assistant" else "must end with an assistant message"
     return None if isinstance(value, str) else f"is {value!r}; accepted: a string"
+
+
+def recipe_main(recipe: str, run, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """A recipe's command line: `[CONFIG.yaml|json] [--field value ...]` (sys.argv without argv) parsed into its
+    arguments and handed to `run(model_args, data_args, training_args)`. Every bad argument or input is named at
+    once with exit code 2 before any work; a finished run returns 0."""
+    try:
+        r, m, d, args = parse_recipe_args(sys.argv[1:] if argv is None else argv, recipe, prog=prog,
+                                          checks=INPUT_CHECKS)
+        if r.num_threads:
+            torch.set_num_threads(r.num_threads)
+        run(m, d, args)
+    except (ConfigError, CheckpointError) as e:
+        return report(e)
+    # under a launcher, leave the process group before the interpreter exits: a gloo group torn down by
+    # interpreter shutdown can abort the process after a successful run
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0

@@ -19,13 +19,10 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 from stoker.arguments import TrainingArguments
-from stoker.errors import CheckpointError, ConfigError, report
 from stoker.log import logger
 from stoker.lora import merge_adapter
-from stoker.recipes.args import GENERATED, INPUT_CHECKS, DataArguments, ModelArguments, parse_recipe_args
+from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, parse_recipe_args, recipe_main
 from stoker.recipes.data import clm_rows, generated_pairs, load_rows
 from stoker.recipes.models import build_causal_lm, peft_config_for
 from stoker.recipes.results import generate_sample, summary, write_results
@@ -97,21 +94,8 @@ def make_base_model(folder: str, seed: int) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """The command line: `[CONFIG.yaml|json] [--field value ...]` (sys.argv without argv). Every bad argument or
-    input is named at once with exit code 2 before any work; a finished run returns 0."""
-    try:
-        r, m, d, args = parse_recipe_args(sys.argv[1:] if argv is None else argv, RECIPE, prog=prog,
-                                          checks=INPUT_CHECKS)
-        if r.num_threads:
-            torch.set_num_threads(r.num_threads)
-        run(m, d, args)
-    except (ConfigError, CheckpointError) as e:
-        return report(e)
-    # under a launcher, leave the process group before the interpreter exits: a gloo group torn down by
-    # interpreter shutdown can abort the process after a successful run
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return 0
+    """The command line: `[CONFIG.yaml|json] [--field value ...]`; exit code 2 for bad input, 0 when done."""
+    return recipe_main(RECIPE, run, argv, prog)
 
 
 if __name__ == "__main__":
