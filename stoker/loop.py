@@ -25,6 +25,21 @@ def window_sizes(num_batches: int, accumulation: int) -> list[int]:
     return [accumulation] * full + ([rest] if rest else [])
 
 
+def plan_steps(train_dataloader, accumulation: int, args) -> tuple[int, int | None]:
+    """(max_steps, optimizer steps per epoch or None for a dataset without a length) of a run over the prepared
+    loader of one process: max_steps when set, else num_train_epochs (which may be fractional) of epochs."""
+    try:
+        per_epoch = len(window_sizes(len(train_dataloader), accumulation))
+    except TypeError:
+        per_epoch = None
+    if args.max_steps > 0:
+        return args.max_steps, per_epoch
+    if not per_epoch:
+        raise ValueError("train_dataset yields no full micro-batch (dataloader_drop_last=True with fewer rows "
+                         f"than per_device_train_batch_size={args.per_device_train_batch_size})")
+    return math.ceil(args.num_train_epochs * per_epoch), per_epoch
+
+
 @dataclasses.dataclass
 class LoopPosition:
     """Where the loop stands: the epoch, how many of its micro-batches are consumed, and the window's shape.
@@ -86,16 +101,38 @@ class RunningLog:
         first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         self.samples_seen += first.shape[0] * num_processes if first is not None else 0
 
-    def fold_tokens(self, accelerator) -> tuple[int, int]:
+    def fold_tokens(self, accelerator, state, counting: str) -> tuple[int, int]:
         """Input tokens since the last call (non-padding, all), summed over every process and added to the
-        run's count. A host sync, so done when logging and once at the end rather than per step."""
+        run's count, and to state.num_input_tokens_seen as include_num_input_tokens_seen (`counting`) asks. A
+        host sync, so done when logging and once at the end rather than per step."""
         counts = self.tokens.clone()
         if accelerator.num_processes > 1:
             counts = accelerator.reduce(counts, reduction="sum")
         tokens, all_tokens = (int(c) for c in counts.tolist())
         self.tokens.zero_()
         self.tokens_seen += tokens
+        state.num_input_tokens_seen += tokens if counting == "non_padding" else all_tokens if counting == "all" else 0
         return tokens, all_tokens
+
+    def window_logs(self, args, accelerator, model, state, learning_rate: float) -> dict[str, float]:
+        """The log of the window since the last one (a host sync): mean loss over its applied steps, the last
+        gradient norm and learning rate (`learning_rate` if no step has recorded one), non-finite steps skipped so
+        far, throughput and where the time went; the sums restart, the clock with `restart_clock`."""
+        steps = self.steps
+        logged = self.reduce_loss(accelerator, args.average_tokens_across_devices) if steps else 0.0
+        self.total_loss += logged
+        tokens, all_tokens = self.fold_tokens(accelerator, state, args.include_num_input_tokens_seen)
+        elapsed, samples = self.elapsed(), self.take_samples()
+        logs = {"loss": round(logged / steps, 6)} if steps else {}
+        if self.grad_norm is not None:
+            logs["grad_norm"] = float(self.grad_norm)
+        if self.nonfinite_total:
+            logs["nonfinite_steps_skipped"] = self.nonfinite_total
+        logs["learning_rate"] = self.learning_rate if self.learning_rate is not None else learning_rate
+        logs["tokens_per_second"] = round(tokens / elapsed, 2)
+        logs["samples_per_second"] = round(samples / elapsed, 3)
+        logs.update(self.diagnostics(args, accelerator, model, tokens, all_tokens, samples, elapsed))
+        return logs
 
     def reduce_loss(self, accelerator, averaged_across_devices: bool) -> float:
         """Sum of the window losses since the last log (over every process), then reset. A host sync."""

@@ -56,7 +56,7 @@ from .errors import (
 )
 from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, logits_of, predictions_of, split_batch
 from .log import logger, set_log_levels
-from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, window_sizes
+from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, plan_steps, window_sizes
 from .lora import trainable_parameters, wrap
 from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
@@ -314,20 +314,6 @@ class Trainer(TrainerAPI):
         loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
         return self.accelerator.prepare(loader)
 
-    def _plan_steps(self, train_dataloader, accumulation: int) -> tuple[int, int | None]:
-        """(max_steps, steps per epoch or None for a dataset without a length)."""
-        a = self.args
-        try:
-            per_epoch = len(window_sizes(len(train_dataloader), accumulation))
-        except TypeError:
-            per_epoch = None
-        if a.max_steps > 0:
-            return a.max_steps, per_epoch
-        if not per_epoch:
-            raise ValueError("train_dataset yields no full micro-batch (dataloader_drop_last=True with fewer rows "
-                             f"than per_device_train_batch_size={a.per_device_train_batch_size})")
-        return math.ceil(a.num_train_epochs * per_epoch), per_epoch
-
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs):
         """Train; resume_from_checkpoint is None, True (the newest complete checkpoint) or a checkpoint path.
@@ -407,7 +393,7 @@ class Trainer(TrainerAPI):
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
         self._train_dataloader = acc.prepare(self.get_train_dataloader())
-        max_steps, per_epoch = self._plan_steps(self._train_dataloader, pos.accumulation)
+        max_steps, per_epoch = plan_steps(self._train_dataloader, pos.accumulation, a)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
         self._backend.prepare(self, max_steps)  # sets model_wrapped, optimizer, lr_scheduler
 
@@ -498,7 +484,7 @@ class Trainer(TrainerAPI):
                 break
         if run.steps:  # loss and tokens of steps after the last log
             run.total_loss += run.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
-        self._fold_tokens(run)
+        run.fold_tokens(self.accelerator, s, self.args.include_num_input_tokens_seen)
         return preempted
 
     def _optimizer_step(self, model, window: list[dict], pos: LoopPosition, run: RunningLog,
@@ -651,34 +637,12 @@ class Trainer(TrainerAPI):
         logger.warning(f"{what}; update skipped")
         return False, signal_number
 
-    def _fold_tokens(self, run: RunningLog) -> tuple[int, int]:
-        """The run's input tokens since the last call, over every process, into state.num_input_tokens_seen."""
-        tokens, all_tokens = run.fold_tokens(self.accelerator)
-        mode = self.args.include_num_input_tokens_seen
-        self.state.num_input_tokens_seen += tokens if mode == "non_padding" else all_tokens if mode == "all" else 0
-        return tokens, all_tokens
-
     def _maybe_log_save_evaluate(self, pos: LoopPosition, run: RunningLog) -> None:
         """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
         the logged throughput)."""
         c, s = self.control, self.state
         if c.should_log and (run.steps or run.nonfinite_total):
-            steps = run.steps
-            logged = run.reduce_loss(self.accelerator, self.args.average_tokens_across_devices) if steps else 0.0
-            run.total_loss += logged
-            tokens, all_tokens = self._fold_tokens(run)
-            elapsed, samples = run.elapsed(), run.take_samples()
-            logs = {"loss": round(logged / steps, 6)} if steps else {}
-            if run.grad_norm is not None:
-                logs["grad_norm"] = float(run.grad_norm)
-            if run.nonfinite_total:
-                logs["nonfinite_steps_skipped"] = run.nonfinite_total
-            logs["learning_rate"] = run.learning_rate if run.learning_rate is not None else self._learning_rate()
-            logs["tokens_per_second"] = round(tokens / elapsed, 2)
-            logs["samples_per_second"] = round(samples / elapsed, 3)
-            logs.update(run.diagnostics(self.args, self.accelerator, self.model_wrapped, tokens, all_tokens, samples,
-                                        elapsed))
-            self.log(logs)
+            self.log(run.window_logs(self.args, self.accelerator, self.model_wrapped, s, self._learning_rate()))
             run.restart_clock()
         c.should_log = False
         paused = time.perf_counter()
