@@ -27,8 +27,8 @@ import sys
 from . import __version__
 from .arguments import CONFIG_SUFFIXES, CollectingParser
 from .checkpoint import verify
-from .distributed import consolidate as consolidate_checkpoint
-from .distributed import launcher_world_size
+from .distributed.fsdp import consolidate as consolidate_checkpoint
+from .distributed.launch import launcher_world_size
 from .errors import ConfigError, report
 from .inputs import adapter_folder_problem, model_source_problem, writable_folder_problem
 from .lora import merge_adapter

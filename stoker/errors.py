@@ -1,5 +1,6 @@
-"""The exceptions stoker raises on purpose. A leaf module: it imports nothing from stoker, so every other module
-can import it at the top."""
+"""The exceptions stoker raises on purpose, and what goes with them: the "did you mean" of a bad choice
+(`suggest`), how a command reports bad input (`report`, exit code 2) and how a preempted run exits (code 75). A
+leaf module: it imports nothing from stoker, so every other module can import it at the top."""
 
 from __future__ import annotations
 

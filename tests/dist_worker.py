@@ -296,15 +296,15 @@ def fsdp_on_cpu(trainer, version: int = 2, **fsdp_config) -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    from stoker import distributed as dist
     from stoker.distributed.backends import backend_for
+    from stoker.distributed.fsdp import fsdp_plugin, fsdp_plugin_kwargs
 
-    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"version": version, **fsdp_config}, model=trainer.model)
+    kwargs, problems = fsdp_plugin_kwargs("full_shard", {"version": version, **fsdp_config}, model=trainer.model)
     assert not problems, problems
     state = trainer.accelerator.state
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ does
-    state.fsdp_plugin = dist.fsdp_plugin(kwargs)
+    state.fsdp_plugin = fsdp_plugin(kwargs)
     if version == 1:  # FullyShardedDataParallel's CPU compute device is "cpu"; Accelerate's gloo device "cpu:0"
         PartialState._shared_state["device"] = state.device = torch.device("cpu")
     assert trainer.accelerator.is_fsdp2 == (version == 2)
@@ -543,7 +543,7 @@ def lora_zero3(out: str) -> None:
 def zero_nonfinite(out: str) -> None:
     """A NaN gradient at step 2 under ZeRO-2 and ZeRO-3 (only rank 1's, before the reduction), with the default
     policy (skip) and with nonfinite_policy='stop'."""
-    from stoker.distributed import parameters_finite
+    from stoker.distributed.launch import parameters_finite
     from stoker.errors import NonFiniteError
 
     without_deepspeed_shm_build()

@@ -144,7 +144,7 @@ def test_the_configs_optimizer_and_schedule_are_built_and_stepped_by_deepspeed_a
 
 
 def test_zero_partitions_resume_only_with_as_many_processes(zero_runs):
-    from stoker.distributed import load_zero_partitions
+    from stoker.distributed.deepspeed import load_zero_partitions
 
     folder = zero_runs / "zero2" / "out" / "checkpoint-2"
     with pytest.raises(ckpt.CheckpointError, match=re.escape(

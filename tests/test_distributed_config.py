@@ -11,7 +11,11 @@ import pytest
 from torch import nn
 
 from stoker import ConfigError, Trainer, TrainingArguments
-from stoker import distributed as dist
+from stoker.distributed import launch
+from stoker.distributed.deepspeed import deepspeed_config, deepspeed_plugin
+from stoker.distributed.fsdp import fsdp_plugin, fsdp_plugin_kwargs
+from stoker.distributed.launch import check_world_size, launcher_world_size, wants_cpu
+from stoker.distributed.options import check_sharding_active
 from tests.test_trainer import llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,22 +32,22 @@ def problems_of(**kw) -> list[str]:
 
 def test_a_launcher_without_accelerators_gets_the_cpu_backend(monkeypatch):
     """Without cpu=True, Accelerate leaves each of torchrun's processes on its own on a machine without GPUs."""
-    monkeypatch.setattr(dist.launch, "accelerator_available", lambda: False)
+    monkeypatch.setattr(launch, "accelerator_available", lambda: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert dist.launcher_world_size() == 1 and not dist.wants_cpu(False) and dist.wants_cpu(True)
+    assert launcher_world_size() == 1 and not wants_cpu(False) and wants_cpu(True)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert dist.launcher_world_size() == 2 and dist.wants_cpu(False)
-    monkeypatch.setattr(dist.launch, "accelerator_available", lambda: True)
-    assert not dist.wants_cpu(False)
+    assert launcher_world_size() == 2 and wants_cpu(False)
+    monkeypatch.setattr(launch, "accelerator_available", lambda: True)
+    assert not wants_cpu(False)
 
 
 def test_processes_that_did_not_join_one_group_are_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    dist.check_world_size(2)
+    check_world_size(2)
     with pytest.raises(RuntimeError, match=r"started 2 processes \(WORLD_SIZE=2\) but Accelerate set up 1"):
-        dist.check_world_size(1)
+        check_world_size(1)
     monkeypatch.delenv("WORLD_SIZE")
-    dist.check_world_size(1)
+    check_world_size(1)
 
 
 # --- FSDP ----------------------------------------------------------------------------------------------
@@ -69,7 +73,7 @@ def test_fsdp_settings_mean_what_they_mean_in_transformers(fsdp, fsdp_config, tm
 
     theirs = transformers.TrainingArguments(str(tmp_path), fsdp=fsdp, report_to="none",
                                             fsdp_config=json.loads(json.dumps(fsdp_config))).fsdp_plugin_args
-    ours, problems = dist.fsdp_plugin_kwargs(fsdp, fsdp_config)
+    ours, problems = fsdp_plugin_kwargs(fsdp, fsdp_config)
     assert problems == []
     if "transformer_cls_names_to_wrap" in ours:  # a list here, a comma-joined string there; Accelerate takes both
         ours["transformer_cls_names_to_wrap"] = ",".join(ours["transformer_cls_names_to_wrap"])
@@ -79,19 +83,19 @@ def test_fsdp_settings_mean_what_they_mean_in_transformers(fsdp, fsdp_config, tm
 def test_min_num_params_alone_wraps_by_size():
     """transformers 5 ignores min_num_params unless auto_wrap_policy says SIZE_BASED_WRAP; stoker, as
     transformers 4 did, takes a min_num_params given alone to mean wrapping by size rather than drop it."""
-    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", {"min_num_params": 2000})
+    kwargs, problems = fsdp_plugin_kwargs("full_shard", {"min_num_params": 2000})
     assert problems == [] and kwargs["auto_wrap_policy"] == "SIZE_BASED_WRAP" and kwargs["min_num_params"] == 2000
 
 
 def test_layers_to_wrap_default_to_the_models_no_split_modules():
-    kwargs, problems = dist.fsdp_plugin_kwargs(True, None, model=llama())
+    kwargs, problems = fsdp_plugin_kwargs(True, None, model=llama())
     assert problems == [] and kwargs["transformer_cls_names_to_wrap"] == ["LlamaDecoderLayer"]
-    _, problems = dist.fsdp_plugin_kwargs("full_shard", {"transformer_layer_cls_to_wrap": "GPT2Block"},
+    _, problems = fsdp_plugin_kwargs("full_shard", {"transformer_layer_cls_to_wrap": "GPT2Block"},
                                           model=llama())
     assert len(problems) == 1 and "GPT2Block" in problems[0] and "LlamaDecoderLayer" in problems[0]
-    _, problems = dist.fsdp_plugin_kwargs("full_shard", None, model=nn.Linear(2, 2))
+    _, problems = fsdp_plugin_kwargs("full_shard", None, model=nn.Linear(2, 2))
     assert len(problems) == 1 and "_no_split_modules" in problems[0] and "min_num_params" in problems[0]
-    assert dist.fsdp_plugin_kwargs("full_shard", {"min_num_params": 10}, model=nn.Linear(2, 2))[1] == []
+    assert fsdp_plugin_kwargs("full_shard", {"min_num_params": 10}, model=nn.Linear(2, 2))[1] == []
 
 
 def test_fsdp_problems_are_all_named_at_once():
@@ -124,7 +128,7 @@ def test_fsdp_config_from_a_json_file(tmp_path):
     path.write_text(json.dumps({"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                 "fsdp_reshard_after_forward": False}))
     args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", fsdp_config=str(path))
-    kwargs, problems = dist.fsdp_plugin_kwargs(args.fsdp, args.fsdp_config)
+    kwargs, problems = fsdp_plugin_kwargs(args.fsdp, args.fsdp_config)
     assert problems == [] and kwargs["reshard_after_forward"] is False
     assert kwargs["transformer_cls_names_to_wrap"] == ["LlamaDecoderLayer"]
 
@@ -137,9 +141,9 @@ def test_the_fsdp_plugin_is_built_from_the_translation(version, monkeypatch):
     # sync_module_states (FSDP1's default) needs a device to broadcast from, so it is off on this CPU machine
     config = {"version": version, "activation_checkpointing": True, "cpu_offload": True,
               **({"sync_module_states": False} if version == 1 else {})}
-    kwargs, problems = dist.fsdp_plugin_kwargs("full_shard", config, model=llama())
+    kwargs, problems = fsdp_plugin_kwargs("full_shard", config, model=llama())
     assert problems == []
-    plugin = dist.fsdp_plugin(kwargs)
+    plugin = fsdp_plugin(kwargs)
     assert isinstance(plugin, FullyShardedDataParallelPlugin) and plugin.fsdp_version == version
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"] and plugin.activation_checkpointing
     if version == 2:
@@ -156,9 +160,9 @@ def test_fsdp_where_it_cannot_run_is_refused_never_run_as_ddp(tmp_path):
                                           r"DDP"):
         Trainer(llama(), args, train_dataset=[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
     with pytest.raises(ConfigError, match=r"Accelerate set up DistributedType.NO, not FSDP"):
-        dist.check_sharding_active(args, "DistributedType.NO")
-    dist.check_sharding_active(args, "DistributedType.FSDP")
-    dist.check_sharding_active(TrainingArguments(output_dir=str(tmp_path)), "DistributedType.NO")
+        check_sharding_active(args, "DistributedType.NO")
+    check_sharding_active(args, "DistributedType.FSDP")
+    check_sharding_active(TrainingArguments(output_dir=str(tmp_path)), "DistributedType.NO")
 
 
 # --- DeepSpeed -------------------------------------------------------------------------------------------
@@ -169,7 +173,7 @@ def filled(path: str, world_size: int = 4, steps: int | None = 100, hidden: int 
                              **{"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "bf16": True,
                                 "learning_rate": 3e-4, "weight_decay": 0.1, "adam_beta2": 0.95,
                                 "max_grad_norm": 0.5, "warmup_ratio": 0.1, **kw})
-    return dist.deepspeed_config(args, world_size=world_size, num_training_steps=steps, hidden_size=hidden)
+    return deepspeed_config(args, world_size=world_size, num_training_steps=steps, hidden_size=hidden)
 
 
 def test_auto_values_are_filled_from_the_arguments_as_transformers_does():
@@ -196,7 +200,7 @@ def test_the_shipped_configs_become_deepspeed_plugins(path, stage, offload):
     TrainingArguments(output_dir="unused", deepspeed=str(ROOT / "recipes" / path))
     config, problems = filled(path)
     assert problems == []
-    plugin = dist.deepspeed_plugin(config)
+    plugin = deepspeed_plugin(config)
     assert plugin.zero_stage == stage and plugin.offload_optimizer_device == offload
     assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 8
     assert plugin.deepspeed_config["zero_optimization"]["stage"] == stage
