@@ -463,7 +463,7 @@ class Trainer(TrainerAPI):
     def _train_loop(self, pos: LoopPosition, run: RunningLog, per_epoch: int | None,
                     signals: PreemptionSignals) -> int | None:
         """The epochs from `pos` on; returns the signal that preempted the run, or None."""
-        s, c = self.state, self.control
+        s = self.state
         model = self.model_wrapped
         model.train()
         run.restart_clock()
@@ -473,14 +473,16 @@ class Trainer(TrainerAPI):
             self._fire("on_epoch_begin")
             for window in self._windows(pos, run):
                 preempted = self._optimizer_step(model, window, pos, run, per_epoch, signals)
-                if c.should_epoch_stop or c.should_training_stop:
+                # read anew after every event: a callback may return a TrainerControl of its own, which then
+                # replaces self.control (as in transformers)
+                if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
             if per_epoch and pos.batches >= len(self._train_dataloader):
                 s.epoch = pos.epoch + 1
             self._fire("on_epoch_end")
             self._maybe_log_save_evaluate(pos, run)
-            pos.batches, c.should_epoch_stop = 0, False
-            if c.should_training_stop or s.global_step >= s.max_steps:
+            pos.batches, self.control.should_epoch_stop = 0, False
+            if self.control.should_training_stop or s.global_step >= s.max_steps:
                 break
         if run.steps:  # loss and tokens of steps after the last log
             run.total_loss += run.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
@@ -640,18 +642,18 @@ class Trainer(TrainerAPI):
     def _maybe_log_save_evaluate(self, pos: LoopPosition, run: RunningLog) -> None:
         """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
         the logged throughput)."""
-        c, s = self.control, self.state
-        if c.should_log and (run.steps or run.nonfinite_total):
+        s = self.state  # self.control is read anew after each event: a callback may replace it
+        if self.control.should_log and (run.steps or run.nonfinite_total):
             self.log(run.window_logs(self.args, self.accelerator, self.model_wrapped, s, self._learning_rate()))
             run.restart_clock()
-        c.should_log = False
+        self.control.should_log = False
         paused = time.perf_counter()
-        if c.should_evaluate:
-            c.should_evaluate = False
+        if self.control.should_evaluate:
+            self.control.should_evaluate = False
             if self._evaluate_and_track() and self.args.save_strategy == "best":
-                c.should_save = True
-        if c.should_save:
-            c.should_save = False
+                self.control.should_save = True
+        if self.control.should_save:
+            self.control.should_save = False
             if self._last_saved_step != s.global_step:  # epoch end right after a step save: same step
                 self._save_checkpoint(pos, run)
                 self._last_saved_step = s.global_step

@@ -43,13 +43,16 @@ for _event in EVENTS:
 
 
 class StopAt(TrainerCallback):
-    """Sets one control flag in on_step_end at the given global steps."""
+    """Sets one control flag in on_step_end at the given global steps: on the control it is given, or (returned)
+    on a new TrainerControl it returns, which transformers' contract lets replace the Trainer's."""
 
-    def __init__(self, flag: str, steps):
-        self.flag, self.steps = flag, set(steps)
+    def __init__(self, flag: str, steps, returned: bool = False):
+        self.flag, self.steps, self.returned = flag, set(steps), returned
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step in self.steps:
+            if self.returned:
+                return TrainerControl(**{self.flag: True})
             setattr(control, self.flag, True)
 
 
@@ -176,23 +179,53 @@ def test_add_remove_pop_callback(tiny_llama, clm_rows, make_args):
 # steering through TrainerControl
 
 
-def test_should_training_stop(tiny_llama, clm_rows, make_args):
+@pytest.mark.parametrize("returned", [False, True], ids=["set-in-place", "returned"])
+def test_should_training_stop(tiny_llama, clm_rows, make_args, returned):
     rec = Recorder()
     out = Trainer(tiny_llama(), make_args(max_steps=6), train_dataset=clm_rows(24),
-                  callbacks=[StopAt("should_training_stop", {2}), rec]).train()
+                  callbacks=[StopAt("should_training_stop", {2}, returned), rec]).train()
     assert out.global_step == 2
     assert rec.counts["on_step_end"] == 2
     assert rec.counts["on_train_end"] == 1
 
 
-def test_should_epoch_stop_moves_to_the_next_epoch(tiny_llama, clm_rows, make_args):
+def test_a_returned_control_keeps_max_steps_as_transformers_does(tiny_llama, clm_rows, make_args):
+    # a callback returning a new TrainerControl at step 2 replaces the Trainer's: the stop that max_steps sets
+    # at step 5 must land on the object the loop reads (one epoch of 24 rows / 4 is 6 steps)
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainingArguments as HFArguments
+
+    from stoker.data import PaddingCollator
+
+    rows = clm_rows(24)
+    ours = Trainer(tiny_llama(), make_args(max_steps=5), train_dataset=rows,
+                   callbacks=[StopAt("should_log", {2}, returned=True)]).train()
+    hf_args = HFArguments(output_dir=make_args().output_dir, max_steps=5, per_device_train_batch_size=4,
+                          report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
+    theirs = HFTrainer(tiny_llama(), hf_args, train_dataset=rows, data_collator=PaddingCollator(0),
+                       callbacks=[StopAt("should_log", {2}, returned=True)]).train()
+    assert ours.global_step == theirs.global_step == 5
+
+
+@pytest.mark.parametrize("returned", [False, True], ids=["set-in-place", "returned"])
+def test_should_epoch_stop_moves_to_the_next_epoch(tiny_llama, clm_rows, make_args, returned):
     # 12 rows / batch 4 = 3 steps per epoch, 2 epochs; epoch 0 is cut after its first step
     rec = Recorder()
     out = Trainer(tiny_llama(), make_args(num_train_epochs=2), train_dataset=clm_rows(12),
-                  callbacks=[StopAt("should_epoch_stop", {1}), rec]).train()
+                  callbacks=[StopAt("should_epoch_stop", {1}, returned), rec]).train()
     assert rec.steps["on_epoch_begin"] == [0, 1]
     assert rec.steps["on_epoch_end"] == [1, 4]
     assert out.global_step == 4
+
+
+@pytest.mark.parametrize("returned", [False, True], ids=["set-in-place", "returned"])
+def test_should_evaluate_and_should_log_from_a_callback(tiny_llama, clm_rows, make_args, returned):
+    rec = Recorder()
+    args = make_args(max_steps=4, logging_steps=0, logging_strategy="no", eval_strategy="no")
+    Trainer(tiny_llama(), args, train_dataset=clm_rows(16), eval_dataset=clm_rows(4, seed=1),
+            callbacks=[StopAt("should_evaluate", {2}, returned), StopAt("should_log", {3}, returned), rec]).train()
+    assert rec.steps["on_evaluate"] == [2]
+    assert [step for step, log in zip(rec.steps["on_log"], rec.logs) if "loss" in log] == [3]
 
 
 def test_a_stop_request_does_not_carry_into_the_next_train_call(tiny_llama, clm_rows, make_args):
@@ -209,10 +242,12 @@ def test_a_stop_request_does_not_carry_into_the_next_train_call(tiny_llama, clm_
     assert out.global_step == 6
 
 
-def test_should_save_from_a_callback(tiny_llama, clm_rows, make_args, tmp_path):
+@pytest.mark.parametrize("returned", [False, True], ids=["set-in-place", "returned"])
+def test_should_save_from_a_callback(tiny_llama, clm_rows, make_args, tmp_path, returned):
     args = make_args(max_steps=2, save_strategy="no", output_dir=str(tmp_path / "run"))
     rec = Recorder()
-    Trainer(tiny_llama(), args, train_dataset=clm_rows(8), callbacks=[StopAt("should_save", {1}), rec]).train()
+    Trainer(tiny_llama(), args, train_dataset=clm_rows(8),
+            callbacks=[StopAt("should_save", {1}, returned), rec]).train()
     checkpoints = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-1"]
     assert (tmp_path / "run" / "checkpoint-1" / "manifest.json").is_file()
