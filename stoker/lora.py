@@ -16,6 +16,7 @@ import torch
 
 from .arguments import ConfigError
 from .inputs import adapter_folder_problem
+from .log import third_party_output
 
 LORA_TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForSequenceClassification": "SEQ_CLS",
                    "ForTokenClassification": "TOKEN_CLS"}
@@ -99,13 +100,16 @@ def quantization_config(load_in_4bit: bool = False, load_in_8bit: bool = False, 
 
 def wrap(model, peft_config, gradient_checkpointing: bool = False):
     """Add the adapter; a k-bit model is first prepared for training (norms in float32, inputs that need
-    grad for checkpointing) as peft recommends."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    grad for checkpointing) as peft recommends. peft's and bitsandbytes' notices (a missing optional kernel
+    package, transformers' deprecated names that peft still calls) are shown at log_level=debug only."""
+    with third_party_output():  # importing peft imports bitsandbytes, which logs its CPU kernel fallback
+        from peft import get_peft_model, prepare_model_for_kbit_training
 
     if is_quantized(model):
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        with third_party_output():
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False})
     targets = peft_config.target_modules
     if targets and targets != "all-linear" and not isinstance(targets, str):
         have = linear_module_names(model)
@@ -113,7 +117,8 @@ def wrap(model, peft_config, gradient_checkpointing: bool = False):
         if unknown:
             raise ConfigError([f"peft_config.target_modules={unknown}: not linear layers of "
                                f"{type(model).__name__}; it has {have} (or use 'all-linear')"], "LoRA configuration")
-    return get_peft_model(model, peft_config)
+    with third_party_output():
+        return get_peft_model(model, peft_config)
 
 
 def trainable_parameters(model) -> tuple[int, int]:

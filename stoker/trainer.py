@@ -224,7 +224,10 @@ class Trainer(TrainerAPI):
         if not self.args.gradient_checkpointing:
             return
         kwargs = {"use_reentrant": False, **(self.args.gradient_checkpointing_kwargs or {})}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         config = getattr(_unwrap_peft(model), "config", None)
         if config is not None and hasattr(config, "use_cache"):
             config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
