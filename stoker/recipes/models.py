@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ConfigError
 from ..gguf import local_model
-from ..log import third_party_output
+from ..log import logger, third_party_output
 from ..lora import lora_config, quantization_config
 from ..tasks import char_tokenizer, train_word_tokenizer
 from .args import ModelArguments
@@ -35,6 +35,8 @@ def build_causal_lm(m: ModelArguments, seed: int):
         raise ConfigError(["load_in_4bit/load_in_8bit: quantise a pretrained model (set model_name_or_path); a "
                            "model built from scratch has nothing to keep frozen"], "ModelArguments")
     tokenizer = char_tokenizer()
+    logger.info(f"no model_name_or_path: a new Llama from random weights (hidden {m.hidden_size}, "
+                f"{m.num_hidden_layers} layers), with a character tokenizer")
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
@@ -67,6 +69,8 @@ def build_classifier(m: ModelArguments, labels: list[str], texts: list[str], max
                 source, num_labels=len(labels), id2label=id2label, label2id=label2id)
     else:
         tokenizer = train_word_tokenizer(texts, max_length=max_length)
+        logger.info(f"no model_name_or_path: a new BERT from random weights (hidden {m.hidden_size}, "
+                    f"{m.num_hidden_layers} layers), with a word tokenizer trained on the training texts")
         model = BertForSequenceClassification(BertConfig(
             vocab_size=len(tokenizer), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
             num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
