@@ -356,15 +356,17 @@ class ProgressCallback(TrainerCallback):
 
 
 class JsonlLoggerCallback(TrainerCallback):
-    """Appends every log record to output_dir/metrics.jsonl (one JSON object per line, main process only)."""
+    """Appends every log record to output_dir/metrics.jsonl (one JSON object per line, main process only), with
+    stoker's diagnostics of the record (throughput, data waiting, MFU, peak memory), which log_history leaves
+    out as transformers does."""
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, diagnostics=None, **kwargs):
         if not (state.is_world_process_zero and logs):
             return
         import os
 
         os.makedirs(args.output_dir, exist_ok=True)
-        record = {"step": state.global_step, "epoch": round(state.epoch, 4), **logs}
+        record = {"step": state.global_step, **logs, "epoch": round(state.epoch, 4), **(diagnostics or {})}
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -382,10 +384,10 @@ class TensorBoardCallback(TrainerCallback):
             self.writer = SummaryWriter(log_dir=args.logging_dir)
             self.writer.add_text("args", args.to_json_string())
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, diagnostics=None, **kwargs):
         if self.writer is None or not logs:
             return
-        for k, v in logs.items():
+        for k, v in {**logs, **(diagnostics or {})}.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 tag = k.replace("eval_", "eval/", 1) if k.startswith("eval_") else f"train/{k}"
                 self.writer.add_scalar(tag, v, state.global_step)

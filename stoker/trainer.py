@@ -55,7 +55,7 @@ from .errors import (
     exit_with_code_after_preemption,
 )
 from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, logits_of, predictions_of, split_batch
-from .log import logger, set_log_levels
+from .log import logger, set_log_levels, transformers_logger
 from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, plan_steps, window_sizes
 from .lora import trainable_parameters, wrap
 from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
@@ -165,6 +165,8 @@ class Trainer(TrainerAPI):
         self.current_flos = 0  # FLOPs since the last store_flos (transformers' estimate)
         self.is_in_train = False
         self._ignore_keys_for_eval = None
+        self._diagnostics = {}  # stoker's figures for the next log record, beside transformers' keys (see log)
+        self._run_started, self._initial_tokens_seen = None, 0  # this train() call's start, tokens seen then
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
@@ -346,6 +348,7 @@ class Trainer(TrainerAPI):
             self._evaluate_and_track()
 
         started, first_step, preempted = time.perf_counter(), s.global_step, None
+        self._run_started, self._initial_tokens_seen = time.time(), s.num_input_tokens_seen
         embeddings = (_unwrap_peft(self.accelerator.unwrap_model(self.model)).get_input_embeddings()
                       if a.neftune_noise_alpha else None)
         with PreemptionSignals(a.save_on_signal) as signals, neftune_noise(embeddings, a.neftune_noise_alpha):
@@ -409,6 +412,7 @@ class Trainer(TrainerAPI):
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
                 left = len(window_sizes(max(len(self._train_dataloader) - pos.batches, 0), pos.accumulation))
                 s.num_train_epochs = pos.epoch + 1 + max(math.ceil((max_steps - s.global_step - left) / per_epoch), 0)
+        self._log_training_header(trainable)
         if s.is_world_process_zero:
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
@@ -419,6 +423,21 @@ class Trainer(TrainerAPI):
                 shutil.rmtree(stale, ignore_errors=True)
         return pos, run, per_epoch
 
+    def _log_training_header(self, trainable: int) -> None:
+        """transformers' "***** Running training *****" lines, in its words and on its trainer logger, so that
+        what a script or test captures from that logger at log_level='info' is the same."""
+        a, s = self.args, self.state
+        epochs, per_epoch, examples = self.set_initial_training_values(a, self._train_dataloader)[:3]
+        for line in ("***** Running training *****", f"  Num examples = {examples:,}",
+                     f"  Num Epochs = {epochs:,}", f"  Num update steps per epoch = {per_epoch:,}",
+                     f"  Instantaneous batch size per device = {a.per_device_train_batch_size:,}",
+                     "  Total train batch size (w. parallel, distributed & accumulation) = "
+                     f"{self.get_total_train_batch_size():,}",
+                     f"  Gradient Accumulation steps = {a.gradient_accumulation_steps}",
+                     f"  Total optimization steps = {s.max_steps:,}",
+                     f"  Number of trainable parameters = {trainable:,}"):
+            transformers_logger.info(line)
+
     def _finalize_training(self, run: RunningLog, runtime: float, steps_run: int, memory) -> TrainOutput:
         """The run's metrics (over the whole run, a resumed one included: the losses before the checkpoint came
         back with it), the best model loaded back if asked for, on_train_end."""
@@ -427,10 +446,10 @@ class Trainer(TrainerAPI):
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(run.samples_seen / runtime, 3),
             "train_steps_per_second": round(max(steps_run, 1) / runtime, 3),
-            "train_tokens_per_second": round(run.tokens_seen / runtime, 3),
             "train_loss": run.total_loss / max(s.global_step - run.nonfinite_total, 1),
-            **peak_memory_metrics(self.accelerator.device),
         }
+        self._diagnostics = {"train_tokens_per_second": round(run.tokens_seen / runtime, 3),
+                             **peak_memory_metrics(self.accelerator.device)}
         self.store_flos()
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
@@ -642,7 +661,9 @@ class Trainer(TrainerAPI):
         the logged throughput)."""
         c, s = self.control, self.state
         if c.should_log and (run.steps or run.nonfinite_total):
-            self.log(run.window_logs(self.args, self.accelerator, self.model_wrapped, s, self._learning_rate()))
+            logs, self._diagnostics = run.window_logs(self.args, self.accelerator, self.model_wrapped, s,
+                                                      self._learning_rate())
+            self.log(logs, self._run_started)
             run.restart_clock()
         c.should_log = False
         paused = time.perf_counter()
@@ -658,13 +679,21 @@ class Trainer(TrainerAPI):
         run.excluded += time.perf_counter() - paused
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Record logs in state.log_history and hand them to the on_log callbacks. The loop logs through this
-        method, so a subclass that overrides it sees (and may change) every record."""
-        if start_time is not None:  # as transformers: throughput since start_time
-            logs = {**logs, **speed_metrics("train", start_time)}
-        record = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
-        self.state.log_history.append(record)
-        self._fire("on_log", logs=logs)
+        """Record logs, with the epoch, in state.log_history (with the step) and hand them to the on_log callbacks,
+        as transformers does: with include_num_input_tokens_seen also num_input_tokens_seen and, given the run's
+        start_time (time.time()), train_runtime and train_tokens_per_second of this train() call. The loop logs
+        through this method, so a subclass that overrides it sees (and may change) every record. stoker's
+        wall-clock diagnostics of the record go to on_log as `diagnostics` (metrics.jsonl writes them)."""
+        s = self.state
+        logs = {**logs, "epoch": s.epoch}
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = s.num_input_tokens_seen
+            if start_time is not None:
+                logs.update(speed_metrics("train", start_time,
+                                          num_tokens=s.num_input_tokens_seen - self._initial_tokens_seen))
+        s.log_history.append({**logs, "step": s.global_step})
+        diagnostics, self._diagnostics = self._diagnostics, {}
+        self._fire("on_log", logs=logs, diagnostics=diagnostics)
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
@@ -816,6 +845,12 @@ class Trainer(TrainerAPI):
         # labels), then re-weighted by them: the exact mean over every item of the eval set
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
+        transformers_logger.info(f"\n***** Running {description} *****")
+        try:
+            transformers_logger.info(f"  Num examples = {self.num_examples(dataloader)}")
+        except TypeError:
+            transformers_logger.info("  Num examples: Unknown")
+        transformers_logger.info(f"  Batch size = {self._eval_batch_size}")
         collected = Collected(acc, a.eval_accumulation_steps, a.eval_use_gather_object, a.eval_do_concat_batches)
         batch_metrics, rows_seen = None, 0  # an IterableDataset has no length to count its samples by
         for n, batch in enumerate(dataloader, 1):
