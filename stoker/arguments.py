@@ -391,6 +391,9 @@ class TrainingArguments:
     def __post_init__(self):
         if self.output_dir is None:
             self.output_dir = "trainer_output"
+        self.output_dir = os.path.expanduser(self.output_dir)  # as transformers: "~/runs/x" is a home folder
+        if self.use_cpu:  # as transformers: nothing to pin for on the CPU
+            self.dataloader_pin_memory = False
         if self.run_name is None:
             self.run_name = self.output_dir
         if self.logging_dir is None:
@@ -491,8 +494,13 @@ class TrainingArguments:
                              f"accepted: {', '.join(ACCELERATOR_CONFIG_KEYS)}")
 
         # precision
+        # the phrases transformers raises in, so that a script matching its ValueError's text still matches
         if self.bf16 and self.fp16:
-            p.append("bf16=True and fp16=True: choose one mixed-precision mode")
+            p.append("bf16=True and fp16=True: choose one mixed-precision mode (At most one of fp16 and bf16 can be "
+                     "True, but not both)")
+        if self.bf16_full_eval and self.fp16_full_eval:
+            p.append("bf16_full_eval=True and fp16_full_eval=True: choose one (At most one of fp16 and bf16 can be "
+                     "True for full eval, but not both)")
         p += self._hardware_problems()
 
         # data loading
@@ -520,7 +528,11 @@ class TrainingArguments:
         if self.eval_accumulation_steps is not None and self.eval_accumulation_steps < 1:
             bad("eval_accumulation_steps", "must be >= 1")
         if self.save_strategy == "best" and self.metric_for_best_model is None:
-            p.append("save_strategy='best' needs metric_for_best_model (e.g. 'eval_loss')")
+            p.append("save_strategy='best' needs metric_for_best_model, e.g. 'eval_loss' (`args.metric_for_best_model` "
+                     "must be provided when using 'best' save_strategy)")
+        if self.lr_scheduler_type == "reduce_lr_on_plateau" and self.eval_strategy == "no":
+            p.append("lr_scheduler_type='reduce_lr_on_plateau' steps on an evaluation metric: set eval_strategy "
+                     "'steps' or 'epoch' (lr_scheduler_type reduce_lr_on_plateau requires an eval strategy)")
         if self.save_strategy == "best" and self.eval_strategy == "no":
             p.append("save_strategy='best' needs eval_strategy 'steps' or 'epoch'")
         if self.load_best_model_at_end:
@@ -685,8 +697,9 @@ class TrainingArguments:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, with secrets masked as transformers masks them: checkpoints and logs never hold a token."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field, with secrets masked as transformers masks them (checkpoints and logs never hold a token)
+        and torch dtypes, also inside dicts, written as their names ("float32") as transformers writes them."""
+        out = {f.name: _named_dtypes(getattr(self, f.name)) for f in dataclasses.fields(self)}
         for name in out:
             if name.endswith("_token") and out[name] is not None:
                 out[name] = f"<{name.upper()}>"
@@ -979,6 +992,17 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError([f"{shown}: must hold a mapping of field: value, got {type(values).__name__}"],
                           "configuration")
     return values
+
+
+def _named_dtypes(value):
+    """`value` with every torch.dtype in it (itself, or in a dict or list) replaced by its name."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":  # torch is not imported here
+        return str(value).removeprefix("torch.")
+    if isinstance(value, dict):
+        return {k: _named_dtypes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_named_dtypes(v) for v in value)
+    return value
 
 
 def _to_flags(values: dict[str, Any]) -> list[str]:
