@@ -70,3 +70,58 @@ def test_a_subclass_dtype_field_is_written_as_its_name():
         dtype: object = None
 
     assert WithDtype(output_dir="x", dtype=torch.bfloat16).to_dict()["dtype"] == "bfloat16"
+
+
+ACCELERATOR_ATTRIBUTES = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler",
+                          "non_blocking", "gradient_accumulation_kwargs", "use_configured_state")
+
+
+def accelerator_configs(value):
+    """accelerator_config=value read by both classes, as dicts of the attributes."""
+    hf, ours = (cls(output_dir="x", accelerator_config=value).accelerator_config
+                for cls in (transformers.TrainingArguments, stoker.TrainingArguments))
+    return ({k: getattr(hf, k) for k in ACCELERATOR_ATTRIBUTES}, {k: getattr(ours, k) for k in ACCELERATOR_ATTRIBUTES})
+
+
+@pytest.mark.parametrize("kind", ["none", "dict", "partial_dict", "json_file", "json_string", "transformers_object"])
+def test_accelerator_config_is_read_as_transformers_reads_it(tmp_path, kind):
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    values = {"split_batches": True, "dispatch_batches": False, "even_batches": False,
+              "use_seedable_sampler": False, "non_blocking": True}
+    path = tmp_path / "accelerate.json"
+    path.write_text(json.dumps(values))
+    value = {"none": None, "dict": values, "partial_dict": {"even_batches": False}, "json_file": str(path),
+             "json_string": json.dumps(values), "transformers_object": AcceleratorConfig(**values)}[kind]
+    if kind == "json_string":  # transformers reads a string as a path only; stoker also takes JSON text
+        hf = {k: getattr(AcceleratorConfig(**values), k) for k in ACCELERATOR_ATTRIBUTES}
+        ours = {k: getattr(stoker.TrainingArguments(output_dir="x", accelerator_config=value).accelerator_config, k)
+                for k in ACCELERATOR_ATTRIBUTES}
+    else:
+        hf, ours = accelerator_configs(value)
+    assert ours == hf
+    if kind == "none":
+        assert ours["dispatch_batches"] is None and ours["even_batches"] is True
+
+
+def test_accelerator_config_reaches_the_accelerator_and_the_saved_arguments(tmp_path):
+    from tests.test_trainer import Regressor
+
+    args = stoker.TrainingArguments(output_dir=str(tmp_path), accelerator_config={"even_batches": False},
+                                    report_to="none")
+    trainer = stoker.Trainer(Regressor(), args)
+    config = trainer.accelerator.dataloader_config
+    assert config.even_batches is False and config.dispatch_batches is False and config.use_seedable_sampler
+    assert args.to_dict()["accelerator_config"]["even_batches"] is False
+    again = stoker.TrainingArguments(**json.loads(args.to_json_string()))
+    assert again.accelerator_config.to_dict() == args.accelerator_config.to_dict()
+
+
+def test_accelerator_config_refusals_name_the_key(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        stoker.TrainingArguments(output_dir="x", accelerator_config={"split_batch": True})
+    assert "'split_batches'" in str(caught.value)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        stoker.TrainingArguments(output_dir="x", accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}})
+    with pytest.raises(ConfigError, match="cannot read the JSON file"):
+        stoker.TrainingArguments(output_dir="x", accelerator_config=str(tmp_path / "missing.json"))
