@@ -355,6 +355,24 @@ class ProgressCallback(TrainerCallback):
             self.bar = None
 
 
+class PrinterCallback(TrainerCallback):
+    """What transformers shows with disable_tqdm=True instead of a progress bar: each log as a dict on stdout
+    (floats to 4 significant digits, total_flos left out of what the later callbacks see, as in transformers),
+    on the local main process."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        logs.pop("total_flos", None)
+        if state.is_local_process_zero:
+            print({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items()}, flush=True)
+
+
+# transformers' default callbacks, before the progress callback (ProgressCallback, or PrinterCallback with
+# disable_tqdm=True) that the Trainer adds after the callbacks it is given
+DEFAULT_CALLBACKS = [DefaultFlowCallback]
+
+
 class JsonlLoggerCallback(TrainerCallback):
     """Appends every log record to output_dir/metrics.jsonl (one JSON object per line, main process only), with
     stoker's diagnostics of the record (throughput, data waiting, MFU, peak memory), which log_history leaves

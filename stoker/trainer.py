@@ -18,18 +18,21 @@ import signal
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
+from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .callbacks import (
+    DEFAULT_CALLBACKS,
     CallbackHandler,
-    DefaultFlowCallback,
     JsonlLoggerCallback,
+    PrinterCallback,
     ProgressCallback,
     TensorBoardCallback,
     TrainerControl,
@@ -129,11 +132,12 @@ class Trainer(TrainerAPI):
         if memory is not None:  # its first stage, "init", is reported with the first train/eval/test metrics
             memory.start()
         self.model_init = model_init
+        if (model is None) == (model_init is None):
+            raise ConfigError(["model, model_init: pass one of them, a model or a function returning a fresh one "
+                               "(`Trainer` requires either a `model` or `model_init` argument"
+                               + (")" if model is None else ", but not both)")], "Trainer")
+        self._seed()  # as transformers, full_determinism included: model_init's weights follow the seed
         if model is None:
-            if model_init is None:
-                raise ConfigError(["model: pass a model, or model_init (a function returning a fresh model)"],
-                                  "Trainer")
-            set_seed(self.args.seed)  # as transformers: the model's initialisation follows the seed
             model = self.call_model_init()
         self._peft_config = peft_config
         if peft_config is not None and ckpt.is_peft_model(model):
@@ -170,16 +174,20 @@ class Trainer(TrainerAPI):
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
+        self._eval_dataloaders = {}  # with dataloader_persistent_workers: "eval" or a set's name -> its loader
 
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
-        defaults = [DefaultFlowCallback(), ProgressCallback(), JsonlLoggerCallback()]
+        # as transformers: its defaults and the trackers (stoker's metrics.jsonl among them), the callbacks given,
+        # then the progress display
+        defaults = [*DEFAULT_CALLBACKS, JsonlLoggerCallback()]
         if "tensorboard" in self.args.report_to:
             defaults.append(TensorBoardCallback())
         if self.args.training_report:
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
+        self.callback_handler.add(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
         self._fire("on_init_end")
         if memory is not None:
             memory.stop_and_update_metrics()
@@ -203,6 +211,15 @@ class Trainer(TrainerAPI):
 
             DebugUnderflowOverflow(base)
         self._is_transformers = hasattr(base, "config")
+        self._label_smoothing = a.label_smoothing_factor
+        if a.label_smoothing_factor and getattr(getattr(base, "config", None), "problem_type",
+                                                None) == "multi_label_classification":
+            # as transformers: a warning, and the run trains on the model's own multi-label loss
+            warnings.warn(f"Label smoothing is not compatible with multi-label classification: "
+                          f"label_smoothing_factor={a.label_smoothing_factor} is ignored for this "
+                          f"{type(base).__name__} (problem_type='multi_label_classification')", UserWarning,
+                          stacklevel=3)
+            self._label_smoothing = 0.0
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
@@ -273,14 +290,14 @@ class Trainer(TrainerAPI):
             labels = inputs.pop(self.label_names[0], None)
             outputs = model(**inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif self.args.label_smoothing_factor and labels is not None and not labels.is_floating_point():
+        elif self._label_smoothing and labels is not None and not labels.is_floating_point():
             items = num_items_in_batch if num_items_in_batch is not None else self._convention.targets(inputs)
             del inputs[self.label_names[0]]
             base = _unwrap_peft(self.accelerator.unwrap_model(model))
             if "decoder_input_ids" not in inputs and hasattr(base, "prepare_decoder_input_ids_from_labels"):
                 inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
             outputs = model(**inputs)
-            loss = smoothed_label_loss(logits_of(outputs), labels, self.args.label_smoothing_factor,
+            loss = smoothed_label_loss(logits_of(outputs), labels, self._label_smoothing,
                                        self._convention.causal, items)
         elif num_items_in_batch is not None and self._convention.divides_by_num_items(model, inputs, self.accelerator):
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
@@ -297,22 +314,42 @@ class Trainer(TrainerAPI):
     # training
 
     def get_train_dataloader(self):
-        """The training DataLoader of one process, before Accelerate prepares it: micro-batches of the current
-        size (halved by auto_find_batch_size), shuffled by data_seed (or grouped by length), collated by
-        data_collator. Override to change how batches are made; the loop shards and skips it."""
+        """The training DataLoader, prepared by Accelerate as transformers returns it (sharded over the processes,
+        `total_batch_size` rows per step of all of them): micro-batches of the current size (halved by
+        auto_find_batch_size), shuffled by data_seed (or grouped by length), collated by data_collator. Override
+        to change how batches are made; a loader the override returns unprepared is prepared by the loop, and
+        one that is not a DataLoader (any iterable with a length) is read as it is."""
         if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset")
+            raise ValueError("Trainer: training requires a train_dataset (or a get_train_dataloader that builds "
+                             "its own loader)")
         micro_batch = getattr(self, "_train_batch_size", self.args.per_device_train_batch_size)
-        return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
+        loader = build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
+        return self.accelerator.prepare(loader)
+
+    def _prepared(self, loader):
+        """`loader` prepared by Accelerate unless it already is (or is no DataLoader at all)."""
+        if isinstance(loader, torch.utils.data.DataLoader) and not isinstance(loader, DataLoaderStateMixin):
+            return self.accelerator.prepare(loader)
+        return loader
 
     def get_eval_dataloader(self, eval_dataset=None):
         """The prepared evaluation DataLoader of `eval_dataset` (a dataset, a name in the Trainer's dict of them,
-        or None for the Trainer's own), in order, per_device_eval_batch_size rows per process."""
+        or None for the Trainer's own), in order, per_device_eval_batch_size rows per process. With
+        dataloader_persistent_workers the loader of the Trainer's own set, or of each named one, is built once
+        and reused, as transformers does, so its workers live across evaluations."""
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
+        if key is not None and key in self._eval_dataloaders:
+            return self._eval_dataloaders[key]
         if isinstance(eval_dataset, str):  # a name in the Trainer's dict of evaluation sets
             eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        loader = self._evaluation_loader(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        if key is not None and self.args.dataloader_persistent_workers:
+            self._eval_dataloaders[key] = loader
+        return loader
+
+    def _evaluation_loader(self, dataset):
         if dataset is None:
-            raise ValueError("evaluation needs an eval_dataset")
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
         loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
         return self.accelerator.prepare(loader)
 
@@ -395,7 +432,7 @@ class Trainer(TrainerAPI):
         self._run_id = (loop or {}).get("run_id") or uuid.uuid4().hex
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
-        self._train_dataloader = acc.prepare(self.get_train_dataloader())
+        self._train_dataloader = self._prepared(self.get_train_dataloader())
         max_steps, per_epoch = plan_steps(self._train_dataloader, pos.accumulation, a)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
         self._backend.prepare(self, max_steps)  # sets model_wrapped, optimizer, lr_scheduler
@@ -568,11 +605,12 @@ class Trainer(TrainerAPI):
             size = pos.micro_batch
             if self._train_batch_size != size:
                 self._train_batch_size = size
-                self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
+                self._train_dataloader = self._prepared(self.get_train_dataloader())
             loader = self._train_dataloader
-            loader.set_epoch(pos.epoch)
-            if loader.generator is not None:  # worker seeds = f(data_seed, epoch), not the global RNG: resumable
-                loader.generator.manual_seed(self.args.data_seed + pos.epoch)
+            if hasattr(loader, "set_epoch"):  # a loader of the user's own may have none, as in transformers
+                loader.set_epoch(pos.epoch)
+            if getattr(loader, "generator", None) is not None:  # worker seeds = f(data_seed, epoch), not the
+                loader.generator.manual_seed(self.args.data_seed + pos.epoch)  # global RNG: resumable
             if pos.batches:
                 loader = self.accelerator.skip_first_batches(loader, pos.batches)
             window = []
@@ -702,22 +740,23 @@ class Trainer(TrainerAPI):
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Metrics of one evaluation set; with a dict of them (given here or to the Trainer) each one's metrics,
         prefixed with its name (eval_<name>_loss, ...). A name picks one set of the Trainer's dict."""
-        if isinstance(eval_dataset, str):
+        if isinstance(eval_dataset, str):  # kept as the name: get_eval_dataloader caches by it
             if not isinstance(self.eval_dataset, Mapping) or eval_dataset not in self.eval_dataset:
                 known = sorted(self.eval_dataset) if isinstance(self.eval_dataset, Mapping) else []
                 raise KeyError(f"eval_dataset={eval_dataset!r}: the Trainer's eval datasets are named {known}")
-            eval_dataset = self.eval_dataset[eval_dataset]
         datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(datasets, Mapping):
             metrics = {}
-            for name, dataset in datasets.items():
-                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            for name, dataset in datasets.items():  # the Trainer's own sets by name, as transformers
+                metrics.update(self.evaluate(name if datasets is self.eval_dataset else dataset, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
             return metrics
         memory = self._memory_tracker()
         if memory is not None:
             memory.start()
         # without compute_metrics no predictions are needed, only the loss (as transformers)
-        output = self._run_evaluation(eval_dataset, "Evaluation", True if self.compute_metrics is None else None,
+        output = self._run_evaluation(self.get_eval_dataloader, eval_dataset, "Evaluation",
+                                      True if self.compute_metrics is None else None,
                                       ignore_keys, metric_key_prefix)
         metrics = output.metrics
         if memory is not None:
@@ -767,14 +806,16 @@ class Trainer(TrainerAPI):
         memory = self._memory_tracker()
         if memory is not None:
             memory.start()
-        output = self._run_evaluation(test_dataset, "Prediction", None, ignore_keys, metric_key_prefix)
+        output = self._run_evaluation(self.get_test_dataloader, test_dataset, "Prediction", None, ignore_keys,
+                                      metric_key_prefix)
         if memory is not None:
             memory.stop_and_update_metrics(output.metrics)
         self._fire("on_predict", metrics=output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    def _run_evaluation(self, dataset, description: str, prediction_loss_only, ignore_keys, prefix: str):
-        """evaluation_loop over a dataset, without gradients, plus the speed metrics. With auto_find_batch_size,
+    def _run_evaluation(self, loader_of: Callable, dataset, description: str, prediction_loss_only, ignore_keys,
+                        prefix: str):
+        """evaluation_loop over the loader_of(dataset), without gradients, plus the speed metrics. With auto_find_batch_size,
         an out-of-memory error halves the evaluation batch (never the training batch) and starts over."""
         if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
             self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
@@ -787,7 +828,7 @@ class Trainer(TrainerAPI):
             while True:
                 started = time.time()  # wall-clock, as transformers' speed_metrics measures from
                 try:
-                    dataloader = self.get_eval_dataloader(dataset)
+                    dataloader = loader_of(dataset)
                     output = self.evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, prefix)
                     break
                 except Exception as e:
@@ -796,6 +837,7 @@ class Trainer(TrainerAPI):
                         raise
                     clear_device_cache(garbage_collection=True)
                     self._eval_batch_size //= 2
+                    self._eval_dataloaders.clear()  # built for the old batch size
                     logger.warning(f"out of memory in evaluation; eval batch now {self._eval_batch_size}")
         finally:
             if was_training:
@@ -874,7 +916,8 @@ class Trainer(TrainerAPI):
                           "inputs": batch.get("input_ids") if "inputs" in a.include_for_metrics else None,
                           "losses": loss.repeat(rows) if loss is not None and "loss" in a.include_for_metrics
                           else None}
-                step = collected.gather(values, n, keep=not a.batch_eval_metrics)
+                # as transformers: prediction keeps every batch's predictions for its result
+                step = collected.gather(values, n, keep=not a.batch_eval_metrics or description == "Prediction")
                 if a.batch_eval_metrics and self.compute_metrics is not None:  # metrics of the batch now
                     batch_metrics = self.compute_metrics(eval_prediction(step, a.include_for_metrics),
                                                          compute_result=acc.gradient_state.end_of_dataloader)

@@ -12,7 +12,7 @@ import pytest
 
 import stoker.callbacks
 from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainerControl, TrainerState
-from stoker.callbacks import EVENTS, ProgressCallback
+from stoker.callbacks import EVENTS, PrinterCallback, ProgressCallback
 
 
 class Recorder(TrainerCallback):
@@ -162,10 +162,10 @@ def test_add_remove_pop_callback(tiny_llama, clm_rows, make_args):
     trainer.remove_callback(removed)
     assert trainer.pop_callback(popped) is popped
     assert not any(c is removed or c is popped for c in callbacks)
-    default_progress = trainer.pop_callback(ProgressCallback)  # by class
-    assert isinstance(default_progress, ProgressCallback)
-    assert not any(isinstance(c, ProgressCallback) for c in callbacks)
-    assert trainer.pop_callback(ProgressCallback) is None
+    default_printer = trainer.pop_callback(PrinterCallback)  # by class (disable_tqdm=True's progress display)
+    assert isinstance(default_printer, PrinterCallback)
+    assert not any(isinstance(c, PrinterCallback) for c in callbacks)
+    assert trainer.pop_callback(PrinterCallback) is None
 
     trainer.train()
     assert kept.counts["on_step_end"] == 1
