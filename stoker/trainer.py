@@ -587,7 +587,10 @@ class Trainer(TrainerAPI):
         self.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
         s.epoch = pos.epoch + (pos.batches / len(self._train_dataloader) if per_epoch else 0)
-        self._fire("on_step_end")
+        try:
+            self._fire("on_step_end")
+        except Exception as e:  # out of memory after the update (in a callback): the next windows are halved
+            self._halve(pos, e)
         if acc.num_processes == 1 and signals.received:  # alone, act on a signal as soon as the step is done
             signalled = signals.received
         if signalled:  # checkpoint this step, then leave
@@ -644,18 +647,24 @@ class Trainer(TrainerAPI):
         """After an out-of-memory error in a window with auto_find_batch_size: the same samples as twice as many
         micro-batches of half the size (the update is unchanged: the loss is normalised over the window's
         target tokens, not over micro-batches). Raises `error` again for any other failure."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._halve(pos, error)
+        return [part for batch in window for part in split_batch(batch, pos.micro_batch)]
+
+    def _halve(self, pos: LoopPosition, error: Exception) -> None:
+        """Halve the micro-batch and double the accumulation from here on (the loop rebuilds its loader at the
+        same sample) after an out-of-memory error with auto_find_batch_size; raises `error` again for any other
+        failure."""
         if not (self.args.auto_find_batch_size and should_reduce_batch_size(error)):
             raise error
         if pos.micro_batch % 2:
             raise RuntimeError(f"out of memory with a micro-batch of {pos.micro_batch}: auto_find_batch_size "
                                "can only halve an even micro-batch (use a power of two)") from error
-        self.optimizer.zero_grad(set_to_none=True)
         clear_device_cache(garbage_collection=True)
         pos.halve()
         self.state.train_batch_size = pos.micro_batch
         logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
                        f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
-        return [part for batch in window for part in split_batch(batch, pos.micro_batch)]
 
     def _check_step(self, window_loss: torch.Tensor, grad_norm, run: RunningLog,
                     received: int | None) -> tuple[bool, int | None]:
