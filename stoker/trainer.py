@@ -202,10 +202,6 @@ class Trainer(TrainerAPI):
         if self._peft_config is not None:
             model = wrap(model, self._peft_config, a.gradient_checkpointing)
         base = _unwrap_peft(model)
-        if a.use_liger_kernel:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-            _apply_liger_kernel_to_instance(model=base, **(a.liger_kernel_config or {}))
         if "underflow_overflow" in a.debug:
             from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -422,6 +418,8 @@ class Trainer(TrainerAPI):
             self._enable_gradient_checkpointing(model)
             acc.free_memory()  # drop Accelerate's references to the previous model
             self.model = self.model_wrapped = model
+        if a.use_liger_kernel:
+            self._apply_liger_kernel()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
                            accumulation=a.gradient_accumulation_steps)
         loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
@@ -460,6 +458,23 @@ class Trainer(TrainerAPI):
                 shutil.rmtree(stale, ignore_errors=True)
         return pos, run, per_epoch
 
+    def _apply_liger_kernel(self) -> None:
+        """Patch the model with Liger's kernels, as transformers does when training starts (evaluation alone needs
+        no package). Refuses before any work without the package."""
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError(["use_liger_kernel=True: training needs the liger-kernel package, which is not "
+                               "installed (pip install liger-kernel), or set it to False"], "Trainer")
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        base = _unwrap_peft(self.model)
+        if self._is_transformers:
+            _apply_liger_kernel_to_instance(model=base, **(self.args.liger_kernel_config or {}))
+        else:
+            logger.warning(f"use_liger_kernel=True: {type(base).__name__} is not a transformers model; no Liger "
+                           "kernel is applied")
+
     def _log_training_header(self, trainable: int) -> None:
         """transformers' "***** Running training *****" lines, in its words and on its trainer logger, so that
         what a script or test captures from that logger at log_level='info' is the same."""
@@ -491,6 +506,7 @@ class Trainer(TrainerAPI):
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
             self._checkpointer.load_model_weights(s.best_model_checkpoint)
+        self._checkpointer.keep_only_best()
         if memory is not None:
             memory.stop_and_update_metrics(metrics)
         self.log(metrics)
@@ -873,7 +889,10 @@ class Trainer(TrainerAPI):
                 if not self._convention.settled:
                     self._convention.decide(model, inputs, self.accelerator)
                 items = self._convention.targets(inputs)
-                loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True,
+                # as transformers: a model patched by Liger then skips the logits; others ignore the flag
+                skip = {"skip_logits": True} if (self.args.use_liger_kernel and prediction_loss_only
+                                                 and self._is_transformers) else {}
+                loss, outputs = self.compute_loss(model, {**inputs, **skip}, return_outputs=True,
                                                   num_items_in_batch=max(items, 1))
         loss = loss.detach() if loss is not None else None
         if prediction_loss_only:
