@@ -222,7 +222,8 @@ class TrainingArguments:
     activation_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
         "Passed to model.gradient_checkpointing_enable (as gradient_checkpointing_kwargs), a dict or JSON."))
     use_liger_kernel: bool = field(default=False, metadata=_help(
-        "Patch the model with Liger kernels (needs the liger-kernel package)."))
+        "Patch the model with Liger kernels when training starts (needs the liger-kernel package then); a "
+        "loss-only evaluation asks the model to skip its logits."))
     liger_kernel_config: dict | str | None = field(default=None, metadata=_help(
         "Keyword arguments for liger_kernel's _apply_liger_kernel_to_instance, a dict or JSON."))
     use_cache: bool = field(default=False, metadata=_help(
@@ -721,13 +722,7 @@ class TrainingArguments:
         if self.parallelism_config is not None:
             bad("parallelism_config", "tensor and context parallelism are not run by stoker; leave it unset and "
                                       "shard with fsdp or deepspeed")
-        if self.use_liger_kernel:
-            import importlib.util
-
-            if importlib.util.find_spec("liger_kernel") is None:
-                bad("use_liger_kernel", "needs the liger-kernel package, which is not installed "
-                                        "(pip install liger-kernel), or set it to False")
-        elif self.liger_kernel_config is not None:
+        if not self.use_liger_kernel and self.liger_kernel_config is not None:
             bad("liger_kernel_config", "needs use_liger_kernel=True")
         return p
 
