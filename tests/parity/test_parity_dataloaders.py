@@ -55,7 +55,11 @@ def test_persistent_workers_keep_the_evaluation_loader(tmp_path, framework):
     assert {"eval_a_loss", "eval_b_loss"} <= set(metrics)
     assert t.get_eval_dataloader("a") is a
     single = trainer(framework, tmp_path, args=persistent)
-    assert single.get_eval_dataloader() is single.get_eval_dataloader()
+    kept = single.get_eval_dataloader()
+    assert single.get_eval_dataloader() is kept and len(kept.dataset) == 6
+    other = single.get_eval_dataloader(regression_rows(3))
+    # transformers hands out the kept loader of its own set for any set passed; stoker a loader of that set
+    assert len(other.dataset) == (6 if framework == "hf" else 3)
     fresh = trainer(framework, tmp_path)
     assert fresh.get_eval_dataloader() is not fresh.get_eval_dataloader()
 
