@@ -390,7 +390,8 @@ def test_stateful_callbacks_are_keyed_as_transformers_keys_them(tiny_llama, clm_
 def test_transformers_printer_and_early_stopping_callbacks(tiny_llama, clm_rows, make_args, capsys):
     import transformers
 
-    args = make_args(learning_rate=0.0, max_steps=10, eval_strategy="steps", eval_steps=1,
+    # disable_tqdm=False: stoker's progress display, on stderr, instead of its own PrinterCallback on stdout
+    args = make_args(learning_rate=0.0, max_steps=10, eval_strategy="steps", eval_steps=1, disable_tqdm=False,
                      metric_for_best_model="loss", load_best_model_at_end=True, save_strategy="steps", save_steps=1)
     hf_early = transformers.EarlyStoppingCallback(early_stopping_patience=2)
     out = Trainer(tiny_llama(), args, train_dataset=clm_rows(16), eval_dataset=clm_rows(4, seed=1),

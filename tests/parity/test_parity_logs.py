@@ -79,8 +79,21 @@ class Captured:
 HEADER = ("***** Running", "  Num ", "  Number", "  Instantaneous", "  Total ", "  Gradient", "  Batch size")
 
 
+@pytest.fixture
+def log_levels():
+    """Restores the levels that log_level sets for the stoker and transformers loggers (process-wide)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    before = logging.getLogger("stoker").level, hf_logging.get_verbosity()
+    yield
+    logging.getLogger("stoker").setLevel(before[0])
+    hf_logging.set_verbosity(before[1])
+
+
 @pytest.mark.parametrize("level", ["info", "warning"])
-def test_run_evaluation_and_prediction_headers_are_transformers_lines(tmp_path, level):
+def test_run_evaluation_and_prediction_headers_are_transformers_lines(tmp_path, level, log_levels):
     settings = dict(max_steps=3, eval_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                     log_level=level)
     seen = {}
