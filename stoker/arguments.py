@@ -290,7 +290,8 @@ class TrainingArguments:
     report_to: None | str | list[str] = field(default="none", metadata=_help(
         "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'."))
     disable_tqdm: bool | None = field(default=None, metadata=_help(
-        "Turn off the progress bar (periodic progress lines are printed instead)."))
+        "Turn off the progress display: each log is printed as a dict on stdout instead (PrinterCallback, as "
+        "transformers)."))
     include_num_input_tokens_seen: str = field(default="no", metadata=_help(
         "Count input tokens into state.num_input_tokens_seen: 'no', 'all' (padding included) or 'non_padding'; "
         "True means 'all' (as transformers)."))
