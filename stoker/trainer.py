@@ -840,8 +840,9 @@ class Trainer(TrainerAPI):
 
     def _run_evaluation(self, loader_of: Callable, dataset, description: str, prediction_loss_only, ignore_keys,
                         prefix: str):
-        """evaluation_loop over the loader_of(dataset), without gradients, plus the speed metrics. With auto_find_batch_size,
-        an out-of-memory error halves the evaluation batch (never the training batch) and starts over."""
+        """evaluation_loop over loader_of(dataset) (get_eval_dataloader or get_test_dataloader), without gradients,
+        plus the speed metrics. With auto_find_batch_size, an out-of-memory error halves the evaluation batch (never
+        the training batch) and starts over."""
         if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
             self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
         if not self.is_in_train and (self.args.bf16_full_eval or self.args.fp16_full_eval):

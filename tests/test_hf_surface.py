@@ -148,9 +148,7 @@ def test_refused_values_are_one_error_naming_the_field(name, value, reason):
 def test_refused_without_their_package():
     import importlib.util
 
-    from stoker import ConfigError, TrainingArguments
-
-    from stoker import Trainer
+    from stoker import ConfigError, Trainer, TrainingArguments
     from tests.test_trainer import Regressor, regression_rows
 
     for name, value, package, _ in REFUSED_WITHOUT_PACKAGE:
