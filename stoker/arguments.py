@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -43,6 +44,7 @@ REPORT_TO = ("none", "all", "tensorboard")
 TOKEN_COUNTS = ("no", "all", "non_padding")
 ACCELERATOR_CONFIG_KEYS = (
     "split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+    "gradient_accumulation_kwargs", "use_configured_state",
 )
 # Fields that are parsed and validated but whose feature is not built yet: setting them is an error rather
 # than a silent no-op. Each maps to the value that means "off".
@@ -68,6 +70,48 @@ def _help(text: str) -> dict:
     # only what argparse accepts: transformers' HfArgumentParser hands the metadata to add_argument as is.
     # The --help group of each field is FIELD_GROUPS, below the class.
     return {"help": text}
+
+
+@dataclass
+class AcceleratorConfig:
+    """accelerator_config once read, with the attributes and defaults of transformers' AcceleratorConfig: the
+    options of Accelerate's DataLoaderConfiguration that every prepared loader follows."""
+
+    split_batches: bool = False  # True: per_device_*_batch_size is the global batch, split across processes
+    dispatch_batches: bool | None = None  # None: stoker's choice, each process reads its share (see build)
+    even_batches: bool = True  # the last global batch padded with the first rows so every process has one
+    use_seedable_sampler: bool = True  # the shuffle follows data_seed and the epoch: resumable
+    non_blocking: bool = False  # host-to-device copies without waiting (with dataloader_pin_memory)
+    gradient_accumulation_kwargs: dict | None = None  # refused when set: the loop accumulates itself
+    use_configured_state: bool = False  # refused when True: each Trainer configures Accelerate itself
+
+    @classmethod
+    def from_json_file(cls, json_file: str) -> AcceleratorConfig:
+        """The configuration in a JSON file; ValueError names unknown keys."""
+        with open(json_file, encoding="utf-8") as f:
+            values = json.load(f)
+        unknown = sorted(k for k in values if k not in ACCELERATOR_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"accelerator_config file {json_file}: unknown keys {unknown}; accepted: "
+                             f"{', '.join(ACCELERATOR_CONFIG_KEYS)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every attribute, as a new dict."""
+        return copy.deepcopy(self.__dict__)
+
+    def pop(self, key: str, default=None):
+        """Remove an attribute and return its value, as transformers' object allows."""
+        return self.__dict__.pop(key, default)
+
+    def dataloader_options(self) -> dict[str, Any]:
+        """The keyword arguments of Accelerate's DataLoaderConfiguration. dispatch_batches=None becomes False:
+        every process reads an IterableDataset itself and keeps its share of each global batch (Accelerate's
+        default has the main process read and concatenate whole batches, which fails on rows of different
+        lengths); map-style datasets are read so either way."""
+        return {"split_batches": self.split_batches, "even_batches": self.even_batches,
+                "dispatch_batches": bool(self.dispatch_batches), "use_seedable_sampler": self.use_seedable_sampler,
+                "non_blocking": self.non_blocking}
 
 
 @dataclass
@@ -178,7 +222,8 @@ class TrainingArguments:
     activation_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
         "Passed to model.gradient_checkpointing_enable (as gradient_checkpointing_kwargs), a dict or JSON."))
     use_liger_kernel: bool = field(default=False, metadata=_help(
-        "Patch the model with Liger kernels (needs the liger-kernel package)."))
+        "Patch the model with Liger kernels when training starts (needs the liger-kernel package then); a "
+        "loss-only evaluation asks the model to skip its logits."))
     liger_kernel_config: dict | str | None = field(default=None, metadata=_help(
         "Keyword arguments for liger_kernel's _apply_liger_kernel_to_instance, a dict or JSON."))
     use_cache: bool = field(default=False, metadata=_help(
@@ -245,7 +290,8 @@ class TrainingArguments:
     report_to: None | str | list[str] = field(default="none", metadata=_help(
         "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'."))
     disable_tqdm: bool | None = field(default=None, metadata=_help(
-        "Turn off the progress bar (periodic progress lines are printed instead)."))
+        "Turn off the progress display: each log is printed as a dict on stdout instead (PrinterCallback, as "
+        "transformers)."))
     include_num_input_tokens_seen: str = field(default="no", metadata=_help(
         "Count input tokens into state.num_input_tokens_seen: 'no', 'all' (padding included) or 'non_padding'; "
         "True means 'all' (as transformers)."))
@@ -346,7 +392,9 @@ class TrainingArguments:
     # --- devices and distribution ---------------------------------------------------------------
     use_cpu: bool = field(default=False, metadata=_help("Train on the CPU even when an accelerator exists."))
     accelerator_config: dict | str | None = field(default=None, metadata=_help(
-        f"Accelerate dataloader options as a dict or JSON: {', '.join(ACCELERATOR_CONFIG_KEYS)}."))
+        "Accelerate's dataloader options, as transformers' AcceleratorConfig, a dict (missing keys take the "
+        f"defaults), a JSON string or the path of a JSON file: {', '.join(ACCELERATOR_CONFIG_KEYS)}; read back "
+        "as an AcceleratorConfig."))
     fsdp: str | None = field(default=None, metadata=_help(
         "FSDP through Accelerate: true, or transformers' options 'full_shard' / 'shard_grad_op' (FSDP2: reshard "
         "parameters after forward or not), 'offload' (parameters and gradients on the CPU), 'auto_wrap'. Needs GPUs "
@@ -391,6 +439,9 @@ class TrainingArguments:
     def __post_init__(self):
         if self.output_dir is None:
             self.output_dir = "trainer_output"
+        self.output_dir = os.path.expanduser(self.output_dir)  # as transformers: "~/runs/x" is a home folder
+        if self.use_cpu:  # as transformers: nothing to pin for on the CPU
+            self.dataloader_pin_memory = False
         if self.run_name is None:
             self.run_name = self.output_dir
         if self.logging_dir is None:
@@ -434,6 +485,7 @@ class TrainingArguments:
                     setattr(self, name, json.loads(value))
                 except json.JSONDecodeError as e:
                     problems.append(f"{name}={value!r}: not valid JSON ({e.msg})")
+        problems += self._read_accelerator_config()
         if self.metric_for_best_model is None and self.load_best_model_at_end:
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
@@ -479,20 +531,28 @@ class TrainingArguments:
             self.optimizer_kwargs()
         except ValueError as e:
             bad("optim_args", f"{e}; write e.g. 'betas=(0.9,0.95),eps=1e-6'")
-        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config"):
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
             if isinstance(getattr(self, name), str) and getattr(self, name).lstrip().startswith("{"):
                 continue  # invalid JSON, reported by __post_init__
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 bad(name, "must be a dict or a JSON object string")
-        if isinstance(self.accelerator_config, dict):
-            for key in self.accelerator_config:
-                if key not in ACCELERATOR_CONFIG_KEYS:
-                    p.append(f"accelerator_config[{key!r}]: unknown key{suggest(key, ACCELERATOR_CONFIG_KEYS)}; "
-                             f"accepted: {', '.join(ACCELERATOR_CONFIG_KEYS)}")
+        accelerate = self.accelerator_config
+        if isinstance(accelerate, AcceleratorConfig):
+            if accelerate.gradient_accumulation_kwargs:
+                p.append(f"accelerator_config.gradient_accumulation_kwargs={accelerate.gradient_accumulation_kwargs!r}"
+                         ": stoker accumulates itself, token-exact; set gradient_accumulation_steps instead")
+            if accelerate.use_configured_state:
+                p.append("accelerator_config.use_configured_state=True: stoker builds the Accelerator of each Trainer "
+                         "from these arguments; leave it False")
 
         # precision
+        # the phrases transformers raises in, so that a script matching its ValueError's text still matches
         if self.bf16 and self.fp16:
-            p.append("bf16=True and fp16=True: choose one mixed-precision mode")
+            p.append("bf16=True and fp16=True: choose one mixed-precision mode (At most one of fp16 and bf16 can be "
+                     "True, but not both)")
+        if self.bf16_full_eval and self.fp16_full_eval:
+            p.append("bf16_full_eval=True and fp16_full_eval=True: choose one (At most one of fp16 and bf16 can be "
+                     "True for full eval, but not both)")
         p += self._hardware_problems()
 
         # data loading
@@ -520,7 +580,11 @@ class TrainingArguments:
         if self.eval_accumulation_steps is not None and self.eval_accumulation_steps < 1:
             bad("eval_accumulation_steps", "must be >= 1")
         if self.save_strategy == "best" and self.metric_for_best_model is None:
-            p.append("save_strategy='best' needs metric_for_best_model (e.g. 'eval_loss')")
+            p.append("save_strategy='best' needs metric_for_best_model, e.g. 'eval_loss' (`args.metric_for_best_model` "
+                     "must be provided when using 'best' save_strategy)")
+        if self.lr_scheduler_type == "reduce_lr_on_plateau" and self.eval_strategy == "no":
+            p.append("lr_scheduler_type='reduce_lr_on_plateau' steps on an evaluation metric: set eval_strategy "
+                     "'steps' or 'epoch' (lr_scheduler_type reduce_lr_on_plateau requires an eval strategy)")
         if self.save_strategy == "best" and self.eval_strategy == "no":
             p.append("save_strategy='best' needs eval_strategy 'steps' or 'epoch'")
         if self.load_best_model_at_end:
@@ -556,6 +620,37 @@ class TrainingArguments:
         p += self._package_problems()
         p += self._packing_problems()
         return p
+
+    def _read_accelerator_config(self) -> list[str]:
+        """accelerator_config as transformers reads it: None, a dict (its missing keys take the defaults), a JSON
+        file's path or transformers' AcceleratorConfig all become an AcceleratorConfig. Returns the problems."""
+        value = self.accelerator_config
+        if isinstance(value, AcceleratorConfig):
+            return []
+        if value is None:
+            value = {}
+        elif hasattr(value, "to_dict") and type(value).__name__ == "AcceleratorConfig":  # transformers' own
+            value = value.to_dict()
+        elif isinstance(value, str) and value.lstrip().startswith("{"):
+            return []  # not valid JSON: reported with the other JSON fields
+        elif isinstance(value, str):
+            try:
+                with open(value, encoding="utf-8") as f:
+                    value = json.load(f)
+            except OSError as e:
+                return [f"accelerator_config={value!r}: cannot read the JSON file ({e.strerror}); accepted: a dict, "
+                        "a JSON string, a JSON file's path or an AcceleratorConfig"]
+            except json.JSONDecodeError as e:
+                return [f"accelerator_config={value!r}: the file is not valid JSON ({e.msg})"]
+        if not isinstance(value, dict):
+            return [f"accelerator_config={self.accelerator_config!r}: accepted: a dict, a JSON string, a JSON "
+                    "file's path or an AcceleratorConfig"]
+        unknown = [k for k in value if k not in ACCELERATOR_CONFIG_KEYS]
+        if unknown:
+            return [f"accelerator_config[{k!r}]: unknown key{suggest(k, ACCELERATOR_CONFIG_KEYS)}; accepted: "
+                    f"{', '.join(ACCELERATOR_CONFIG_KEYS)}" for k in unknown]
+        self.accelerator_config = AcceleratorConfig(**value)
+        return []
 
     def _packing_problems(self) -> list[str]:
         p = []
@@ -628,13 +723,7 @@ class TrainingArguments:
         if self.parallelism_config is not None:
             bad("parallelism_config", "tensor and context parallelism are not run by stoker; leave it unset and "
                                       "shard with fsdp or deepspeed")
-        if self.use_liger_kernel:
-            import importlib.util
-
-            if importlib.util.find_spec("liger_kernel") is None:
-                bad("use_liger_kernel", "needs the liger-kernel package, which is not installed "
-                                        "(pip install liger-kernel), or set it to False")
-        elif self.liger_kernel_config is not None:
+        if not self.use_liger_kernel and self.liger_kernel_config is not None:
             bad("liger_kernel_config", "needs use_liger_kernel=True")
         return p
 
@@ -685,8 +774,11 @@ class TrainingArguments:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, with secrets masked as transformers masks them: checkpoints and logs never hold a token."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field, with secrets masked as transformers masks them (checkpoints and logs never hold a token)
+        and torch dtypes, also inside dicts, written as their names ("float32") as transformers writes them."""
+        out = {f.name: _named_dtypes(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if isinstance(self.accelerator_config, AcceleratorConfig):
+            out["accelerator_config"] = self.accelerator_config.to_dict()
         for name in out:
             if name.endswith("_token") and out[name] is not None:
                 out[name] = f"<{name.upper()}>"
@@ -979,6 +1071,17 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError([f"{shown}: must hold a mapping of field: value, got {type(values).__name__}"],
                           "configuration")
     return values
+
+
+def _named_dtypes(value):
+    """`value` with every torch.dtype in it (itself, or in a dict or list) replaced by its name."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":  # torch is not imported here
+        return str(value).removeprefix("torch.")
+    if isinstance(value, dict):
+        return {k: _named_dtypes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_named_dtypes(v) for v in value)
+    return value
 
 
 def _to_flags(values: dict[str, Any]) -> list[str]:

@@ -355,16 +355,36 @@ class ProgressCallback(TrainerCallback):
             self.bar = None
 
 
-class JsonlLoggerCallback(TrainerCallback):
-    """Appends every log record to output_dir/metrics.jsonl (one JSON object per line, main process only)."""
+class PrinterCallback(TrainerCallback):
+    """What transformers shows with disable_tqdm=True instead of a progress bar: each log as a dict on stdout
+    (floats to 4 significant digits, total_flos left out of what the later callbacks see, as in transformers),
+    on the local main process."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        logs.pop("total_flos", None)
+        if state.is_local_process_zero:
+            print({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in logs.items()}, flush=True)
+
+
+# transformers' default callbacks, before the progress callback (ProgressCallback, or PrinterCallback with
+# disable_tqdm=True) that the Trainer adds after the callbacks it is given
+DEFAULT_CALLBACKS = [DefaultFlowCallback]
+
+
+class JsonlLoggerCallback(TrainerCallback):
+    """Appends every log record to output_dir/metrics.jsonl (one JSON object per line, main process only), with
+    stoker's diagnostics of the record (throughput, data waiting, MFU, peak memory), which log_history leaves
+    out as transformers does."""
+
+    def on_log(self, args, state, control, logs=None, diagnostics=None, **kwargs):
         if not (state.is_world_process_zero and logs):
             return
         import os
 
         os.makedirs(args.output_dir, exist_ok=True)
-        record = {"step": state.global_step, "epoch": round(state.epoch, 4), **logs}
+        record = {"step": state.global_step, **logs, "epoch": round(state.epoch, 4), **(diagnostics or {})}
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -382,10 +402,10 @@ class TensorBoardCallback(TrainerCallback):
             self.writer = SummaryWriter(log_dir=args.logging_dir)
             self.writer.add_text("args", args.to_json_string())
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, diagnostics=None, **kwargs):
         if self.writer is None or not logs:
             return
-        for k, v in logs.items():
+        for k, v in {**logs, **(diagnostics or {})}.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 tag = k.replace("eval_", "eval/", 1) if k.startswith("eval_") else f"train/{k}"
                 self.writer.add_scalar(tag, v, state.global_step)

@@ -122,6 +122,18 @@ class Checkpointer:
             for path in others:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def keep_only_best(self) -> None:
+        """At the end of train(), with save_total_limit=1 and a best checkpoint, as transformers: remove this run's
+        other checkpoints (the newest was kept during the run so that it could be resumed). Main process."""
+        t = self.trainer
+        a, s = t.args, t.state
+        if a.save_total_limit != 1 or s.best_model_checkpoint is None or not t.accelerator.is_main_process:
+            return
+        best = os.path.abspath(s.best_model_checkpoint)
+        for path in ckpt.list_checkpoints(a.output_dir):
+            if run_of(path) == t._run_id and os.path.abspath(path) != best:
+                shutil.rmtree(path, ignore_errors=True)
+
     def _write_main_files(self, tmp: str, state_dict: dict | None, pos: LoopPosition) -> None:
         """The main process's part of a checkpoint: the model (or what its shards are the weights of), the
         optimizer state when it is whole, and the scheduler, scaler, trainer and loop state."""

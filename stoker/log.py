@@ -38,6 +38,11 @@ class _Prefix(logging.Formatter):
         return f"[stoker] {kind}{message}"
 
 
+# transformers.Trainer's own logger: the lines scripts and tests grep for ("***** Running training *****") are
+# written to it, in transformers' words, at the level log_level sets for it (a plain logging name: looking it up
+# imports nothing)
+transformers_logger = logging.getLogger("transformers.trainer")
+
 if not logger.handlers:
     _handler = _CurrentStderr()
     _handler.setFormatter(_Prefix("%(message)s"))

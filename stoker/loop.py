@@ -114,10 +114,13 @@ class RunningLog:
         state.num_input_tokens_seen += tokens if counting == "non_padding" else all_tokens if counting == "all" else 0
         return tokens, all_tokens
 
-    def window_logs(self, args, accelerator, model, state, learning_rate: float) -> dict[str, float]:
-        """The log of the window since the last one (a host sync): mean loss over its applied steps, the last
-        gradient norm and learning rate (`learning_rate` if no step has recorded one), non-finite steps skipped so
-        far, throughput and where the time went; the sums restart, the clock with `restart_clock`."""
+    def window_logs(self, args, accelerator, model, state, learning_rate: float) -> tuple[dict[str, float], dict]:
+        """The log of the window since the last one (a host sync), as (logs, diagnostics). `logs` has
+        transformers' keys: the mean loss over its applied steps, the last gradient norm and learning rate
+        (`learning_rate` if no step has recorded one), and the non-finite steps skipped so far if any.
+        `diagnostics` holds stoker's wall-clock figures (throughput, where the time went), which differ between
+        two identical runs and so stay out of log_history (metrics.jsonl has them). The sums restart, the
+        clock with `restart_clock`."""
         steps = self.steps
         logged = self.reduce_loss(accelerator, args.average_tokens_across_devices) if steps else 0.0
         self.total_loss += logged
@@ -129,10 +132,9 @@ class RunningLog:
         if self.nonfinite_total:
             logs["nonfinite_steps_skipped"] = self.nonfinite_total
         logs["learning_rate"] = self.learning_rate if self.learning_rate is not None else learning_rate
-        logs["tokens_per_second"] = round(tokens / elapsed, 2)
-        logs["samples_per_second"] = round(samples / elapsed, 3)
-        logs.update(self.diagnostics(args, accelerator, model, tokens, all_tokens, samples, elapsed))
-        return logs
+        extra = {"tokens_per_second": round(tokens / elapsed, 2), "samples_per_second": round(samples / elapsed, 3),
+                 **self.diagnostics(args, accelerator, model, tokens, all_tokens, samples, elapsed)}
+        return logs, extra
 
     def reduce_loss(self, accelerator, averaged_across_devices: bool) -> float:
         """Sum of the window losses since the last log (over every process), then reset. A host sync."""

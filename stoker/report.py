@@ -102,15 +102,27 @@ table {{ border-collapse: collapse; }} td {{ border: 1px solid #ccc; padding: 2p
 
 
 class ReportCallback(TrainerCallback):
-    """Writes output_dir/report.html when training ends (training_report=True; main process only)."""
+    """Writes output_dir/report.html when training ends (training_report=True; main process only), from
+    log_history with each record's diagnostics (throughput, data waiting), which log_history leaves out."""
+
+    def __init__(self):
+        self.diagnostics: dict[int, dict] = {}  # index in log_history -> that record's diagnostics
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.diagnostics = {}
+
+    def on_log(self, args, state, control, logs=None, diagnostics=None, **kwargs):
+        if diagnostics:
+            self.diagnostics[len(state.log_history) - 1] = diagnostics
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        final = next((r for r in reversed(state.log_history) if "train_runtime" in r), {})
+        history = [{**r, **self.diagnostics.get(i, {})} for i, r in enumerate(state.log_history)]
+        final = next((r for r in reversed(history) if "train_runtime" in r), {})
         summary = {"global_step": state.global_step, "epoch": round(state.epoch, 4),
                    **{k: v for k, v in final.items() if k not in ("epoch", "step")}}
         if state.best_metric is not None:
             summary.update(best_metric=state.best_metric, best_model_checkpoint=state.best_model_checkpoint)
-        write_report(args.output_dir, state.log_history, args.to_dict(), title=f"stoker run: {args.run_name}",
+        write_report(args.output_dir, history, args.to_dict(), title=f"stoker run: {args.run_name}",
                      summary=summary)

@@ -18,18 +18,21 @@ import signal
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
+from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .callbacks import (
+    DEFAULT_CALLBACKS,
     CallbackHandler,
-    DefaultFlowCallback,
     JsonlLoggerCallback,
+    PrinterCallback,
     ProgressCallback,
     TensorBoardCallback,
     TrainerControl,
@@ -55,7 +58,7 @@ from .errors import (
     exit_with_code_after_preemption,
 )
 from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, logits_of, predictions_of, split_batch
-from .log import logger, set_log_levels
+from .log import logger, set_log_levels, transformers_logger
 from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, plan_steps, window_sizes
 from .lora import trainable_parameters, wrap
 from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
@@ -129,11 +132,12 @@ class Trainer(TrainerAPI):
         if memory is not None:  # its first stage, "init", is reported with the first train/eval/test metrics
             memory.start()
         self.model_init = model_init
+        if (model is None) == (model_init is None):
+            raise ConfigError(["model, model_init: pass one of them, a model or a function returning a fresh one "
+                               "(`Trainer` requires either a `model` or `model_init` argument"
+                               + (")" if model is None else ", but not both)")], "Trainer")
+        self._seed()  # as transformers, full_determinism included: model_init's weights follow the seed
         if model is None:
-            if model_init is None:
-                raise ConfigError(["model: pass a model, or model_init (a function returning a fresh model)"],
-                                  "Trainer")
-            set_seed(self.args.seed)  # as transformers: the model's initialisation follows the seed
             model = self.call_model_init()
         self._peft_config = peft_config
         if peft_config is not None and ckpt.is_peft_model(model):
@@ -165,19 +169,25 @@ class Trainer(TrainerAPI):
         self.current_flos = 0  # FLOPs since the last store_flos (transformers' estimate)
         self.is_in_train = False
         self._ignore_keys_for_eval = None
+        self._diagnostics = {}  # stoker's figures for the next log record, beside transformers' keys (see log)
+        self._run_started, self._initial_tokens_seen = None, 0  # this train() call's start, tokens seen then
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
+        self._eval_dataloaders = {}  # with dataloader_persistent_workers: "eval" or a set's name -> its loader
 
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
-        defaults = [DefaultFlowCallback(), ProgressCallback(), JsonlLoggerCallback()]
+        # as transformers: its defaults and the trackers (stoker's metrics.jsonl among them), the callbacks given,
+        # then the progress display
+        defaults = [*DEFAULT_CALLBACKS, JsonlLoggerCallback()]
         if "tensorboard" in self.args.report_to:
             defaults.append(TensorBoardCallback())
         if self.args.training_report:
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
+        self.callback_handler.add(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
         self._fire("on_init_end")
         if memory is not None:
             memory.stop_and_update_metrics()
@@ -192,15 +202,20 @@ class Trainer(TrainerAPI):
         if self._peft_config is not None:
             model = wrap(model, self._peft_config, a.gradient_checkpointing)
         base = _unwrap_peft(model)
-        if a.use_liger_kernel:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-            _apply_liger_kernel_to_instance(model=base, **(a.liger_kernel_config or {}))
         if "underflow_overflow" in a.debug:
             from transformers.debug_utils import DebugUnderflowOverflow
 
             DebugUnderflowOverflow(base)
         self._is_transformers = hasattr(base, "config")
+        self._label_smoothing = a.label_smoothing_factor
+        if a.label_smoothing_factor and getattr(getattr(base, "config", None), "problem_type",
+                                                None) == "multi_label_classification":
+            # as transformers: a warning, and the run trains on the model's own multi-label loss
+            warnings.warn(f"Label smoothing is not compatible with multi-label classification: "
+                          f"label_smoothing_factor={a.label_smoothing_factor} is ignored for this "
+                          f"{type(base).__name__} (problem_type='multi_label_classification')", UserWarning,
+                          stacklevel=3)
+            self._label_smoothing = 0.0
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
@@ -274,14 +289,14 @@ class Trainer(TrainerAPI):
             labels = inputs.pop(self.label_names[0], None)
             outputs = model(**inputs)
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif self.args.label_smoothing_factor and labels is not None and not labels.is_floating_point():
+        elif self._label_smoothing and labels is not None and not labels.is_floating_point():
             items = num_items_in_batch if num_items_in_batch is not None else self._convention.targets(inputs)
             del inputs[self.label_names[0]]
             base = _unwrap_peft(self.accelerator.unwrap_model(model))
             if "decoder_input_ids" not in inputs and hasattr(base, "prepare_decoder_input_ids_from_labels"):
                 inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
             outputs = model(**inputs)
-            loss = smoothed_label_loss(logits_of(outputs), labels, self.args.label_smoothing_factor,
+            loss = smoothed_label_loss(logits_of(outputs), labels, self._label_smoothing,
                                        self._convention.causal, items)
         elif num_items_in_batch is not None and self._convention.divides_by_num_items(model, inputs, self.accelerator):
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
@@ -298,22 +313,42 @@ class Trainer(TrainerAPI):
     # training
 
     def get_train_dataloader(self):
-        """The training DataLoader of one process, before Accelerate prepares it: micro-batches of the current
-        size (halved by auto_find_batch_size), shuffled by data_seed (or grouped by length), collated by
-        data_collator. Override to change how batches are made; the loop shards and skips it."""
+        """The training DataLoader, prepared by Accelerate as transformers returns it (sharded over the processes,
+        `total_batch_size` rows per step of all of them): micro-batches of the current size (halved by
+        auto_find_batch_size), shuffled by data_seed (or grouped by length), collated by data_collator. Override
+        to change how batches are made; a loader the override returns unprepared is prepared by the loop, and
+        one that is not a DataLoader (any iterable with a length) is read as it is."""
         if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset")
+            raise ValueError("Trainer: training requires a train_dataset (or a get_train_dataloader that builds "
+                             "its own loader)")
         micro_batch = getattr(self, "_train_batch_size", self.args.per_device_train_batch_size)
-        return build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
+        loader = build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
+        return self.accelerator.prepare(loader)
+
+    def _prepared(self, loader):
+        """`loader` prepared by Accelerate unless it already is (or is no DataLoader at all)."""
+        if isinstance(loader, torch.utils.data.DataLoader) and not isinstance(loader, DataLoaderStateMixin):
+            return self.accelerator.prepare(loader)
+        return loader
 
     def get_eval_dataloader(self, eval_dataset=None):
         """The prepared evaluation DataLoader of `eval_dataset` (a dataset, a name in the Trainer's dict of them,
-        or None for the Trainer's own), in order, per_device_eval_batch_size rows per process."""
+        or None for the Trainer's own), in order, per_device_eval_batch_size rows per process. With
+        dataloader_persistent_workers the loader of the Trainer's own set, or of each named one, is built once
+        and reused, as transformers does, so its workers live across evaluations."""
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
+        if key is not None and key in self._eval_dataloaders:
+            return self._eval_dataloaders[key]
         if isinstance(eval_dataset, str):  # a name in the Trainer's dict of evaluation sets
             eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        loader = self._evaluation_loader(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        if key is not None and self.args.dataloader_persistent_workers:
+            self._eval_dataloaders[key] = loader
+        return loader
+
+    def _evaluation_loader(self, dataset):
         if dataset is None:
-            raise ValueError("evaluation needs an eval_dataset")
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
         loader = build_dataloader(dataset, self.args, self._eval_batch_size, self.data_collator, train=False)
         return self.accelerator.prepare(loader)
 
@@ -349,6 +384,7 @@ class Trainer(TrainerAPI):
             self._evaluate_and_track()
 
         started, first_step, preempted = time.perf_counter(), s.global_step, None
+        self._run_started, self._initial_tokens_seen = time.time(), s.num_input_tokens_seen
         embeddings = (_unwrap_peft(self.accelerator.unwrap_model(self.model)).get_input_embeddings()
                       if a.neftune_noise_alpha else None)
         with PreemptionSignals(a.save_on_signal) as signals, neftune_noise(embeddings, a.neftune_noise_alpha):
@@ -385,6 +421,8 @@ class Trainer(TrainerAPI):
             self._enable_gradient_checkpointing(model)
             acc.free_memory()  # drop Accelerate's references to the previous model
             self.model = self.model_wrapped = model
+        if a.use_liger_kernel:
+            self._apply_liger_kernel()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
                            accumulation=a.gradient_accumulation_steps)
         loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
@@ -395,7 +433,7 @@ class Trainer(TrainerAPI):
         self._run_id = (loop or {}).get("run_id") or uuid.uuid4().hex
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
-        self._train_dataloader = acc.prepare(self.get_train_dataloader())
+        self._train_dataloader = self._prepared(self.get_train_dataloader())
         max_steps, per_epoch = plan_steps(self._train_dataloader, pos.accumulation, a)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
         self._backend.prepare(self, max_steps)  # sets model_wrapped, optimizer, lr_scheduler
@@ -412,6 +450,7 @@ class Trainer(TrainerAPI):
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
                 left = len(window_sizes(max(len(self._train_dataloader) - pos.batches, 0), pos.accumulation))
                 s.num_train_epochs = pos.epoch + 1 + max(math.ceil((max_steps - s.global_step - left) / per_epoch), 0)
+        self._log_training_header(trainable)
         if s.is_world_process_zero:
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
@@ -422,6 +461,38 @@ class Trainer(TrainerAPI):
                 shutil.rmtree(stale, ignore_errors=True)
         return pos, run, per_epoch
 
+    def _apply_liger_kernel(self) -> None:
+        """Patch the model with Liger's kernels, as transformers does when training starts (evaluation alone needs
+        no package). Refuses before any work without the package."""
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError(["use_liger_kernel=True: training needs the liger-kernel package, which is not "
+                               "installed (pip install liger-kernel), or set it to False"], "Trainer")
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        base = _unwrap_peft(self.model)
+        if self._is_transformers:
+            _apply_liger_kernel_to_instance(model=base, **(self.args.liger_kernel_config or {}))
+        else:
+            logger.warning(f"use_liger_kernel=True: {type(base).__name__} is not a transformers model; no Liger "
+                           "kernel is applied")
+
+    def _log_training_header(self, trainable: int) -> None:
+        """transformers' "***** Running training *****" lines, in its words and on its trainer logger, so that
+        what a script or test captures from that logger at log_level='info' is the same."""
+        a, s = self.args, self.state
+        epochs, per_epoch, examples = self.set_initial_training_values(a, self._train_dataloader)[:3]
+        for line in ("***** Running training *****", f"  Num examples = {examples:,}",
+                     f"  Num Epochs = {epochs:,}", f"  Num update steps per epoch = {per_epoch:,}",
+                     f"  Instantaneous batch size per device = {a.per_device_train_batch_size:,}",
+                     "  Total train batch size (w. parallel, distributed & accumulation) = "
+                     f"{self.get_total_train_batch_size():,}",
+                     f"  Gradient Accumulation steps = {a.gradient_accumulation_steps}",
+                     f"  Total optimization steps = {s.max_steps:,}",
+                     f"  Number of trainable parameters = {trainable:,}"):
+            transformers_logger.info(line)
+
     def _finalize_training(self, run: RunningLog, runtime: float, steps_run: int, memory) -> TrainOutput:
         """The run's metrics (over the whole run, a resumed one included: the losses before the checkpoint came
         back with it), the best model loaded back if asked for, on_train_end."""
@@ -430,14 +501,15 @@ class Trainer(TrainerAPI):
             "train_runtime": round(runtime, 4),
             "train_samples_per_second": round(run.samples_seen / runtime, 3),
             "train_steps_per_second": round(max(steps_run, 1) / runtime, 3),
-            "train_tokens_per_second": round(run.tokens_seen / runtime, 3),
             "train_loss": run.total_loss / max(s.global_step - run.nonfinite_total, 1),
-            **peak_memory_metrics(self.accelerator.device),
         }
+        self._diagnostics = {"train_tokens_per_second": round(run.tokens_seen / runtime, 3),
+                             **peak_memory_metrics(self.accelerator.device)}
         self.store_flos()
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
             self._checkpointer.load_model_weights(s.best_model_checkpoint)
+        self._checkpointer.keep_only_best()
         if memory is not None:
             memory.stop_and_update_metrics(metrics)
         self.log(metrics)
@@ -536,7 +608,10 @@ class Trainer(TrainerAPI):
         self.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
         s.epoch = pos.epoch + (pos.batches / len(self._train_dataloader) if per_epoch else 0)
-        self._fire("on_step_end")
+        try:
+            self._fire("on_step_end")
+        except Exception as e:  # out of memory after the update (in a callback): the next windows are halved
+            self._halve(pos, e)
         if acc.num_processes == 1 and signals.received:  # alone, act on a signal as soon as the step is done
             signalled = signals.received
         if signalled:  # checkpoint this step, then leave
@@ -554,11 +629,12 @@ class Trainer(TrainerAPI):
             size = pos.micro_batch
             if self._train_batch_size != size:
                 self._train_batch_size = size
-                self._train_dataloader = self.accelerator.prepare(self.get_train_dataloader())
+                self._train_dataloader = self._prepared(self.get_train_dataloader())
             loader = self._train_dataloader
-            loader.set_epoch(pos.epoch)
-            if loader.generator is not None:  # worker seeds = f(data_seed, epoch), not the global RNG: resumable
-                loader.generator.manual_seed(self.args.data_seed + pos.epoch)
+            if hasattr(loader, "set_epoch"):  # a loader of the user's own may have none, as in transformers
+                loader.set_epoch(pos.epoch)
+            if getattr(loader, "generator", None) is not None:  # worker seeds = f(data_seed, epoch), not the
+                loader.generator.manual_seed(self.args.data_seed + pos.epoch)  # global RNG: resumable
             if pos.batches:
                 loader = self.accelerator.skip_first_batches(loader, pos.batches)
             window = []
@@ -592,18 +668,24 @@ class Trainer(TrainerAPI):
         """After an out-of-memory error in a window with auto_find_batch_size: the same samples as twice as many
         micro-batches of half the size (the update is unchanged: the loss is normalised over the window's
         target tokens, not over micro-batches). Raises `error` again for any other failure."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._halve(pos, error)
+        return [part for batch in window for part in split_batch(batch, pos.micro_batch)]
+
+    def _halve(self, pos: LoopPosition, error: Exception) -> None:
+        """Halve the micro-batch and double the accumulation from here on (the loop rebuilds its loader at the
+        same sample) after an out-of-memory error with auto_find_batch_size; raises `error` again for any other
+        failure."""
         if not (self.args.auto_find_batch_size and should_reduce_batch_size(error)):
             raise error
         if pos.micro_batch % 2:
             raise RuntimeError(f"out of memory with a micro-batch of {pos.micro_batch}: auto_find_batch_size "
                                "can only halve an even micro-batch (use a power of two)") from error
-        self.optimizer.zero_grad(set_to_none=True)
         clear_device_cache(garbage_collection=True)
         pos.halve()
         self.state.train_batch_size = pos.micro_batch
         logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
                        f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
-        return [part for batch in window for part in split_batch(batch, pos.micro_batch)]
 
     def _check_step(self, window_loss: torch.Tensor, grad_norm, run: RunningLog,
                     received: int | None) -> tuple[bool, int | None]:
@@ -647,7 +729,9 @@ class Trainer(TrainerAPI):
         the logged throughput)."""
         s = self.state  # self.control is read anew after each event: a callback may replace it
         if self.control.should_log and (run.steps or run.nonfinite_total):
-            self.log(run.window_logs(self.args, self.accelerator, self.model_wrapped, s, self._learning_rate()))
+            logs, self._diagnostics = run.window_logs(self.args, self.accelerator, self.model_wrapped, s,
+                                                      self._learning_rate())
+            self.log(logs, self._run_started)
             run.restart_clock()
         self.control.should_log = False
         paused = time.perf_counter()
@@ -663,13 +747,21 @@ class Trainer(TrainerAPI):
         run.excluded += time.perf_counter() - paused
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Record logs in state.log_history and hand them to the on_log callbacks. The loop logs through this
-        method, so a subclass that overrides it sees (and may change) every record."""
-        if start_time is not None:  # as transformers: throughput since start_time
-            logs = {**logs, **speed_metrics("train", start_time)}
-        record = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
-        self.state.log_history.append(record)
-        self._fire("on_log", logs=logs)
+        """Record logs, with the epoch, in state.log_history (with the step) and hand them to the on_log callbacks,
+        as transformers does: with include_num_input_tokens_seen also num_input_tokens_seen and, given the run's
+        start_time (time.time()), train_runtime and train_tokens_per_second of this train() call. The loop logs
+        through this method, so a subclass that overrides it sees (and may change) every record. stoker's
+        wall-clock diagnostics of the record go to on_log as `diagnostics` (metrics.jsonl writes them)."""
+        s = self.state
+        logs = {**logs, "epoch": s.epoch}
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = s.num_input_tokens_seen
+            if start_time is not None:
+                logs.update(speed_metrics("train", start_time,
+                                          num_tokens=s.num_input_tokens_seen - self._initial_tokens_seen))
+        s.log_history.append({**logs, "step": s.global_step})
+        diagnostics, self._diagnostics = self._diagnostics, {}
+        self._fire("on_log", logs=logs, diagnostics=diagnostics)
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
@@ -678,22 +770,23 @@ class Trainer(TrainerAPI):
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Metrics of one evaluation set; with a dict of them (given here or to the Trainer) each one's metrics,
         prefixed with its name (eval_<name>_loss, ...). A name picks one set of the Trainer's dict."""
-        if isinstance(eval_dataset, str):
+        if isinstance(eval_dataset, str):  # kept as the name: get_eval_dataloader caches by it
             if not isinstance(self.eval_dataset, Mapping) or eval_dataset not in self.eval_dataset:
                 known = sorted(self.eval_dataset) if isinstance(self.eval_dataset, Mapping) else []
                 raise KeyError(f"eval_dataset={eval_dataset!r}: the Trainer's eval datasets are named {known}")
-            eval_dataset = self.eval_dataset[eval_dataset]
         datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(datasets, Mapping):
             metrics = {}
-            for name, dataset in datasets.items():
-                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            for name, dataset in datasets.items():  # the Trainer's own sets by name, as transformers
+                metrics.update(self.evaluate(name if datasets is self.eval_dataset else dataset, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
             return metrics
         memory = self._memory_tracker()
         if memory is not None:
             memory.start()
         # without compute_metrics no predictions are needed, only the loss (as transformers)
-        output = self._run_evaluation(eval_dataset, "Evaluation", True if self.compute_metrics is None else None,
+        output = self._run_evaluation(self.get_eval_dataloader, eval_dataset, "Evaluation",
+                                      True if self.compute_metrics is None else None,
                                       ignore_keys, metric_key_prefix)
         metrics = output.metrics
         if memory is not None:
@@ -743,15 +836,18 @@ class Trainer(TrainerAPI):
         memory = self._memory_tracker()
         if memory is not None:
             memory.start()
-        output = self._run_evaluation(test_dataset, "Prediction", None, ignore_keys, metric_key_prefix)
+        output = self._run_evaluation(self.get_test_dataloader, test_dataset, "Prediction", None, ignore_keys,
+                                      metric_key_prefix)
         if memory is not None:
             memory.stop_and_update_metrics(output.metrics)
         self._fire("on_predict", metrics=output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    def _run_evaluation(self, dataset, description: str, prediction_loss_only, ignore_keys, prefix: str):
-        """evaluation_loop over a dataset, without gradients, plus the speed metrics. With auto_find_batch_size,
-        an out-of-memory error halves the evaluation batch (never the training batch) and starts over."""
+    def _run_evaluation(self, loader_of: Callable, dataset, description: str, prediction_loss_only, ignore_keys,
+                        prefix: str):
+        """evaluation_loop over loader_of(dataset) (get_eval_dataloader or get_test_dataloader), without gradients,
+        plus the speed metrics. With auto_find_batch_size, an out-of-memory error halves the evaluation batch (never
+        the training batch) and starts over."""
         if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
             self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
         if not self.is_in_train and (self.args.bf16_full_eval or self.args.fp16_full_eval):
@@ -763,7 +859,7 @@ class Trainer(TrainerAPI):
             while True:
                 started = time.time()  # wall-clock, as transformers' speed_metrics measures from
                 try:
-                    dataloader = self.get_eval_dataloader(dataset)
+                    dataloader = loader_of(dataset)
                     output = self.evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, prefix)
                     break
                 except Exception as e:
@@ -772,6 +868,7 @@ class Trainer(TrainerAPI):
                         raise
                     clear_device_cache(garbage_collection=True)
                     self._eval_batch_size //= 2
+                    self._eval_dataloaders.clear()  # built for the old batch size
                     logger.warning(f"out of memory in evaluation; eval batch now {self._eval_batch_size}")
         finally:
             if was_training:
@@ -798,7 +895,10 @@ class Trainer(TrainerAPI):
                 if not self._convention.settled:
                     self._convention.decide(model, inputs, self.accelerator)
                 items = self._convention.targets(inputs)
-                loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True,
+                # as transformers: a model patched by Liger then skips the logits; others ignore the flag
+                skip = {"skip_logits": True} if (self.args.use_liger_kernel and prediction_loss_only
+                                                 and self._is_transformers) else {}
+                loss, outputs = self.compute_loss(model, {**inputs, **skip}, return_outputs=True,
                                                   num_items_in_batch=max(items, 1))
         loss = loss.detach() if loss is not None else None
         if prediction_loss_only:
@@ -821,6 +921,12 @@ class Trainer(TrainerAPI):
         # labels), then re-weighted by them: the exact mean over every item of the eval set
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
         items_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
+        transformers_logger.info(f"\n***** Running {description} *****")
+        try:
+            transformers_logger.info(f"  Num examples = {self.num_examples(dataloader)}")
+        except TypeError:
+            transformers_logger.info("  Num examples: Unknown")
+        transformers_logger.info(f"  Batch size = {self._eval_batch_size}")
         collected = Collected(acc, a.eval_accumulation_steps, a.eval_use_gather_object, a.eval_do_concat_batches)
         batch_metrics, rows_seen = None, 0  # an IterableDataset has no length to count its samples by
         for n, batch in enumerate(dataloader, 1):
@@ -844,7 +950,8 @@ class Trainer(TrainerAPI):
                           "inputs": batch.get("input_ids") if "inputs" in a.include_for_metrics else None,
                           "losses": loss.repeat(rows) if loss is not None and "loss" in a.include_for_metrics
                           else None}
-                step = collected.gather(values, n, keep=not a.batch_eval_metrics)
+                # as transformers: prediction keeps every batch's predictions for its result
+                step = collected.gather(values, n, keep=not a.batch_eval_metrics or description == "Prediction")
                 if a.batch_eval_metrics and self.compute_metrics is not None:  # metrics of the batch now
                     batch_metrics = self.compute_metrics(eval_prediction(step, a.include_for_metrics),
                                                          compute_result=acc.gradient_state.end_of_dataloader)

@@ -228,8 +228,8 @@ class TrainerAPI:
 
     def get_test_dataloader(self, test_dataset):
         """The loader predict() reads test_dataset with: built as get_eval_dataloader builds it (eval batch size,
-        in order, prepared for every process)."""
-        return self.get_eval_dataloader(test_dataset)
+        in order, prepared for every process), never cached."""
+        return self._evaluation_loader(test_dataset)
 
     def num_examples(self, dataloader) -> int:
         """Rows in the loader's dataset; for a loader without a sized dataset, its batches x

@@ -279,7 +279,7 @@ def test_unknown_accelerator_config_key():
     err = _problems(accelerator_config={"split_batch": True})
     assert "accelerator_config" in str(err) and "'split_batches'" in str(err)
     args = TrainingArguments(accelerator_config='{"split_batches": false}')
-    assert args.accelerator_config == {"split_batches": False}
+    assert args.accelerator_config.split_batches is False and args.accelerator_config.even_batches is True
 
 
 def test_invalid_json_for_scheduler_kwargs():

@@ -12,7 +12,7 @@ import pytest
 
 import stoker.callbacks
 from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainerControl, TrainerState
-from stoker.callbacks import EVENTS, ProgressCallback
+from stoker.callbacks import EVENTS, PrinterCallback, ProgressCallback
 
 
 class Recorder(TrainerCallback):
@@ -165,10 +165,10 @@ def test_add_remove_pop_callback(tiny_llama, clm_rows, make_args):
     trainer.remove_callback(removed)
     assert trainer.pop_callback(popped) is popped
     assert not any(c is removed or c is popped for c in callbacks)
-    default_progress = trainer.pop_callback(ProgressCallback)  # by class
-    assert isinstance(default_progress, ProgressCallback)
-    assert not any(isinstance(c, ProgressCallback) for c in callbacks)
-    assert trainer.pop_callback(ProgressCallback) is None
+    default_printer = trainer.pop_callback(PrinterCallback)  # by class (disable_tqdm=True's progress display)
+    assert isinstance(default_printer, PrinterCallback)
+    assert not any(isinstance(c, PrinterCallback) for c in callbacks)
+    assert trainer.pop_callback(PrinterCallback) is None
 
     trainer.train()
     assert kept.counts["on_step_end"] == 1
@@ -425,7 +425,8 @@ def test_stateful_callbacks_are_keyed_as_transformers_keys_them(tiny_llama, clm_
 def test_transformers_printer_and_early_stopping_callbacks(tiny_llama, clm_rows, make_args, capsys):
     import transformers
 
-    args = make_args(learning_rate=0.0, max_steps=10, eval_strategy="steps", eval_steps=1,
+    # disable_tqdm=False: stoker's progress display, on stderr, instead of its own PrinterCallback on stdout
+    args = make_args(learning_rate=0.0, max_steps=10, eval_strategy="steps", eval_steps=1, disable_tqdm=False,
                      metric_for_best_model="loss", load_best_model_at_end=True, save_strategy="steps", save_steps=1)
     hf_early = transformers.EarlyStoppingCallback(early_stopping_patience=2)
     out = Trainer(tiny_llama(), args, train_dataset=clm_rows(16), eval_dataset=clm_rows(4, seed=1),

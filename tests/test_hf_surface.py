@@ -27,7 +27,7 @@ REFUSED_VALUES = [
     ("fp16", True, "on a machine without CUDA (transformers would silently train in float32)"),
 ]
 # refused only where the package is missing
-REFUSED_WITHOUT_PACKAGE = [("use_liger_kernel", True, "liger_kernel", "needs the liger-kernel package")]
+REFUSED_WITHOUT_PACKAGE = [("use_liger_kernel", True, "liger_kernel", "train() needs the liger-kernel package")]
 # Public transformers.Trainer methods that raise by design: (name, reason).
 REFUSED_METHODS = [
     ("push_to_hub", "stoker never uses the network"),
@@ -148,14 +148,17 @@ def test_refused_values_are_one_error_naming_the_field(name, value, reason):
 def test_refused_without_their_package():
     import importlib.util
 
-    from stoker import ConfigError, TrainingArguments
+    from stoker import ConfigError, Trainer, TrainingArguments
+    from tests.test_trainer import Regressor, regression_rows
 
     for name, value, package, _ in REFUSED_WITHOUT_PACKAGE:
+        args = TrainingArguments(**{name: value}, report_to="none")
+        assert getattr(args, name) == value  # as transformers: only training needs the package
         if importlib.util.find_spec(package) is None:
-            with pytest.raises(ConfigError, match=f"{name}=True: needs the liger-kernel package"):
-                TrainingArguments(**{name: value})
-        else:
-            assert getattr(TrainingArguments(**{name: value}), name) == value
+            trainer = Trainer(Regressor(), args, train_dataset=regression_rows(4))
+            with pytest.raises(ConfigError, match=f"{name}=True: training needs the liger-kernel package"):
+                trainer.train()
+            assert trainer.state.global_step == 0
 
 
 def main() -> None:

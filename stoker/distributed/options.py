@@ -122,10 +122,7 @@ def build_accelerator(args, model, optimizers=(None, None)):
         ddp["bucket_cap_mb"] = a.ddp_bucket_cap_mb
     if a.ddp_broadcast_buffers is not None:
         ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
-    # dispatch_batches=False: every process reads an IterableDataset itself and keeps its share of each global
-    # batch (Accelerate's default for one has the main process read and concatenate whole batches, which
-    # fails on rows of different lengths); map-style datasets are read so either way
-    config = {"use_seedable_sampler": True, "dispatch_batches": False, **(a.accelerator_config or {})}
+    config = a.accelerator_config.dataloader_options()  # an AcceleratorConfig once the arguments are read
     # no plugin (DDP or one process), an FSDP or a DeepSpeed plugin; refuses what cannot run here
     distributed = accelerator_options(a, model, optimizers)
     accelerator = Accelerator(

@@ -69,6 +69,7 @@ def run(framework: str, family: str, out: str, **overrides) -> dict:
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "train_loss": result.training_loss,
         "logs": [{k: r[k] for k in LOGGED if k in r} for r in trainer.state.log_history],
+        "log_keys": [sorted(r) for r in trainer.state.log_history],
         "events": rec.events,
         "folders": folders,
         "state": {k: saved_state[k] for k in STATE_FIELDS},

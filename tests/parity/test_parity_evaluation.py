@@ -1,0 +1,151 @@
+"""Evaluation and the best model as transformers.Trainer has them: batch_eval_metrics in predict(), label
+smoothing refused for multi-label classification, model_init's model for a seed, and the best checkpoint,
+best_metric and rotation over the grid of evaluation and save strategies."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import stoker
+from stoker.data import PaddingCollator
+from tests.parity.families import FAMILIES, rows
+from tests.parity.oracle import run
+
+FRAMEWORKS = {"hf": transformers, "stoker": stoker}
+
+
+def quiet_args(module, out, **kw):
+    values = dict(output_dir=str(out), report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True,
+                  per_device_eval_batch_size=2, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant")
+    values.update(kw)
+    return module.TrainingArguments(**values)
+
+
+class RunningAccuracy:
+    """compute_metrics for batch_eval_metrics: counts per batch, the result at the last one."""
+
+    def __init__(self):
+        self.right = self.seen = 0
+
+    def __call__(self, prediction, compute_result=False):
+        chosen = np.asarray(prediction.predictions).argmax(-1)
+        self.right += int((chosen == np.asarray(prediction.label_ids)).sum())
+        self.seen += len(chosen)
+        if not compute_result:
+            return {}
+        result, self.right, self.seen = {"accuracy": self.right / self.seen}, 0, 0
+        return result
+
+
+def test_batch_eval_metrics_in_predict_as_transformers(tmp_path):
+    out = {}
+    for name, module in FRAMEWORKS.items():
+        trainer = module.Trainer(FAMILIES["bert_sequence"](0), quiet_args(module, tmp_path / name,
+                                 batch_eval_metrics=True), data_collator=PaddingCollator(),
+                                 compute_metrics=RunningAccuracy())
+        out[name] = trainer.predict(rows("bert_sequence", 7, 2))
+    assert out["stoker"].predictions.shape == out["hf"].predictions.shape == (7, 3)
+    np.testing.assert_allclose(out["stoker"].predictions, out["hf"].predictions, rtol=1e-5, atol=1e-6)
+    assert out["stoker"].metrics["test_accuracy"] == out["hf"].metrics["test_accuracy"]
+    np.testing.assert_array_equal(out["stoker"].label_ids, out["hf"].label_ids)
+
+
+def multi_label_model():
+    from transformers import BertForSequenceClassification
+
+    from tests.parity.families import _bert_config
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(_bert_config(num_labels=3, problem_type="multi_label_classification"))
+
+
+def test_label_smoothing_with_multi_label_classification_is_refused_as_transformers(tmp_path):
+    data = [{"input_ids": r["input_ids"], "labels": [float(r["label"] == k) for k in range(3)]}
+            for r in rows("bert_sequence", 8, 1)]
+    losses = {}
+    for name, module in FRAMEWORKS.items():
+        for smoothing in (0.0, 0.2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer = module.Trainer(multi_label_model(), quiet_args(module, tmp_path / name, max_steps=2,
+                                         logging_steps=1, per_device_train_batch_size=4,
+                                         label_smoothing_factor=smoothing),
+                                         train_dataset=data, data_collator=PaddingCollator())
+            said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                    and "Label smoothing is not compatible with multi-label classification" in str(w.message)]
+            assert len(said) == (1 if smoothing else 0), (name, smoothing)
+            trainer.train()
+            losses[name, smoothing] = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert losses["stoker", 0.2] == losses["stoker", 0.0]  # the model's own loss: smoothing is off
+    assert losses["stoker", 0.2] == pytest.approx(losses["hf", 0.2], rel=1e-5)
+
+
+def test_model_init_builds_transformers_model_for_the_seed(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model_init():  # random weights: only the seed decides them
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1))
+
+    made = {}
+    for name, module in FRAMEWORKS.items():
+        torch.manual_seed(123)  # whatever the global RNG holds before, the Trainer's seed decides
+        for seed in (5, 6):
+            trainer = module.Trainer(model_init=model_init, args=quiet_args(module, tmp_path / name, seed=seed))
+            made[name, seed] = [p.detach().clone() for p in trainer.model.parameters()]
+    for seed in (5, 6):
+        for mine, theirs in zip(made["stoker", seed], made["hf", seed], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert not torch.equal(made["stoker", 5][0], made["stoker", 6][0])
+
+
+def test_model_and_model_init_together_are_refused_as_transformers(tmp_path):
+    for module in FRAMEWORKS.values():
+        with pytest.raises(ValueError, match="requires either a `model` or `model_init` argument, but not both"):
+            module.Trainer(FAMILIES["llama"](0), quiet_args(module, tmp_path), model_init=lambda: None)
+
+
+GRID = [dict(eval_strategy=e, save_strategy=s, save_total_limit=limit, load_best_model_at_end=best,
+             greater_is_better=greater)
+        for e, s, limit, best, greater in itertools.product(("steps", "epoch"), ("steps", "epoch", "best"),
+                                                            (None, 1, 2), (False, True), (False, True))
+        if not (best and s not in (e, "best"))]  # refused by both: load_best_model_at_end needs matching strategies
+
+
+@pytest.mark.parametrize("grid", GRID, ids=lambda g: "-".join(f"{v}" for v in g.values()))
+def test_best_checkpoint_best_metric_and_rotation_equal_transformers(tmp_path, grid):
+    # 3 epochs of one step; an evaluation, a save and a log every step or epoch: the same points both ways.
+    # greater_is_better=True on eval_loss makes an early checkpoint the best, which rotation must keep
+    settings = dict(num_train_epochs=3, **grid)
+    hf = run("hf", "llama", str(tmp_path / "hf"), **settings)
+    ours = run("stoker", "llama", str(tmp_path / "ours"), **settings)
+    assert ours["folders"] == hf["folders"]
+    assert ours["best_model_checkpoint"] == hf["best_model_checkpoint"]
+    best = hf["state"]["best_metric"]
+    assert ours["state"]["best_metric"] == (None if best is None else pytest.approx(best, rel=1e-5))
+    assert ours["state"]["best_global_step"] == hf["state"]["best_global_step"]
+    for mine, theirs in zip(ours["params"].values(), hf["params"].values(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)  # the best model loaded back, or the last
+
+
+def test_use_liger_kernel_evaluates_loss_only_without_the_package_as_transformers(tmp_path):
+    import importlib.util
+
+    assert importlib.util.find_spec("liger_kernel") is None  # the case transformers 5.24 runs without it
+    losses = {}
+    for name, module in FRAMEWORKS.items():
+        trainer = module.Trainer(FAMILIES["llama"](0), quiet_args(module, tmp_path / name, use_liger_kernel=True,
+                                                                  per_device_eval_batch_size=6),
+                                 eval_dataset=rows("llama", 6, 2), data_collator=PaddingCollator())
+        losses[name] = trainer.evaluate()["eval_loss"]
+    assert losses["stoker"] == pytest.approx(losses["hf"], rel=1e-6)
+    trainer = stoker.Trainer(FAMILIES["llama"](0), quiet_args(stoker, tmp_path / "train", use_liger_kernel=True),
+                             train_dataset=rows("llama", 6, 1), data_collator=PaddingCollator())
+    with pytest.raises(stoker.ConfigError, match="use_liger_kernel=True: training needs the liger-kernel package"):
+        trainer.train()  # transformers raises ImportError there too
