@@ -31,7 +31,6 @@ from .callbacks import (
     DefaultFlowCallback,
     JsonlLoggerCallback,
     ProgressCallback,
-    TensorBoardCallback,
     TrainerControl,
     TrainerState,
 )
@@ -63,6 +62,7 @@ from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metric
 from .packing import packed_train_set
 from .plan import start_of_training_line
 from .report import ReportCallback
+from .tracking import integration_callbacks
 from .trainer_api import TrainerAPI
 from .trainer_inputs import trainer_input_problems
 
@@ -173,8 +173,7 @@ class Trainer(TrainerAPI):
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
         defaults = [DefaultFlowCallback(), ProgressCallback(), JsonlLoggerCallback()]
-        if "tensorboard" in self.args.report_to:
-            defaults.append(TensorBoardCallback())
+        defaults += integration_callbacks(self.args.report_to)
         if self.args.training_report:
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
@@ -326,6 +325,7 @@ class Trainer(TrainerAPI):
             memory.start()
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
+        self._hp_search_setup(trial)  # a search trial's arguments
         self.is_in_train = True
         try:
             return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval, memory)
@@ -662,8 +662,8 @@ class Trainer(TrainerAPI):
         method, so a subclass that overrides it sees (and may change) every record."""
         if start_time is not None:  # as transformers: throughput since start_time
             logs = {**logs, **speed_metrics("train", start_time)}
-        record = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
-        self.state.log_history.append(record)
+        logs = {**logs, "epoch": round(self.state.epoch, 4)}  # as transformers: trackers log it (train/epoch)
+        self.state.log_history.append({**logs, "step": self.state.global_step})
         self._fire("on_log", logs=logs)
 
     # ------------------------------------------------------------------------------------------
@@ -701,6 +701,7 @@ class Trainer(TrainerAPI):
         """Evaluate, step a plateau schedule on the metric and update best_metric; True if this evaluation is
         the new best."""
         metrics = self.evaluate(ignore_keys=self._ignore_keys_for_eval)
+        self._report_to_hp_search(metrics)  # a search trial's objective, which its pruner may stop it on
         name = self.args.metric_for_best_model
         if self._steps_on_metric():  # as transformers: on metric_for_best_model, else eval_loss
             self.lr_scheduler.step(self._metric(metrics, name or "loss"))
