@@ -1,9 +1,10 @@
-"""Experiment trackers: the names `report_to` accepts, what each needs, and the callbacks that report to them.
+"""Experiment trackers: the names `report_to` accepts and what each needs (its callbacks are made by
+stoker.callbacks.integration_callbacks).
 
 Every tracker transformers 5 knows runs through transformers' own callback (its INTEGRATION_TO_CALLBACK), which
 speaks the TrainerCallback API stoker keeps; TensorBoard is stoker's own callback, which writes to logging_dir.
-This module is cheap to import: transformers' integrations load the modelling stack (seconds), so they are
-imported only when report_to names a tracker other than TensorBoard.
+This module is cheap to import (TrainingArguments uses it): transformers' integrations load the modelling stack
+(seconds), so they are imported only for report_to="all", and by the callbacks when a tracker is named.
 """
 
 from __future__ import annotations
@@ -85,17 +86,3 @@ def report_to_problems(names: list[str]) -> list[str]:
                  "transformers.Trainer); use WANDB_LOG_MODEL=checkpoint to log each checkpoint, or log "
                  "trainer.save_model()'s folder as an artifact yourself")
     return p
-
-
-def integration_callbacks(report_to: list[str]) -> list:
-    """One callback per tracker in the resolved report_to: stoker's TensorBoardCallback, transformers' for the
-    others (imported only here, and only when one is named)."""
-    from .callbacks import TensorBoardCallback
-
-    out = [TensorBoardCallback()] if "tensorboard" in report_to else []
-    others = [name for name in report_to if name != "tensorboard"]
-    if others:
-        from transformers.integrations import get_reporting_integration_callbacks
-
-        out += [cls() for cls in get_reporting_integration_callbacks(others)]
-    return out

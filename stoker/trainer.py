@@ -33,6 +33,7 @@ from .callbacks import (
     ProgressCallback,
     TrainerControl,
     TrainerState,
+    integration_callbacks,
 )
 from .checkpointing import Checkpointer
 from .convention import LossConvention, loss_of, loss_or_none
@@ -62,7 +63,6 @@ from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metric
 from .packing import packed_train_set
 from .plan import start_of_training_line
 from .report import ReportCallback
-from .tracking import integration_callbacks
 from .trainer_api import TrainerAPI
 from .trainer_inputs import trainer_input_problems
 
