@@ -161,7 +161,7 @@ def test_hyperparameter_search_reports_a_bad_trial_and_prunes(tiny_llama, make_a
                                    pruner=PruneTrialTwo())
     states = [tr.state for tr in optuna.load_study(study_name="s", storage=storage).trials]
     assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED]
-    failed = [r.getMessage() for r in caplog.records if r.name.startswith("optuna") and "Trial 0 failed" in r.getMessage()]
+    failed = [r.getMessage() for r in caplog.records if r.name.startswith("optuna") and "Trial 0 failed" in r.msg]
     assert any("warmup_steps=2 and warmup_ratio=0.5: set only one" in m for m in failed)  # Optuna's report
     assert best.run_id == "1"
     assert ended == ["1", "2"]  # the pruned trial ends its run (trackers close) before it stops
