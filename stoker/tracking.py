@@ -80,9 +80,11 @@ def report_to_problems(names: list[str]) -> list[str]:
         elif not all(_installed(m) for m in INTEGRATIONS[name][0]):
             p.append(f"{shown}: {name!r} needs the {INTEGRATIONS[name][1]} package, which is not installed "
                      f"(pip install {INTEGRATIONS[name][1]})")
-    if "wandb" in names and os.getenv("WANDB_LOG_MODEL", "").lower() == "end":
-        # transformers' WandbCallback saves the final model by building a transformers.Trainer on these arguments
-        p.append(f"{shown} with WANDB_LOG_MODEL=end: not supported (W&B's callback saves the model with a "
-                 "transformers.Trainer); use WANDB_LOG_MODEL=checkpoint to log each checkpoint, or log "
-                 "trainer.save_model()'s folder as an artifact yourself")
+    log_model = os.getenv("WANDB_LOG_MODEL", "")  # transformers reads it case-sensitively
+    if "wandb" in names and log_model in ("end", "checkpoint"):
+        # with either, transformers' WandbCallback saves the final model by building a transformers.Trainer on
+        # these arguments, which cannot take stoker's
+        p.append(f"{shown} with WANDB_LOG_MODEL={log_model}: not supported (W&B's callback saves the model with a "
+                 "transformers.Trainer); unset it and log trainer.save_model()'s folder yourself "
+                 "(wandb.log_artifact)")
     return p
