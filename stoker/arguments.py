@@ -24,6 +24,7 @@ from typing import Any
 from .distributed.launch import wants_cpu
 from .distributed.options import argument_problems
 from .errors import ConfigError, suggest
+from .tracking import report_to_problems, resolve_report_to
 
 # Names that `transformers.get_scheduler` accepts ("greedy" needs a metric and is not offered).
 SCHEDULER_NAMES = (
@@ -40,7 +41,6 @@ OPTIMIZER_NAMES = (
 BNB_OPTIMIZERS = tuple(n for n in OPTIMIZER_NAMES if "8bit" in n or "lion" in n or n.startswith("paged_"))
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
-REPORT_TO = ("none", "all", "tensorboard")
 TOKEN_COUNTS = ("no", "all", "non_padding")
 ACCELERATOR_CONFIG_KEYS = (
     "split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking",
@@ -288,7 +288,9 @@ class TrainingArguments:
         "Optimizer steps between logs; a value < 1 is a fraction of max_steps."))
     logging_first_step: bool = field(default=False, metadata=_help("Also log after the first step."))
     report_to: None | str | list[str] = field(default="none", metadata=_help(
-        "Where metrics go besides the console and metrics.jsonl: 'none', 'tensorboard' or 'all'."))
+        "Trackers the logs go to besides the console and metrics.jsonl, as transformers names them: 'mlflow', "
+        "'wandb', 'trackio', 'tensorboard', 'comet_ml', 'clearml', ... (stoker.tracking), 'all' (every one "
+        "installed) or 'none'."))
     disable_tqdm: bool | None = field(default=None, metadata=_help(
         "Turn off the progress display: each log is printed as a dict on stdout instead (PrinterCallback, as "
         "transformers)."))
@@ -317,13 +319,13 @@ class TrainingArguments:
         "Debug features: 'underflow_overflow' (report the first module whose activations or weights hold inf or "
         "nan); 'tpu_metrics_debug' needs a TPU and is refused."))
     project: str = field(default="huggingface", metadata=_help(
-        "Project name for Trackio; stoker does not report to Trackio, so this is only recorded."))
+        "Project name for Trackio (report_to='trackio')."))
     trackio_space_id: str | None = field(default=None, metadata=_help(
-        "Trackio space; recorded only (stoker does not report to Trackio)."))
+        "Trackio: the Hugging Face Space to send the logs to (default: stored locally)."))
     trackio_bucket_id: str | None = field(default=None, metadata=_help(
-        "Trackio bucket; recorded only (stoker does not report to Trackio)."))
+        "Trackio: the bucket that stores the logs of trackio_space_id."))
     trackio_static_space_id: str | None = field(default=None, metadata=_help(
-        "Trackio static space; recorded only (stoker does not report to Trackio)."))
+        "Trackio: the static Space a trackio_space_id run is frozen into when training ends."))
 
     # --- evaluation -----------------------------------------------------------------------------
     eval_strategy: str = field(default="no", metadata=_help(
@@ -447,9 +449,7 @@ class TrainingArguments:
         if self.logging_dir is None:
             stamp = datetime.now().strftime("%b%d_%H-%M-%S")
             self.logging_dir = os.path.join(self.output_dir, "runs", f"{stamp}_{socket.gethostname()}")
-        if isinstance(self.report_to, str):
-            self.report_to = [self.report_to]
-        self.report_to = ["tensorboard" if r == "all" else r for r in (self.report_to or ["none"])]
+        self.report_to = resolve_report_to(self.report_to)
         if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.torch_compile = True
         if self.torch_compile and self.torch_compile_backend is None:
@@ -607,9 +607,7 @@ class TrainingArguments:
             bad("peak_tflops", "must be a positive number of TFLOPS, or None to look it up")
         if self.include_num_input_tokens_seen not in TOKEN_COUNTS:
             bad("include_num_input_tokens_seen", f"accepted: {', '.join(TOKEN_COUNTS)} (or a bool)")
-        bad_reports = [r for r in self.report_to if r not in REPORT_TO]
-        if bad_reports:
-            bad("report_to", f"unsupported {bad_reports}; accepted: {', '.join(REPORT_TO)}")
+        p += report_to_problems(self.report_to)
         if self.ddp_timeout <= 0:
             bad("ddp_timeout", "must be a positive number of seconds")
         p += self._surface_problems()
@@ -672,8 +670,6 @@ class TrainingArguments:
         from importlib.util import find_spec
 
         wanted = []
-        if "tensorboard" in self.report_to:
-            wanted.append(("report_to", "tensorboard", "tensorboard"))
         if self.training_report:
             wanted.append(("training_report", "matplotlib", "matplotlib"))
         if self.optim in BNB_OPTIMIZERS:

@@ -417,6 +417,18 @@ class TensorBoardCallback(TrainerCallback):
             self.writer = None
 
 
+def integration_callbacks(report_to: list[str]) -> list:
+    """One callback per tracker of a resolved report_to (stoker.tracking): TensorBoardCallback for tensorboard,
+    transformers' own for the others, whose module (seconds to import) is imported only when one is named."""
+    out = [TensorBoardCallback()] if "tensorboard" in report_to else []
+    others = [name for name in report_to if name != "tensorboard"]
+    if others:
+        from transformers.integrations import get_reporting_integration_callbacks
+
+        out += [cls() for cls in get_reporting_integration_callbacks(others)]
+    return out
+
+
 class EarlyStoppingCallback(TrainerCallback):
     """Stops training when metric_for_best_model has not improved by more than `early_stopping_threshold`
     for `early_stopping_patience` evaluations in a row. Its counter is a stateful callback's attribute."""

@@ -34,9 +34,9 @@ from .callbacks import (
     JsonlLoggerCallback,
     PrinterCallback,
     ProgressCallback,
-    TensorBoardCallback,
     TrainerControl,
     TrainerState,
+    integration_callbacks,
 )
 from .checkpointing import Checkpointer
 from .convention import LossConvention, loss_of, loss_or_none
@@ -181,9 +181,7 @@ class Trainer(TrainerAPI):
         self.control = TrainerControl()
         # as transformers: its defaults and the trackers (stoker's metrics.jsonl among them), the callbacks given,
         # then the progress display
-        defaults = [*DEFAULT_CALLBACKS, JsonlLoggerCallback()]
-        if "tensorboard" in self.args.report_to:
-            defaults.append(TensorBoardCallback())
+        defaults = [*DEFAULT_CALLBACKS, JsonlLoggerCallback(), *integration_callbacks(self.args.report_to)]
         if self.args.training_report:
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
@@ -364,6 +362,7 @@ class Trainer(TrainerAPI):
             memory.start()
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
+        self._hp_search_setup(trial)  # a search trial's arguments
         self.is_in_train = True
         try:
             return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval, memory)
@@ -799,6 +798,7 @@ class Trainer(TrainerAPI):
         """Evaluate, step a plateau schedule on the metric and update best_metric; True if this evaluation is
         the new best."""
         metrics = self.evaluate(ignore_keys=self._ignore_keys_for_eval)
+        self._report_to_hp_search(metrics)  # a search trial's objective, which its pruner may stop it on
         name = self.args.metric_for_best_model
         if self._steps_on_metric():  # as transformers: on metric_for_best_model, else eval_loss
             self.lr_scheduler.step(self._metric(metrics, name or "loss"))

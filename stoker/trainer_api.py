@@ -277,51 +277,70 @@ class TrainerAPI:
     # ------------------------------------------------------------------------------------------
     # hyperparameter search
 
+    hp_search_backend = None  # "optuna" while hyperparameter_search runs (as transformers' attribute)
+    _trial = None  # the trial train() was last called with
+
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction: str | list[str] = "minimize", backend=None, hp_name=None, **kwargs):
-        """Search hyperparameters with Optuna: each trial sets the arguments hp_space(trial) returns, trains a
-        fresh model from model_init into output_dir/run-<trial>, evaluates, and reports compute_objective of the
-        metrics (default: eval_loss, or the sum of the other metrics if there are any). Returns a BestRun."""
-        from transformers.trainer_utils import BestRun, default_compute_objective
-
+        """Search hyperparameters with Optuna, through transformers' own search (run_hp_search_optuna): each trial
+        trains a fresh model from model_init with the arguments hp_space(trial) sets (transformers' default space
+        without one), writing into output_dir/run-<trial number> (or hp_name(trial)); its objective is
+        compute_objective (default: eval_loss, or the sum of the other metrics) of its last evaluation, reported to
+        Optuna after every evaluation in training so that a pruner may stop it. A trial whose arguments are
+        invalid fails alone (Optuna logs the ConfigError) and the search goes on. `kwargs` go to
+        optuna.create_study, and timeout / n_jobs / gc_after_trial / catch to study.optimize. Returns a BestRun (a
+        list of them for several directions); the Trainer's arguments are the search's again afterwards."""
         if backend not in (None, "optuna"):
             raise ConfigError([f"backend={backend!r}: stoker searches with Optuna only; pass backend='optuna' or "
                                "None"], "hyperparameter_search")
         try:
-            import optuna
+            import optuna  # noqa: F401
         except ImportError as e:
             raise ImportError("hyperparameter_search needs Optuna, which is not installed: pip install optuna") from e
         if self.model_init is None:
             raise ConfigError(["model_init: hyperparameter_search trains a fresh model per trial; pass "
                                "Trainer(model_init=...)"], "hyperparameter_search")
-        hp_space = hp_space or _default_optuna_space
-        compute_objective = compute_objective or default_compute_objective
-        base_args = self.args
+        from transformers.hyperparameter_search import OptunaBackend
+        from transformers.trainer_utils import default_compute_objective
 
-        def objective(trial):
-            params = hp_space(trial)
-            unknown = [k for k in params if not hasattr(base_args, k)]
-            if unknown:
-                raise ConfigError([f"{k}: not a TrainingArguments field" for k in unknown], "hyperparameter_search")
-            run = hp_name(trial) if hp_name is not None else f"run-{trial.number}"
-            self.args = dataclasses.replace(base_args, output_dir=os.path.join(base_args.output_dir, run), **params)
-            try:
-                self.train(trial=trial)
-                metrics = self.evaluate()
-            finally:
-                self.args = base_args
-            self.objective = compute_objective(metrics)
-            return self.objective
+        search = OptunaBackend()
+        self.hp_space = hp_space or search.default_hp_space
+        self.hp_name = hp_name
+        self.compute_objective = compute_objective or default_compute_objective
+        kwargs["catch"] = (*tuple(kwargs.get("catch", ())), ConfigError)
+        self.hp_search_backend, self._hp_search_args = "optuna", self.args
+        try:
+            return search.run(self, n_trials, direction, **kwargs)
+        finally:
+            self.hp_search_backend, self.args = None, self._hp_search_args
 
-        study = optuna.create_study(direction=direction, **kwargs)
-        study.optimize(objective, n_trials=n_trials)
-        best = study.best_trial
-        return BestRun(str(best.number), best.value, best.params)
+    def _hp_search_setup(self, trial) -> None:
+        """In a search, the trial's arguments: the search's with hp_space(trial) set and the trial's run folder as
+        output_dir, validated as any arguments are (a ConfigError fails this trial only)."""
+        self._trial = trial
+        if self.hp_search_backend is None or trial is None:
+            return
+        base, params = self._hp_search_args, self.hp_space(trial)
+        unknown = [k for k in params if k not in {f.name for f in dataclasses.fields(base)}]
+        if unknown:
+            raise ConfigError([f"{k}: not a TrainingArguments field (hp_space returned {params!r})" for k in unknown],
+                              "hyperparameter_search")
+        run = self.hp_name(trial) if self.hp_name is not None else f"run-{trial.number}"
+        self.args = dataclasses.replace(base, output_dir=os.path.join(base.output_dir, run), **params)
 
+    def _report_to_hp_search(self, metrics: dict[str, float]) -> None:
+        """In a search, an evaluation in training: its objective becomes the trial's and is reported to a
+        single-objective Optuna study, whose pruner may stop the trial (on_train_end fires, then
+        optuna.TrialPruned is raised, as transformers does)."""
+        trial = self._trial
+        if self.hp_search_backend is None or trial is None:
+            return
+        self.objective = self.compute_objective(dict(metrics))
+        study = getattr(trial, "study", None)  # an optuna.Trial; other processes hold a FixedTrial
+        if study is not None and len(study.directions) == 1:
+            trial.report(self.objective, self.state.global_step)
+            if trial.should_prune():
+                import optuna
 
-def _default_optuna_space(trial) -> dict[str, float]:
-    # transformers' default_hp_space_optuna
-    return {"learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
-            "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
-            "seed": trial.suggest_int("seed", 1, 40),
-            "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [4, 8, 16, 32, 64])}
+                self._fire("on_train_end")
+                raise optuna.TrialPruned(f"pruned at step {self.state.global_step}")

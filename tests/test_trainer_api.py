@@ -91,51 +91,82 @@ def test_hyperparameter_search_without_optuna_is_one_clear_error(tiny_llama, mak
         t.hyperparameter_search(n_trials=1)
 
 
-def test_hyperparameter_search_trains_each_trial_from_model_init(tiny_llama, make_args, monkeypatch, tmp_path):
-    import sys
-    import types
+def checkpoints(folder) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if f.startswith("checkpoint-")) if os.path.isdir(folder) else []
 
-    class Trial:  # the part of optuna.Trial that a search space uses
-        def __init__(self, number, rate):
-            self.number, self.params, self.rate = number, {}, rate
 
-        def suggest_float(self, name, low, high, log=False):
-            self.params[name] = self.rate
-            return self.rate
+def test_hyperparameter_search_with_optuna(tiny_llama, make_args, tmp_path):
+    import optuna
+    from transformers.trainer_utils import BestRun
 
-    class Study:  # tries the rates in order, as optuna's study.optimize calls the objective
-        def __init__(self, direction):
-            self.direction, self.trials = direction, []
-
-        def optimize(self, objective, n_trials):
-            for number, rate in enumerate([1e-5, 3e-2, 1e-3][:n_trials]):
-                trial = Trial(number, rate)
-                self.trials.append((objective(trial), trial))
-
-        @property
-        def best_trial(self):
-            value, trial = min(self.trials, key=lambda vt: vt[0])
-            return types.SimpleNamespace(number=trial.number, value=value, params=trial.params)
-
-    monkeypatch.setitem(sys.modules, "optuna", types.SimpleNamespace(create_study=lambda direction: Study(direction)))
-    made, rates, losses = [], [], []
+    seen, made = [], []
 
     class Look(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            rates.append((args.learning_rate, state.trial_params, args.output_dir))
+            seen.append({"lr": args.learning_rate, "params": state.trial_params, "name": state.trial_name,
+                         "search": state.is_hyper_param_search, "out": args.output_dir})
 
         def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-            losses.append(metrics["eval_loss"])
+            seen[-1]["eval_loss"] = metrics["eval_loss"]
 
-    t = Trainer(args=make_args(max_steps=3), model_init=lambda: made.append(tiny_llama()) or made[-1],
-                train_dataset=rows(8), eval_dataset=rows(4, seed=1), callbacks=[Look()])
-    best = t.hyperparameter_search(hp_space=lambda trial: {"learning_rate": trial.suggest_float("lr", 1e-5, 1e-1)},
-                                   n_trials=3)
-    assert len(made) == 4  # one for __init__, one per trial
-    assert [r[0] for r in rates] == [1e-5, 3e-2, 1e-3] and rates[1][1] == {"lr": 3e-2}
-    assert rates[2][2] == str(tmp_path / "out" / "run-2") and t.args.output_dir == str(tmp_path / "out")
-    assert len(set(losses)) == 3 and best.objective == min(losses)  # the default objective: eval_loss
-    assert best.run_id == str(losses.index(min(losses))) and best.hyperparameters == rates[int(best.run_id)][1]
+    def model_init(trial):
+        made.append(None if trial is None else trial.number)
+        return tiny_llama()
+
+    storage = optuna.storages.InMemoryStorage()
+    t = Trainer(args=make_args(max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2),
+                model_init=model_init, train_dataset=rows(8), eval_dataset=rows(4, seed=1), callbacks=[Look()])
+    best = t.hyperparameter_search(
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True)},
+        compute_objective=lambda metrics: metrics["eval_loss"], n_trials=3, direction="minimize",
+        backend="optuna", storage=storage, study_name="lr", sampler=optuna.samplers.RandomSampler(seed=0))
+    study = optuna.load_study(study_name="lr", storage=storage)
+    assert made == [None, 0, 1, 2]  # __init__'s model, then a fresh one per trial, handed the trial
+    assert [s["params"] for s in seen] == [{"learning_rate": tr.params["learning_rate"]} for tr in study.trials]
+    assert [s["lr"] for s in seen] == [tr.params["learning_rate"] for tr in study.trials]
+    assert [s["name"] for s in seen] == ["0", "1", "2"] and all(s["search"] for s in seen)
+    # each trial's objective is its last evaluation (at step 4), reported to Optuna at every evaluation
+    assert [tr.value for tr in study.trials] == [s["eval_loss"] for s in seen]
+    assert [sorted(tr.intermediate_values) for tr in study.trials] == [[2, 4]] * 3
+    assert isinstance(best, BestRun) and best.run_id == str(study.best_trial.number)
+    assert best.objective == min(s["eval_loss"] for s in seen) and best.hyperparameters == study.best_trial.params
+    for n in range(3):  # transformers' folders: output_dir/run-<trial number>/checkpoint-<step>
+        assert checkpoints(tmp_path / "out" / f"run-{n}") == ["checkpoint-2", "checkpoint-4"]
+    assert t.args.output_dir == str(tmp_path / "out") and t.args.learning_rate == 1e-3  # the search's again
+
+
+def test_hyperparameter_search_reports_a_bad_trial_and_prunes(tiny_llama, make_args, tmp_path, caplog):
+    import optuna
+
+    class PruneTrialTwo(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 2
+
+    ended = []
+
+    class Look(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            ended.append(state.trial_name)
+
+    def space(trial):
+        lr = trial.suggest_float("learning_rate", 1e-3, 1e-2)
+        return {"learning_rate": lr, "warmup_ratio": 0.5, "warmup_steps": 2} if trial.number == 0 \
+            else {"learning_rate": lr}
+
+    storage = optuna.storages.InMemoryStorage()
+    t = Trainer(args=make_args(max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2),
+                model_init=lambda: tiny_llama(), train_dataset=rows(8), eval_dataset=rows(4, seed=1),
+                callbacks=[Look()])
+    best = t.hyperparameter_search(hp_space=space, n_trials=3, storage=storage, study_name="s",
+                                   pruner=PruneTrialTwo())
+    states = [tr.state for tr in optuna.load_study(study_name="s", storage=storage).trials]
+    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED]
+    failed = [r.getMessage() for r in caplog.records if r.name.startswith("optuna") and "Trial 0 failed" in r.msg]
+    assert any("warmup_steps=2 and warmup_ratio=0.5: set only one" in m for m in failed)  # Optuna's report
+    assert best.run_id == "1"
+    assert ended == ["1", "2"]  # the pruned trial ends its run (trackers close) before it stops
+    assert checkpoints(tmp_path / "out" / "run-0") == []  # refused before any work
+    assert checkpoints(tmp_path / "out" / "run-2") == []  # pruned at its first evaluation, before saving
 
 
 # ---------------------------------------------------------------------------------------------------
