@@ -6,7 +6,9 @@ Cheap to import: torch is imported where it is used.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 from ..errors import ConfigError
 
@@ -53,6 +55,39 @@ def check_world_size(num_processes: int) -> None:
             f"{num_processes}: they would train separately and overwrite each other's output. Accelerate "
             "supports multi-process runs on CUDA, XPU and other accelerators, and on the CPU (gloo, "
             "use_cpu=True); run with a supported device, or without a launcher")
+
+
+_leaving_registered = False
+
+
+def leave_process_group_at_exit() -> None:
+    """Have this process leave its process group when the script is done, before the interpreter tears itself
+    down (once per process; called when a multi-process Accelerator is built).
+
+    Without it, a script that never calls destroy_process_group() leaves the group to the interpreter's
+    shutdown: the Trainer (in a reference cycle with its checkpointer), its DDP module, whose reducer holds the
+    group, and torch.distributed's own registry of groups are then freed in the last phase of finalization, in
+    an order nobody chose, while gloo's (or NCCL's) threads still run; a C++ thread that needs the interpreter
+    then is killed by it, and the process aborts ("terminate called without an active exception", SIGABRT)
+    after a successful run. An atexit handler runs after the script's last line (a script that goes on after
+    train() is never cut short), while the interpreter is whole; registered after the group is set up, it runs
+    before the handlers torch and Accelerate registered when they were imported.
+    """
+    global _leaving_registered
+    if not _leaving_registered:
+        _leaving_registered = True
+        atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    # an uncaught exception ended the script (its traceback is printed): a collective of this rank may be
+    # pending, which tearing the group down could wait for; the process exits non-zero as it would anyway
+    if getattr(sys, "last_value", None) is not None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def parameters_finite(accelerator, model) -> bool:

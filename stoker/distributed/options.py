@@ -15,7 +15,14 @@ import torch
 from ..errors import ConfigError
 from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_problems
 from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs
-from .launch import LAUNCHER_VARIABLES, accelerator_available, check_save_on_each_node, check_world_size, wants_cpu
+from .launch import (
+    LAUNCHER_VARIABLES,
+    accelerator_available,
+    check_save_on_each_node,
+    check_world_size,
+    leave_process_group_at_exit,
+    wants_cpu,
+)
 
 
 def argument_problems(args) -> list[str]:
@@ -144,6 +151,8 @@ def build_accelerator(args, model, optimizers=(None, None)):
     )
     check_world_size(accelerator.num_processes)
     check_save_on_each_node(a.save_on_each_node, accelerator.num_processes)
+    if accelerator.num_processes > 1:
+        leave_process_group_at_exit()
     if a.tf32 is not None and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = a.tf32
         torch.backends.cudnn.allow_tf32 = a.tf32
