@@ -459,7 +459,7 @@ import torch.distributed as dist
 from stoker import Trainer, TrainingArguments
 from tests.test_trainer import llama, rows
 
-out, rank = sys.argv[1], os.environ["RANK"]
+out, rank = sys.argv[1], os.environ.get("RANK", "0")
 atexit.register(lambda: open(os.path.join(out, "group_at_exit_" + rank), "w").write(str(dist.is_initialized())))
 args = TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, max_steps=2, save_steps=1,
                          per_device_train_batch_size=2)
@@ -553,6 +553,48 @@ def test_accelerate_launch_with_a_config_file_updates_like_one_process_and_maps_
         assert (r["find_unused_parameters"], r["broadcast_buffers"]) == (False, False)
         assert r["bucket_bytes_cap"] == 5 * 1024 * 1024
         assert r["timeout_s"] == 123
+
+
+# the seeds' FSDP config for `accelerate launch`, as `accelerate config` writes it
+ACCELERATE_FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+@pytest.mark.parametrize("how", ["num_processes", "fsdp_config"])
+def test_accelerate_launch_that_would_not_run_what_it_was_asked_is_refused_before_any_work(tmp_path, how):
+    """Without GPUs, `accelerate launch --num_processes 2` starts one process, and an FSDP config trains with DDP;
+    stoker refuses both before any work, naming what was asked and what to run instead."""
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN_SCRIPT.format(root=str(ROOT)))
+    launcher = ["--num_processes", "2"]
+    if how == "fsdp_config":
+        (tmp_path / "fsdp.yaml").write_text(ACCELERATE_FSDP_CONFIG)
+        launcher = ["--config_file", str(tmp_path / "fsdp.yaml")]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--main_process_port",
+                           str(free_port()), str(script), str(out), "ok"], capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "script finished" not in output
+    if how == "num_processes":
+        assert output.count("was asked for several processes but started this one alone") == 1, output[-8000:]
+        assert "accelerate launch --multi_gpu --num_processes N" in output
+    else:
+        assert f"accelerate launch (--config_file {tmp_path / 'fsdp.yaml'}) asks for FSDP: FSDP needs GPUs" in output
+    assert not (out / "checkpoint-1").exists() and not (out / "model.safetensors").exists()
 
 
 # --- SLURM ---------------------------------------------------------------------------------------------

@@ -45,6 +45,52 @@ def wants_cpu(use_cpu: bool) -> bool:
     return use_cpu or (launcher_world_size() > 1 and not accelerator_available())
 
 
+def accelerate_launch_problems(deepspeed_given: bool) -> list[str]:
+    """What `accelerate launch` was asked for that Accelerate would silently not do on a machine without an
+    accelerator (its settings reach the script as ACCELERATE_* variables): several processes from its default
+    launcher (it starts one), FSDP (Accelerate keeps DDP), DeepSpeed from its config (Accelerate's CPU flag,
+    which a gloo group needs, turns it off). Empty where it runs what it was asked."""
+    if accelerator_available():
+        return []
+    p = []
+    launched_by = f"accelerate launch ({_accelerate_settings()})"
+    # its default launcher sets ACCELERATE_USE_CPU, and MASTER_ADDR only when asked for several processes
+    if "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ and launcher_world_size() == 1:
+        p.append(f"{launched_by} was asked for several processes but started this one alone (WORLD_SIZE unset): "
+                 "without GPUs its default launcher runs one; run `accelerate launch --multi_gpu --num_processes "
+                 "N ...` (torchrun underneath; stoker joins the processes in one gloo group) or `torchrun "
+                 "--nproc_per_node N ...`")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        p.append(f"{launched_by} asks for FSDP: FSDP needs GPUs (or another accelerator), this machine has none, "
+                 "and Accelerate would silently train with DDP instead; launch with a config without FSDP "
+                 "(distributed_type MULTI_GPU) or with torchrun")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not deepspeed_given:
+        p.append(f"{launched_by} asks for DeepSpeed: on a machine without GPUs Accelerate turns it off and would "
+                 "silently train with DDP; give the DeepSpeed config to the script instead (--deepspeed ds.json, "
+                 "TrainingArguments.deepspeed), which stoker runs on the CPU, and launch with torchrun")
+    return p
+
+
+def _accelerate_settings() -> str:
+    """Where `accelerate launch` took its settings from, read from its command line (the parent of this process
+    under every launcher it uses): `--config_file X`, its flags, or Accelerate's default config file."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:  # no /proc: the settings are named by what they asked for only
+        argv = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config_file", "--config-file") and i + 1 < len(argv):
+            return f"--config_file {argv[i + 1]}"
+        if arg.startswith(("--config_file=", "--config-file=")):
+            return f"--config_file {arg.split('=', 1)[1]}"
+    from accelerate.commands.config import default_config_file
+
+    if os.path.isfile(default_config_file):
+        return f"its default config file {default_config_file}"
+    return "its command-line flags"
+
+
 def check_world_size(num_processes: int) -> None:
     """Refuse a run in which the launcher's processes did not join one process group (each would train its own
     model and write the same output_dir)."""

@@ -17,6 +17,7 @@ from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_pro
 from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs
 from .launch import (
     LAUNCHER_VARIABLES,
+    accelerate_launch_problems,
     accelerator_available,
     check_save_on_each_node,
     check_world_size,
@@ -40,7 +41,7 @@ def argument_problems(args) -> list[str]:
 def runtime_problems(args) -> list[str]:
     """What keeps this machine from running the requested FSDP or DeepSpeed: Accelerate would run without
     them (DDP, or one process) rather than fail, so stoker refuses before any work."""
-    p = []
+    p = accelerate_launch_problems(args.deepspeed not in (None, "", {}))
     on_accelerator = accelerator_available() and not args.use_cpu
     if fsdp_enabled(args.fsdp) and not on_accelerator:
         p.append(f"fsdp={args.fsdp!r}: FSDP needs GPUs (or another accelerator); "

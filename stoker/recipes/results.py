@@ -14,13 +14,16 @@ from .args import ModelArguments
 
 def generate_sample(trainer, tokenizer, row: dict) -> dict:
     """Greedy completion (up to 8 tokens) of one held-out row's prompt (its tokens before the first label) by the
-    trained model: {'prompt', 'generated', 'expected'}, decoded without special tokens."""
+    trained model: {'prompt', 'generated', 'expected'}, decoded without special tokens. Every process of a
+    multi-process run must call it: a model sharded over them (ZeRO-3, FSDP) gathers each layer's parameters in
+    its forward, so all generate in step (synced_gpus), at the cost of one tiny all-reduce per token."""
     prompt_len = next(i for i, label in enumerate(row["labels"]) if label != -100)
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     model.eval()
     ids = torch.tensor([row["input_ids"][:prompt_len]], device=trainer.accelerator.device)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             synced_gpus=trainer.accelerator.num_processes > 1,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True)
     return {"prompt": decode(ids[0]), "generated": decode(out[0, prompt_len:]),
