@@ -78,6 +78,8 @@ def test_zero3_partitions_parameters_updates_like_one_process_saves_the_full_mod
     r0, r1 = ranks(zero_runs, "zero3")
     for r in (r0, r1):
         assert r["local_numel"] == r["total_numel"] // 2
+        # the whole model's operations, as ZeRO-2 (whose parameters are whole on every rank) counts them
+        assert r["total_flos"] == ranks(zero_runs, "zero2")[0]["total_flos"] > 0
     final = load_file(str(zero_runs / "zero3" / "final.safetensors"))
     assert_params_close(final, params_of(one_process["batch8"]), atol=1e-6)
     saved = AutoModelForCausalLM.from_pretrained(str(zero_runs / "zero3" / "saved"))
