@@ -467,6 +467,9 @@ class EarlyStoppingCallback(TrainerCallback):
         self.check_metric_value(args, state, control, value)
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
+            if state.is_world_process_zero:
+                logger.info(f"early stopping at step {state.global_step}: {key}={value:.4g} has not improved on "
+                            f"{state.best_metric} for {self.early_stopping_patience} evaluation(s)")
 
     def state(self) -> dict[str, Any]:
         """{"args": patience and threshold, "attributes": the counter}, saved with each checkpoint so that a

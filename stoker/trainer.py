@@ -443,6 +443,8 @@ class Trainer(TrainerAPI):
         run = RunningLog(acc.device)
         if resume_dir is not None:
             self._checkpointer.load(resume_dir, run)
+            if s.is_world_process_zero:
+                logger.info(f"resumed from {resume_dir} at step {s.global_step}")
             pos.epoch = loop["epoch"]
             pos.batches = 0 if a.ignore_data_skip else self._checkpointer.resume_skip(loop, pos)
             if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
@@ -508,6 +510,9 @@ class Trainer(TrainerAPI):
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
             self._checkpointer.load_model_weights(s.best_model_checkpoint)
+            if s.is_world_process_zero:
+                logger.info(f"loaded the best model, {s.best_model_checkpoint} ({a.metric_for_best_model}="
+                            f"{s.best_metric})")
         self._checkpointer.keep_only_best()
         if memory is not None:
             memory.stop_and_update_metrics(metrics)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .arguments import ConfigError
+from .distributed.deepspeed import non_embedding_parameters
 from .distributed.options import build_accelerator
 from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kwargs, parameter_groups
 
@@ -262,7 +263,7 @@ class TrainerAPI:
         if main_input not in inputs or not hasattr(model, "num_parameters"):
             return 0
         if getattr(self, "_flops_model", None) is not model:  # counted once per model: it visits every parameter
-            self._flops_model, self._flops_parameters = model, model.num_parameters(exclude_embeddings=True)
+            self._flops_model, self._flops_parameters = model, non_embedding_parameters(model)
         return 6 * inputs[main_input].numel() * self._flops_parameters
 
     def store_flos(self) -> None:

@@ -457,7 +457,7 @@ def zero2(out: str) -> None:
                       train_dataset=TRAIN, eval_dataset=EVAL7)
     trainer.train()
     r.values.update(distributed_type=str(trainer.accelerator.distributed_type), losses=losses(trainer),
-                    eval=trainer.evaluate(), global_step=trainer.state.global_step)
+                    eval=trainer.evaluate(), global_step=trainer.state.global_step, total_flos=trainer.state.total_flos)
     try:
         trainer.train()
     except RuntimeError as e:
@@ -486,7 +486,7 @@ def zero3(out: str) -> None:
     trainer.train()
     params = list(trainer.model_wrapped.parameters())
     r.values.update(losses=losses(trainer), local_numel=sum(p.ds_tensor.numel() for p in params),
-                    total_numel=sum(p.ds_numel for p in params))
+                    total_numel=sum(p.ds_numel for p in params), total_flos=trainer.state.total_flos)
     final = trainer._state_dict_for_saving()  # gathered on rank 0
     trainer.save_model(os.path.join(r.folder, "saved"))
     resumed = resumed_run(r, "resumed", args_of)

@@ -78,6 +78,8 @@ def test_zero3_partitions_parameters_updates_like_one_process_saves_the_full_mod
     r0, r1 = ranks(zero_runs, "zero3")
     for r in (r0, r1):
         assert r["local_numel"] == r["total_numel"] // 2
+        # the whole model's operations, as ZeRO-2 (whose parameters are whole on every rank) counts them
+        assert r["total_flos"] == ranks(zero_runs, "zero2")[0]["total_flos"] > 0
     final = load_file(str(zero_runs / "zero3" / "final.safetensors"))
     assert_params_close(final, params_of(one_process["batch8"]), atol=1e-6)
     saved = AutoModelForCausalLM.from_pretrained(str(zero_runs / "zero3" / "saved"))
@@ -189,3 +191,39 @@ def test_an_optimizer_given_with_a_configs_optimizer_section_is_refused(tmp_path
             "deepspeed['optimizer']={'type': 'AdamW', 'params': {'lr': 5e-05}} and the optimizer given to the Trainer "
             "(SGD): DeepSpeed builds the config's; remove one of the two")):
         Trainer(model, args, train_dataset=w.TRAIN, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+
+
+def test_the_readme_zero3_offload_recipe_command_ends_with_0_and_writes_its_results(tmp_path):
+    """The README's `torchrun --nproc_per_node 2 -m stoker.recipes.clm recipes/clm.yaml --deepspeed
+    recipes/ds_zero3_offload.json` (a smaller model and data): every rank exits 0 and results.json holds the
+    evaluations before and after and the sample, which both ranks generated with the partitioned model; it is what
+    one process generates with the saved model."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from stoker.recipes.args import ModelArguments
+    from stoker.recipes.models import build_causal_lm
+    from tests.test_distributed import ROOT, TIMEOUT, free_port
+
+    out, sizes = tmp_path / "out", {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "stoker.recipes.clm", "recipes/clm.yaml", "--deepspeed",
+               "recipes/ds_zero3_offload.json", "--output_dir", str(out), "--num_train_examples", "256",
+               "--num_eval_examples", "20", "--num_train_epochs", "1", "--eval_steps", "4", "--save_steps", "4",
+               "--logging_steps", "2", "--disable_tqdm", "true", *[f"--{k}={v}" for k, v in sizes.items()]]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {"before", "after", "train", "sample"} <= set(results)
+    assert results["after"]["eval_loss"] < results["before"]["eval_loss"]
+    sample = results["sample"]
+    tokenizer, _ = build_causal_lm(ModelArguments(**sizes), 42)
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer.encode(sample["prompt"], add_special_tokens=False)])
+    with torch.no_grad():
+        alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert tokenizer.decode(alone[0, ids.shape[1]:], skip_special_tokens=True) == sample["generated"]

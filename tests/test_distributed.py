@@ -26,6 +26,7 @@ from tests import dist_worker as w
 from tests.test_trainer import llama
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 600
 
 
@@ -446,6 +447,57 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
     assert r["losses"] == uninterrupted["losses"]  # steps 1-3 come with the checkpoint, 4-6 are logged anew
 
 
+# --- the exit status of a plain script --------------------------------------------------------------------
+
+# A user's script as written for transformers.Trainer: it never calls destroy_process_group(). The handler it
+# registers before the Trainer sets up the group runs after stoker's (atexit is LIFO) and records whether the
+# group was still there; with "fail", rank 1 raises after training.
+PLAIN_SCRIPT = """
+import atexit, os, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from stoker import Trainer, TrainingArguments
+from tests.test_trainer import llama, rows
+
+out, rank = sys.argv[1], os.environ.get("RANK", "0")
+atexit.register(lambda: open(os.path.join(out, "group_at_exit_" + rank), "w").write(str(dist.is_initialized())))
+args = TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, max_steps=2, save_steps=1,
+                         per_device_train_batch_size=2)
+trainer = Trainer(llama(), args, train_dataset=rows(16))
+trainer.train()
+trainer.save_model()
+if sys.argv[2] == "fail" and rank == "1":
+    raise RuntimeError("the script failed after training on rank 1")
+print("script finished on rank", rank)
+"""
+
+
+def test_a_plain_script_exits_0_on_every_rank_and_a_failed_one_non_zero_with_its_error_once(tmp_path):
+    """A script that never leaves its process group: stoker leaves it at exit, after the script's last line and
+    before the interpreter's teardown (which could abort a finished rank with SIGABRT when gloo was freed late),
+    so torchrun reports success, run after run. A failure after training exits non-zero, its error printed
+    once, and the failed rank's group is left alone. Repeating the run cannot prove a rare abort absent (2 runs
+    miss a 1-in-6 failure with probability (5/6)^2 = 0.69): the group being gone before the teardown is what the
+    test checks on every run; 20 runs in a row were measured by hand."""
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN_SCRIPT.format(root=str(ROOT)))
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               str(script), str(out), "ok"], capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0, f"run {attempt}: {proc.stdout[-4000:]}{proc.stderr[-8000:]}"
+        assert proc.stdout.count("script finished on rank") == 2 and "terminate called" not in proc.stderr
+        assert [(out / f"group_at_exit_{r}").read_text() for r in range(2)] == ["False", "False"]
+        assert (out / "model.safetensors").exists() and (out / "checkpoint-2").is_dir()
+    out = tmp_path / "failed"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(out), "fail"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert output.count("RuntimeError: the script failed after training on rank 1") == 1, output[-8000:]
+    assert (out / "group_at_exit_1").read_text() == "True"
+
+
 # --- many nodes ----------------------------------------------------------------------------------------
 
 
@@ -503,9 +555,50 @@ def test_accelerate_launch_with_a_config_file_updates_like_one_process_and_maps_
         assert r["timeout_s"] == 123
 
 
+# the seeds' FSDP config for `accelerate launch`, as `accelerate config` writes it
+ACCELERATE_FSDP_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+@pytest.mark.parametrize("how", ["num_processes", "fsdp_config"])
+def test_accelerate_launch_that_would_not_run_what_it_was_asked_is_refused_before_any_work(tmp_path, how):
+    """Without GPUs, `accelerate launch --num_processes 2` starts one process, and an FSDP config trains with DDP;
+    stoker refuses both before any work, naming what was asked and what to run instead."""
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN_SCRIPT.format(root=str(ROOT)))
+    launcher = ["--num_processes", "2"]
+    if how == "fsdp_config":
+        (tmp_path / "fsdp.yaml").write_text(ACCELERATE_FSDP_CONFIG)
+        launcher = ["--config_file", str(tmp_path / "fsdp.yaml")]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher, "--main_process_port",
+                           str(free_port()), str(script), str(out), "ok"], capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "script finished" not in output
+    if how == "num_processes":
+        assert output.count("was asked for several processes but started this one alone") == 1, output[-8000:]
+        assert "accelerate launch --multi_gpu --num_processes N" in output
+    else:
+        assert f"accelerate launch (--config_file {tmp_path / 'fsdp.yaml'}) asks for FSDP: FSDP needs GPUs" in output
+    assert not (out / "checkpoint-1").exists() and not (out / "model.safetensors").exists()
+
+
 # --- SLURM ---------------------------------------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
 # Stand-ins for SLURM's commands: srun starts SLURM_NTASKS copies of the command with SLURM_PROCID and
 # SLURM_LOCALID set, notes their pids and returns the highest exit code (as srun does); scontrol names the
 # node and records requeue requests.

@@ -50,6 +50,36 @@ def test_processes_that_did_not_join_one_group_are_refused(monkeypatch):
     check_world_size(1)
 
 
+ACCELERATE_VARIABLES = ("ACCELERATE_USE_CPU", "MASTER_ADDR", "WORLD_SIZE", "ACCELERATE_USE_FSDP",
+                        "ACCELERATE_USE_DEEPSPEED")
+
+
+@pytest.mark.parametrize("env, deepspeed_given, expected", [
+    # `accelerate launch --num_processes 2` on a machine without GPUs: its default launcher, one process
+    ({"ACCELERATE_USE_CPU": "False", "MASTER_ADDR": "127.0.0.1"}, False,
+     ["was asked for several processes but started this one alone (WORLD_SIZE unset)"]),
+    ({"ACCELERATE_USE_CPU": "False"}, False, []),  # asked for one process
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, False, []),  # torchrun, or accelerate launch --multi_gpu
+    ({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true"}, False,
+     ["asks for FSDP: FSDP needs GPUs (or another accelerator), this machine has none, and Accelerate would "
+      "silently train with DDP instead"]),
+    ({"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"}, False,
+     ["asks for DeepSpeed: on a machine without GPUs Accelerate turns it off"]),
+    ({"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"}, True, []),  # stoker's own deepspeed runs on the CPU
+])
+def test_what_accelerate_launch_would_silently_not_do_here_is_named(monkeypatch, env, deepspeed_given, expected):
+    for name in ACCELERATE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch, "accelerator_available", lambda: False)
+    found = launch.accelerate_launch_problems(deepspeed_given)
+    assert len(found) == len(expected) and all(e in f for e, f in zip(expected, found, strict=True)), found
+    assert all(f.startswith("accelerate launch (") for f in found)
+    monkeypatch.setattr(launch, "accelerator_available", lambda: True)  # on GPUs Accelerate does what it says
+    assert launch.accelerate_launch_problems(deepspeed_given) == []
+
+
 # --- FSDP ----------------------------------------------------------------------------------------------
 
 # (fsdp, fsdp_config): each must give the plugin arguments transformers 5 gives (TrainingArguments.fsdp_plugin_args)

@@ -465,6 +465,22 @@ def test_resume_restores_best_metric_and_early_stopping(tmp_path):
     assert r.state.global_step == 6 and fresh.early_stopping_patience_counter == 3
 
 
+def test_resuming_early_stopping_and_loading_the_best_model_are_each_said_once(tmp_path, capsys):
+    kw = {"eval_strategy": "steps", "eval_steps": 1, "metric_for_best_model": "loss", "learning_rate": 0.0,
+          "max_steps": 8, "load_best_model_at_end": True}
+    t = Trainer(llama(), make_args(tmp_path, **kw), train_dataset=rows(8), eval_dataset=rows(4),
+                callbacks=[EarlyStoppingCallback(early_stopping_patience=3)])
+    t.train()
+    err = capsys.readouterr().err
+    assert err.count("early stopping at step 4: eval_loss=") == 1, err
+    assert err.count(f"loaded the best model, {tmp_path / 'checkpoint-1'} (loss=") == 1, err
+    r = Trainer(llama(), make_args(tmp_path, **kw), train_dataset=rows(8), eval_dataset=rows(4))
+    r.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    err = capsys.readouterr().err
+    assert err.count(f"resumed from {tmp_path / 'checkpoint-3'} at step 3") == 1, err
+    assert "early stopping" not in err
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
 

@@ -217,6 +217,17 @@ def zero_stage(accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage)
 
 
+def non_embedding_parameters(model) -> int:
+    """The model's parameters but its embeddings' (transformers' num_parameters(exclude_embeddings=True)), whole
+    under ZeRO-3 too, which leaves each rank only its partition of every parameter (ds_numel is the whole)."""
+    import torch
+
+    if not any(hasattr(p, "ds_numel") for p in model.parameters()):
+        return model.num_parameters(exclude_embeddings=True)
+    embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(p.ds_numel for n, p in model.named_parameters() if n not in embeddings)
+
+
 def gather_trainable_zero3(model) -> dict:
     """The trainable parameters (a peft adapter) of a ZeRO-3 model, gathered whole on every rank (a collective):
     ZeRO-3 leaves each rank only its partition of a parameter."""

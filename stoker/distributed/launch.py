@@ -6,7 +6,9 @@ Cheap to import: torch is imported where it is used.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 from ..errors import ConfigError
 
@@ -43,6 +45,52 @@ def wants_cpu(use_cpu: bool) -> bool:
     return use_cpu or (launcher_world_size() > 1 and not accelerator_available())
 
 
+def accelerate_launch_problems(deepspeed_given: bool) -> list[str]:
+    """What `accelerate launch` was asked for that Accelerate would silently not do on a machine without an
+    accelerator (its settings reach the script as ACCELERATE_* variables): several processes from its default
+    launcher (it starts one), FSDP (Accelerate keeps DDP), DeepSpeed from its config (Accelerate's CPU flag,
+    which a gloo group needs, turns it off). Empty where it runs what it was asked."""
+    if accelerator_available():
+        return []
+    p = []
+    launched_by = f"accelerate launch ({_accelerate_settings()})"
+    # its default launcher sets ACCELERATE_USE_CPU, and MASTER_ADDR only when asked for several processes
+    if "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ and launcher_world_size() == 1:
+        p.append(f"{launched_by} was asked for several processes but started this one alone (WORLD_SIZE unset): "
+                 "without GPUs its default launcher runs one; run `accelerate launch --multi_gpu --num_processes "
+                 "N ...` (torchrun underneath; stoker joins the processes in one gloo group) or `torchrun "
+                 "--nproc_per_node N ...`")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        p.append(f"{launched_by} asks for FSDP: FSDP needs GPUs (or another accelerator), this machine has none, "
+                 "and Accelerate would silently train with DDP instead; launch with a config without FSDP "
+                 "(distributed_type MULTI_GPU) or with torchrun")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not deepspeed_given:
+        p.append(f"{launched_by} asks for DeepSpeed: on a machine without GPUs Accelerate turns it off and would "
+                 "silently train with DDP; give the DeepSpeed config to the script instead (--deepspeed ds.json, "
+                 "TrainingArguments.deepspeed), which stoker runs on the CPU, and launch with torchrun")
+    return p
+
+
+def _accelerate_settings() -> str:
+    """Where `accelerate launch` took its settings from, read from its command line (the parent of this process
+    under every launcher it uses): `--config_file X`, its flags, or Accelerate's default config file."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:  # no /proc: the settings are named by what they asked for only
+        argv = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config_file", "--config-file") and i + 1 < len(argv):
+            return f"--config_file {argv[i + 1]}"
+        if arg.startswith(("--config_file=", "--config-file=")):
+            return f"--config_file {arg.split('=', 1)[1]}"
+    from accelerate.commands.config import default_config_file
+
+    if os.path.isfile(default_config_file):
+        return f"its default config file {default_config_file}"
+    return "its command-line flags"
+
+
 def check_world_size(num_processes: int) -> None:
     """Refuse a run in which the launcher's processes did not join one process group (each would train its own
     model and write the same output_dir)."""
@@ -53,6 +101,39 @@ def check_world_size(num_processes: int) -> None:
             f"{num_processes}: they would train separately and overwrite each other's output. Accelerate "
             "supports multi-process runs on CUDA, XPU and other accelerators, and on the CPU (gloo, "
             "use_cpu=True); run with a supported device, or without a launcher")
+
+
+_leaving_registered = False
+
+
+def leave_process_group_at_exit() -> None:
+    """Have this process leave its process group when the script is done, before the interpreter tears itself
+    down (once per process; called when a multi-process Accelerator is built).
+
+    Without it, a script that never calls destroy_process_group() leaves the group to the interpreter's
+    shutdown: the Trainer (in a reference cycle with its checkpointer), its DDP module, whose reducer holds the
+    group, and torch.distributed's own registry of groups are then freed in the last phase of finalization, in
+    an order nobody chose, while gloo's (or NCCL's) threads still run; a C++ thread that needs the interpreter
+    then is killed by it, and the process aborts ("terminate called without an active exception", SIGABRT)
+    after a successful run. An atexit handler runs after the script's last line (a script that goes on after
+    train() is never cut short), while the interpreter is whole; registered after the group is set up, it runs
+    before the handlers torch and Accelerate registered when they were imported.
+    """
+    global _leaving_registered
+    if not _leaving_registered:
+        _leaving_registered = True
+        atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    # an uncaught exception ended the script (its traceback is printed): a collective of this rank may be
+    # pending, which tearing the group down could wait for; the process exits non-zero as it would anyway
+    if getattr(sys, "last_value", None) is not None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def parameters_finite(accelerator, model) -> bool:

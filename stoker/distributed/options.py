@@ -15,7 +15,15 @@ import torch
 from ..errors import ConfigError
 from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_problems
 from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs
-from .launch import LAUNCHER_VARIABLES, accelerator_available, check_save_on_each_node, check_world_size, wants_cpu
+from .launch import (
+    LAUNCHER_VARIABLES,
+    accelerate_launch_problems,
+    accelerator_available,
+    check_save_on_each_node,
+    check_world_size,
+    leave_process_group_at_exit,
+    wants_cpu,
+)
 
 
 def argument_problems(args) -> list[str]:
@@ -33,7 +41,7 @@ def argument_problems(args) -> list[str]:
 def runtime_problems(args) -> list[str]:
     """What keeps this machine from running the requested FSDP or DeepSpeed: Accelerate would run without
     them (DDP, or one process) rather than fail, so stoker refuses before any work."""
-    p = []
+    p = accelerate_launch_problems(args.deepspeed not in (None, "", {}))
     on_accelerator = accelerator_available() and not args.use_cpu
     if fsdp_enabled(args.fsdp) and not on_accelerator:
         p.append(f"fsdp={args.fsdp!r}: FSDP needs GPUs (or another accelerator); "
@@ -141,6 +149,8 @@ def build_accelerator(args, model, optimizers=(None, None)):
     )
     check_world_size(accelerator.num_processes)
     check_save_on_each_node(a.save_on_each_node, accelerator.num_processes)
+    if accelerator.num_processes > 1:
+        leave_process_group_at_exit()
     if a.tf32 is not None and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = a.tf32
         torch.backends.cudnn.allow_tf32 = a.tf32

@@ -285,11 +285,7 @@ def recipe_main(recipe: str, run, argv: list[str] | None = None, prog: str | Non
             run(m, d, args)
     except (ConfigError, CheckpointError) as e:
         return report(e)
-    # under a launcher, leave the process group before the interpreter exits: a gloo group torn down by
-    # interpreter shutdown can abort the process after a successful run
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return 0
+    return 0  # a multi-process run leaves its process group at exit (stoker.distributed.launch)
 
 
 def fast_bf16(device: torch.device) -> tuple[bool, str]:

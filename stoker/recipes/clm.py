@@ -66,6 +66,8 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     # --- save: the model into output_dir (a LoRA run: the adapter only, and the adapter merged into its base)
     trainer.save_model()
     results = {"before": before, "after": after, "train": result.metrics}
+    if paired and held:  # on every process: a sharded model (ZeRO-3, FSDP) generates with all of them
+        results["sample"] = generate_sample(trainer, tokenizer, held[0])
     if not trainer.accelerator.is_main_process:
         return results
     if m.use_peft and m.merge_adapter and m.model_name_or_path:
@@ -73,9 +75,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
         results["merged"] = merge_adapter(m.model_name_or_path, args.output_dir,
                                           os.path.join(args.output_dir, "merged"))
 
-    # --- report: a generated answer to the first held-out prompt, results.json, what was learned and where it is
-    if paired and held:
-        results["sample"] = generate_sample(trainer, tokenizer, held[0])
+    # --- report: results.json (with the generated answer), what was learned and where it is
     write_results(args.output_dir, results)
     print(summary(results, args, m, len(held or [])))
     return results

@@ -17,7 +17,9 @@ def generate_sample(trainer, tokenizer, row: dict, prompt: str | None = None) ->
     tokens before the first label) by the trained model: {'prompt', 'generated', 'expected'}, decoded without
     special tokens and the whitespace around them (a chat template's newline after its end-of-turn token is in the
     labels, and generation stops before it). `prompt` is shown instead of the decoded prompt tokens (which hold
-    the whole chat template) when given."""
+    the whole chat template) when given. Every process of a multi-process run must call it: a model sharded over
+    them (ZeRO-3, FSDP) gathers each layer's parameters in its forward, so all generate in step (synced_gpus), at
+    the cost of one tiny all-reduce per token."""
     prompt_len = next(i for i, label in enumerate(row["labels"]) if label != -100)
     answer_len = sum(label != -100 for label in row["labels"])
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
@@ -25,7 +27,8 @@ def generate_sample(trainer, tokenizer, row: dict, prompt: str | None = None) ->
     ids = torch.tensor([row["input_ids"][:prompt_len]], device=trainer.accelerator.device)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer_len + 8,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                             do_sample=False, synced_gpus=trainer.accelerator.num_processes > 1,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     decode = lambda t: tokenizer.decode(t, skip_special_tokens=True).strip()
     return {"prompt": prompt or decode(ids[0]), "generated": decode(out[0, prompt_len:]),
             "expected": decode([t for t in row["labels"] if t != -100])}

@@ -75,6 +75,10 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     # --- save: the model into output_dir (a LoRA run: the adapter only, and the adapter merged into its base)
     trainer.save_model()
     results = {"before": before, "after": after, "train": result.metrics}
+    if held:  # on every process: a sharded model (ZeRO-3, FSDP) generates with all of them
+        results["samples"] = [generate_sample(trainer, tokenizer, row, prompt)
+                              for row, prompt in zip(held[:3], shown[:3], strict=True)]
+        results["sample"] = results["samples"][0]
     if not trainer.accelerator.is_main_process:
         return results
     if m.use_peft and m.merge_adapter:
@@ -82,11 +86,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
         results["merged"] = merge_adapter(m.model_name_or_path, args.output_dir,
                                           os.path.join(args.output_dir, "merged"))
 
-    # --- report: generated answers to the first held-out prompts, results.json, what was learned and where it is
-    if held:
-        results["samples"] = [generate_sample(trainer, tokenizer, row, prompt)
-                              for row, prompt in zip(held[:3], shown[:3], strict=True)]
-        results["sample"] = results["samples"][0]
+    # --- report: results.json (with the generated answers), what was learned and where it is
     write_results(args.output_dir, results)
     print(summary(results, args, m, len(held or [])))
     return results
