@@ -24,6 +24,7 @@ from typing import Any
 from .distributed.launch import wants_cpu
 from .distributed.options import argument_problems
 from .errors import ConfigError, suggest
+from .requirements import installed_version_problems
 from .tracking import report_to_problems, resolve_report_to
 
 # Names that `transformers.get_scheduler` accepts ("greedy" needs a metric and is not offered).
@@ -439,6 +440,9 @@ class TrainingArguments:
     hub_revision: str | None = field(default=None, metadata=_help("Hub: the branch to push to."))
 
     def __post_init__(self):
+        outdated = installed_version_problems()
+        if outdated:  # first: a library outside its range fails in ways that do not name it
+            raise ConfigError(list(outdated), "installation")
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         self.output_dir = os.path.expanduser(self.output_dir)  # as transformers: "~/runs/x" is a home folder

@@ -3,7 +3,7 @@
 - `lora_config` builds a peft LoraConfig and checks target_modules against the model's own module names.
 - `quantization_config` builds the BitsAndBytesConfig of a 4-bit (nf4/fp4, double quantisation, compute
   dtype) or 8-bit load, after checking that bitsandbytes can run here. Both load and train on the CPU with
-  bitsandbytes >= 0.45; the paged optimizers and fast 4-bit kernels need a CUDA GPU.
+  bitsandbytes >= 0.50.2; the paged optimizers and fast 4-bit kernels need a CUDA GPU.
 - `wrap` prepares a k-bit model for training (peft's prepare_model_for_kbit_training) and adds the adapter.
 - `merge_adapter` folds an adapter into its base and saves a plain transformers model.
 """
