@@ -223,7 +223,9 @@ def test_the_readme_zero3_offload_recipe_command_ends_with_0_and_writes_its_resu
     tokenizer, _ = build_causal_lm(ModelArguments(**sizes), 42)
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer.encode(sample["prompt"], add_special_tokens=False)])
-    with torch.no_grad():
-        alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    assert tokenizer.decode(alone[0, ids.shape[1]:], skip_special_tokens=True) == sample["generated"]
+    answer_tokens = len(tokenizer.encode(sample["expected"], add_special_tokens=False)) + 1  # and </s>
+    with torch.no_grad():  # as generate_sample: the answer's length and 8 tokens more
+        alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer_tokens + 8,
+                               do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id)
+    assert tokenizer.decode(alone[0, ids.shape[1]:], skip_special_tokens=True).strip() == sample["generated"]

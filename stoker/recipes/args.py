@@ -13,6 +13,7 @@ before any work.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from ..arguments import CONFIG_SUFFIXES, TrainingArguments, load_config_file, pa
 from ..errors import CheckpointError, ConfigError, report
 from ..gguf import SMOLLM2, SMOLLM2_INSTALL, packaged_model
 from ..inputs import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
-from ..log import logger, set_log_levels, third_party_output
+from ..log import logger, third_party_output
 
 RECIPES = ("clm", "sft", "classification")
 GENERATED = ("records", "addition", "subtraction", "topics")
@@ -275,12 +276,16 @@ def recipe_main(recipe: str, run, argv: list[str] | None = None, prog: str | Non
                                           checks=INPUT_CHECKS)
         if r.num_threads:
             torch.set_num_threads(r.num_threads)
+        # nothing here may set up Accelerate's process state (args.device, args.should_log): the Trainer's
+        # Accelerator must be the first to, with its DeepSpeed or FSDP plugin
         if r.auto_bf16 and not (args.bf16 or args.fp16):
-            args.bf16, why = fast_bf16(args.device)
-            if args.should_log:
+            args.bf16, why = fast_bf16(torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu
+                                                    else "cpu"))
+            if os.environ.get("RANK", "0") == "0":
                 logger.info(f"precision: {'bf16 autocast' if args.bf16 else 'float32'} ({why}; "
                             f"--auto_bf16 false keeps {'float32' if args.bf16 else 'it'})")
-        set_log_levels(args)  # before the model is loaded: log_level=debug shows the libraries' output too
+        if args.log_level == "debug":  # before the model is loaded: the libraries' output shows from the start
+            logger.setLevel(logging.DEBUG)
         with third_party_output():  # the libraries' notices and progress bars only at log_level=debug
             run(m, d, args)
     except (ConfigError, CheckpointError) as e:
