@@ -245,6 +245,11 @@ def verify(folder: str, hashes: bool = True) -> str | None:
     return None
 
 
+def checkpoint_dir(output_dir: str, step: int) -> str:
+    """The folder of the checkpoint at `step` (checkpoint_step reads the step back)."""
+    return os.path.join(output_dir, f"{PREFIX}{step}")
+
+
 def checkpoint_step(path: str) -> int | None:
     m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
     return int(m.group(1)) if m else None

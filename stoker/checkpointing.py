@@ -65,7 +65,7 @@ class Checkpointer:
         CheckpointError on all of them and leaves earlier checkpoints and no partial folder."""
         t = self.trainer
         a, s, acc, backend, model = t.args, t.state, t.accelerator, t._backend, t.model_wrapped
-        final = os.path.join(a.output_dir, f"{ckpt.PREFIX}{s.global_step}")
+        final = ckpt.checkpoint_dir(a.output_dir, s.global_step)
         tmp = ckpt.temp_dir_for(final)
         if s.best_global_step == s.global_step:  # (an evaluation after this save sets it in _evaluate_and_track)
             s.best_model_checkpoint = final

@@ -19,6 +19,7 @@ traceback, before any work (stoker.errors.report).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -34,7 +35,7 @@ from .gguf import gguf_file, local_model, packaged_model
 from .inputs import adapter_folder_problem, model_source_problem, writable_folder_problem
 from .lora import merge_adapter
 from .plan import GIB, ModelShape, Setup, describe, estimate, largest_micro_batch, propose
-from .recipes import INPUT_CHECKS, RECIPES, build_causal_lm, classification, clm, parse_recipe_args, recipe_of, sft
+from .recipes import INPUT_CHECKS, RECIPES, build_causal_lm, parse_recipe_args, recipe_of
 
 USAGE = """usage: stoker <command> [args]    (stoker --version: the installed version)
 
@@ -47,8 +48,9 @@ commands:
                                                   estimate peak memory per device; propose settings that fit
 """
 
-# the recipe scripts, by name: each has main(argv) and runs alone too (python -m stoker.recipes.<name>)
-RECIPE_MODULES = {"clm": clm, "sft": sft, "classification": classification}
+def recipe_module(recipe: str):
+    """The script of a recipe: main(argv), and it runs alone too (python -m stoker.recipes.<name>)."""
+    return importlib.import_module(RECIPES[recipe].module)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,8 +61,8 @@ def train(argv: list[str]) -> int:
     """`stoker train [CONFIG] [--field value ...]`: the recipe that --recipe, else the config's `recipe:` key, names
     (sft when neither does), run by its module's main; its exit code."""
     recipe = recipe_of(argv)
-    if recipe in RECIPE_MODULES:
-        return RECIPE_MODULES[recipe].main(argv, prog=f"stoker train ({recipe})")
+    if recipe in RECIPES:
+        return recipe_module(recipe).main(argv, prog=f"stoker train ({recipe})")
     try:  # RecipeArguments refuses the name: parsing names it along with every other problem
         parse_recipe_args(argv, prog="stoker train", checks=INPUT_CHECKS)
     except ConfigError as e:
@@ -89,7 +91,7 @@ def cp(argv: list[str]) -> int:
     except ConfigError as e:
         return report(e)
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-    shutil.copyfile(RECIPE_MODULES[a.recipe].__file__, dest)
+    shutil.copyfile(recipe_module(a.recipe).__file__, dest)
     print(f"copied the {a.recipe} recipe to {dest}; run it with: python {dest} [CONFIG.yaml] [--field value ...]")
     return 0
 

@@ -7,12 +7,16 @@ and normalisation weights (decaying those only pulls them towards zero and hurts
 from __future__ import annotations
 
 import functools
+import importlib
 import math
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from .arguments import TrainingArguments
+# optim sits below arguments (TrainingArguments validates names against OPTIMIZERS): the functions here read the
+# run's arguments by field name, without importing the class
+TrainingArguments = Any
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -43,45 +47,48 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
-def _bnb(name: str):
-    try:
-        import bitsandbytes as bnb
-    except ImportError as e:
-        raise ImportError(f"optim={name!r} needs bitsandbytes: pip install bitsandbytes") from e
-    return bnb.optim
+class Optimizer(NamedTuple):
+    """One optimizer name: the class that builds it ('module:Class', imported when used), which keyword arguments
+    it takes from TrainingArguments ('adam': lr, betas, eps; 'lion': lr, betas; 'lr': lr only), fixed ones, and
+    the pip package it needs beyond stoker's own dependencies (checked when the arguments are validated)."""
+
+    name: str
+    builds: str
+    takes: str = "adam"
+    fixed: dict = {}
+    package: str | None = None
+
+
+# The one list of optimizer names: validation, --help and the README's arguments table read it, and
+# optimizer_cls_and_kwargs builds from it. A subset of transformers' OptimizerNames, with its kwargs.
+OPTIMIZERS = {o.name: o for o in (
+    Optimizer("adamw_torch", "torch.optim:AdamW"),
+    Optimizer("adamw_torch_fused", "torch.optim:AdamW", fixed={"fused": True}),
+    # a fixed learning rate as transformers.Trainer uses it, so the schedule stays in charge
+    Optimizer("adafactor", "transformers.optimization:Adafactor", "lr",
+              {"scale_parameter": False, "relative_step": False}),
+    Optimizer("sgd", "torch.optim:SGD", "lr"),
+    Optimizer("adagrad", "torch.optim:Adagrad", "lr"),
+    Optimizer("rmsprop", "torch.optim:RMSprop", "lr"),
+    # bitsandbytes' AdamW and Lion, told their state's bits and paging, as transformers builds them
+    *(Optimizer(name, f"bitsandbytes.optim:{cls}", takes, {"optim_bits": bits, "is_paged": paged}, "bitsandbytes")
+      for name, cls, takes, bits, paged in (
+          ("adamw_bnb_8bit", "AdamW", "adam", 8, False), ("adamw_8bit", "AdamW", "adam", 8, False),
+          ("paged_adamw_8bit", "AdamW", "adam", 8, True), ("paged_adamw_32bit", "AdamW", "adam", 32, True),
+          ("lion_8bit", "Lion", "lion", 8, False), ("lion_32bit", "Lion", "lion", 32, False),
+          ("paged_lion_8bit", "Lion", "lion", 8, True), ("paged_lion_32bit", "Lion", "lion", 32, True))),
+)}
 
 
 def optimizer_cls_and_kwargs(args: TrainingArguments) -> tuple[type, dict]:
     """The optimizer class that args.optim names and its keyword arguments, as
     transformers.Trainer.get_optimizer_cls_and_kwargs returns them."""
-    name, lr, extra = args.optim, args.learning_rate, args.optimizer_kwargs()
-    adam = {"lr": lr, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
-    if name == "adamw_torch":
-        return torch.optim.AdamW, {**adam, **extra}
-    if name == "adamw_torch_fused":
-        return torch.optim.AdamW, {**adam, "fused": True, **extra}
-    if name == "sgd":
-        return torch.optim.SGD, {"lr": lr, **extra}
-    if name == "adagrad":
-        return torch.optim.Adagrad, {"lr": lr, **extra}
-    if name == "rmsprop":
-        return torch.optim.RMSprop, {"lr": lr, **extra}
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        # a fixed learning rate as transformers.Trainer uses it, so the schedule stays in charge
-        return Adafactor, {"lr": lr, "scale_parameter": False, "relative_step": False, **extra}
-    if name in ("adamw_bnb_8bit", "adamw_8bit"):
-        return _bnb(name).AdamW8bit, {**adam, **extra}
-    if name in ("paged_adamw_8bit", "paged_adamw_32bit"):
-        optim = _bnb(name)
-        return (optim.PagedAdamW8bit if name.endswith("8bit") else optim.PagedAdamW32bit), {**adam, **extra}
-    if name in ("lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit"):
-        optim = _bnb(name)
-        cls = {"lion_8bit": optim.Lion8bit, "lion_32bit": optim.Lion32bit,
-               "paged_lion_8bit": optim.PagedLion8bit, "paged_lion_32bit": optim.PagedLion32bit}[name]
-        return cls, {"lr": lr, "betas": (args.adam_beta1, args.adam_beta2), **extra}
-    raise ValueError(f"optim={name!r}: unknown optimizer")  # unreachable: TrainingArguments validates names
+    o = OPTIMIZERS[args.optim]  # a name TrainingArguments validated against this table
+    module, cls = o.builds.split(":")
+    betas = {"betas": (args.adam_beta1, args.adam_beta2)}
+    takes = {"adam": {**betas, "eps": args.adam_epsilon}, "lion": betas, "lr": {}}[o.takes]
+    return getattr(importlib.import_module(module), cls), {"lr": args.learning_rate, **takes, **o.fixed,
+                                                           **args.optimizer_kwargs()}
 
 
 def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:

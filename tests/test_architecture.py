@@ -1,6 +1,7 @@
 """The layering that the package's structure promises, checked from the source: no import cycles among stoker's
 modules (imports inside functions count: a cycle hidden there is still a cycle) and internal imports at the top of
-files. (That the loop never branches on the distributed backend is checked in test_backends.py.)"""
+files, and every import pointing down the layers that DESIGN.md draws. (That the loop never branches on the
+distributed backend is checked in test_backends.py.)"""
 
 from __future__ import annotations
 
@@ -111,3 +112,43 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
     graph, inside = _graph()
     assert _cycles(graph) == [["stoker.a", "stoker.b"]] and inside == ["stoker.b:2"]
+
+
+# DESIGN.md's layers, top to bottom: a module may import its own layer's modules and any layer below, never one
+# above. Each module is in the first layer one of whose prefixes it starts with.
+LAYERS = (
+    ("entry points", ("stoker", "stoker.cli", "stoker.recipes")),
+    ("the Trainer", ("stoker.trainer", "stoker.trainer_api", "stoker.trainer_inputs", "stoker.seq2seq")),
+    ("the Trainer's services", ("stoker.checkpointing", "stoker.report", "stoker.lora", "stoker.inputs")),
+    ("callbacks", ("stoker.callbacks",)),
+    ("arguments", ("stoker.arguments",)),
+    ("helpers", ("stoker.checkpoint", "stoker.convention", "stoker.data", "stoker.diagnostics", "stoker.distributed",
+                 "stoker.evaluation", "stoker.gguf", "stoker.log", "stoker.loop", "stoker.loss", "stoker.optim",
+                 "stoker.outputs", "stoker.packing", "stoker.plan", "stoker.requirements", "stoker.tasks",
+                 "stoker.tracking")),
+    ("errors", ("stoker.errors",)),
+)
+
+
+def _layer(module: str) -> int:
+    exact = [i for i, (_, names) in enumerate(LAYERS) if module in names]
+    nested = [i for i, (_, names) in enumerate(LAYERS) for n in names if n != "stoker" and module.startswith(n + ".")]
+    found = exact or nested
+    assert found, f"{module} is in no layer of LAYERS (DESIGN.md)"
+    return found[0]
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{m} ({LAYERS[_layer(m)][0]}) imports {d} ({LAYERS[_layer(d)][0]})"
+            for m, deps in sorted(graph.items()) for d in sorted(deps) if _layer(d) < _layer(m)]
+
+
+def test_imports_point_down_the_layers():
+    graph, _ = _graph()
+    assert _upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    """The check itself: a helper that imports the Trainer is named."""
+    graph = {"stoker.trainer": {"stoker.optim"}, "stoker.optim": {"stoker.trainer"}}
+    assert _upward_imports(graph) == ["stoker.optim (helpers) imports stoker.trainer (the Trainer)"]

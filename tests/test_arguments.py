@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from stoker import ConfigError, TrainingArguments
-from stoker.arguments import NOT_YET_SUPPORTED, OPTIMIZER_NAMES, SCHEDULER_NAMES
+from stoker.arguments import NOT_YET_SUPPORTED, SCHEDULER_NAMES
+from stoker.optim import OPTIMIZERS
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 
@@ -119,8 +120,8 @@ def test_scheduler_names_follow_transformers():
 def test_optimizer_names_are_transformers_names():
     from transformers.training_args import OptimizerNames
 
-    assert len(set(OPTIMIZER_NAMES)) == len(OPTIMIZER_NAMES)
-    assert set(OPTIMIZER_NAMES) - {o.value for o in OptimizerNames} == set()
+    assert len(set(OPTIMIZERS)) == len(OPTIMIZERS)
+    assert set(OPTIMIZERS) - {o.value for o in OptimizerNames} == set()
 
 
 def test_every_field_has_help_and_one_group():
@@ -411,3 +412,33 @@ def test_new_fields_are_validated_together():
                      "torch_empty_cache_steps", "eval_delay", "include_for_metrics", "enable_jit_checkpoint",
                      "liger_kernel_config"]
     assert "accepted: detail, debug, info, warning, error, critical, passive" in str(err)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_every_optimizer_name_builds_what_transformers_builds(name):
+    """The table's class and keyword arguments for each name are transformers.Trainer's for the same arguments."""
+    import transformers
+
+    from stoker.optim import optimizer_cls_and_kwargs
+
+    settings = {"optim": name, "learning_rate": 3e-4, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-7}
+    cls, kwargs = optimizer_cls_and_kwargs(TrainingArguments(**settings))
+    hf_cls, hf_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(
+        transformers.TrainingArguments(**settings, use_cpu=True))
+    assert cls is hf_cls
+    if name != "adamw_torch_fused":  # transformers adds fused=True only where torch has a fused kernel
+        assert kwargs == hf_kwargs
+
+
+def test_an_optimizer_added_to_the_table_is_validated_with_its_package(monkeypatch):
+    """One entry is all a new name needs: --help's list, validation and the missing-package check before any work
+    come from the table."""
+    from stoker.optim import Optimizer
+
+    monkeypatch.setitem(OPTIMIZERS, "rmsprop_bnb", Optimizer("rmsprop_bnb", "no_such_package.optim:RMSprop8bit",
+                                                            "lr", package="no_such_package"))
+    with pytest.raises(ConfigError, match=r"optim='rmsprop_bnb': needs the no_such_package package, which is not "
+                                          r"installed \(pip install no_such_package\)"):
+        TrainingArguments(optim="rmsprop_bnb")
+    with pytest.raises(ConfigError, match="optim='rmsprop_8bit': unknown optimizer.*accepted: .*rmsprop_bnb"):
+        TrainingArguments(optim="rmsprop_8bit")

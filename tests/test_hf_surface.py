@@ -21,7 +21,7 @@ REFUSED_VALUES = [
     ("parallelism_config", {"tp_size": 2}, "tensor / context parallelism are not run; use fsdp or deepspeed"),
     ("debug", "tpu_metrics_debug", "needs a TPU"),
     ("train_sampling_strategy", "batch_rebalance", "not offered"),
-    ("optim", "galore_adamw", "optimizers outside stoker.arguments.OPTIMIZER_NAMES are not built"),
+    ("optim", "galore_adamw", "optimizers outside stoker.optim.OPTIMIZERS are not built"),
     ("lr_scheduler_type", "greedy", "needs a metric in the scheduler step"),
     ("fp16", True, "on a machine without CUDA (transformers would silently train in float32)"),
 ]

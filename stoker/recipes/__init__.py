@@ -26,7 +26,6 @@ script; the `stoker` command imports them (stoker.cli).
 """
 
 from .args import (
-    DEFAULT_JOBS,
     GENERATED,
     INPUT_CHECKS,
     RECIPES,
@@ -41,7 +40,7 @@ from .data import clm_rows, generated_pairs, load_rows, sft_rows
 from .models import build_causal_lm, build_classifier, peft_config_for
 from .results import format_before_after, generate_sample, summary, write_results
 
-__all__ = ["DEFAULT_JOBS", "GENERATED", "INPUT_CHECKS", "RECIPES", "DataArguments", "ModelArguments",
+__all__ = ["GENERATED", "INPUT_CHECKS", "RECIPES", "DataArguments", "ModelArguments",
            "RecipeArguments", "build_causal_lm", "build_classifier", "clm_rows", "format_before_after",
            "generate_sample", "generated_pairs", "input_problems", "load_rows", "parse_recipe_args", "peft_config_for",
            "recipe_of", "sft_rows", "summary", "write_results"]

@@ -22,7 +22,7 @@ import sys
 
 from stoker.arguments import TrainingArguments
 from stoker.lora import merge_adapter
-from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, recipe_main, row_columns
+from stoker.recipes.args import GENERATED, RECIPES, DataArguments, ModelArguments, recipe_main
 from stoker.recipes.data import load_rows, require_columns
 from stoker.recipes.models import build_classifier, peft_config_for
 from stoker.recipes.results import summary, write_results
@@ -40,9 +40,9 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     # train rows, sorted; else generated sentences about four topics
     if d.train_file or d.dataset_name not in (None, *GENERATED):
         train_raw, held_raw = load_rows(d)
-        require_columns(train_raw, row_columns(RECIPE, d), "train data")
+        require_columns(train_raw, RECIPES[RECIPE].columns(d), "train data")
         if held_raw is not None:
-            require_columns(held_raw, row_columns(RECIPE, d), "validation data")
+            require_columns(held_raw, RECIPES[RECIPE].columns(d), "validation data")
         texts = [r[d.text_column] for r in train_raw]
         names = sorted({str(r[d.label_column]) for r in train_raw})
         label_of = {n: i for i, n in enumerate(names)}

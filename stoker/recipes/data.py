@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..tasks import arithmetic_splits, encode_completion, record_splits
-from .args import DataArguments, row_columns
+from .args import RECIPES, DataArguments
 
 
 def load_rows(d: DataArguments) -> tuple[list[dict], list[dict] | None]:
@@ -65,7 +65,7 @@ def clm_rows(rows, tokenizer, d: DataArguments, where: str) -> tuple[list[dict],
     """Token-id rows for causal-LM training, and whether they are prompt/completion pairs (prompt masked with
     -100, so the loss and the metrics are on the answer). Text rows are cut to max_length, or with block_size
     concatenated and cut into equal blocks as transformers' run_clm does."""
-    kind = require_columns(rows, row_columns("clm", d), where)
+    kind = require_columns(rows, RECIPES["clm"].columns(d), where)
     if kind == ["prompt", "completion"]:
         return [{k: v[: d.max_length] for k, v in encode_completion(tokenizer, r["prompt"], r["completion"]).items()}
                 for r in rows], True
@@ -86,7 +86,7 @@ def sft_rows(rows, tokenizer, d: DataArguments, where: str) -> list[dict]:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError([f"tokenizer {type(tokenizer).__name__}: has no chat_template; sft renders "
                            "conversations with it (set tokenizer.chat_template, or use the clm recipe)"], "tokenizer")
-    kind = require_columns(rows, row_columns("sft", d), where)
+    kind = require_columns(rows, RECIPES["sft"].columns(d), where)
     out = []
     for r in rows:
         messages = r[d.messages_column] if kind == [d.messages_column] else [
