@@ -81,9 +81,12 @@ def _leave_after_preemption() -> None:
 
 def report(error: Exception) -> int:
     """Print bad input (a ConfigError's problems, or a CheckpointError) to stderr as 'stoker: <problem>', one line
-    per problem, with no traceback; return the exit code for it, 2 (as argparse uses). What the commands and the
-    recipe scripts do with an error that must stop them before any work."""
+    per problem, with no traceback, from the first process of each node only; return the exit code for it, 2 (as
+    argparse uses), on every process. What the commands and the recipe scripts do with an error that must stop
+    them before any work."""
     problems = getattr(error, "problems", None) or [str(error)]
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # a launcher's processes: said once (once a node: its files)
+        return 2
     if len(problems) == 1:
         print(f"stoker: {problems[0]}", file=sys.stderr)
     else:

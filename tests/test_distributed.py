@@ -661,3 +661,14 @@ def test_slurm_script_checkpoints_on_usr1_requeues_and_the_requeued_job_resumes(
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert steps == list(range(1, 201))  # the first run logged 1..stopped_at, the second the rest
     assert os.path.basename(ckpt.list_checkpoints(str(out))[-1]) == "checkpoint-200"
+
+
+def test_a_recipe_refused_under_torchrun_says_so_once_and_every_rank_exits_2(tmp_path):
+    """Bad input to a recipe under a 2-process launcher: both processes stop with 2 before any work, and the
+    problem is printed once (by the node's first process), not once per rank."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "stoker.recipes.clm", "--output_dir", str(tmp_path / "out"),
+                           "--learning_rate", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and output.count("learning_rate=-1.0") == 1, output[-4000:]
+    assert "exitcode  : 2" in output and not (tmp_path / "out").exists()
