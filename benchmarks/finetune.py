@@ -5,11 +5,14 @@ main job (the generated `records` conversations rendered by the model's chat tem
 answer only), batch 8, the same learning rate, bf16 autocast where the CPU runs it fast (as the main job chooses),
 each in a fresh process of its own:
 
-    transformers.Trainer   dynamic padding: each batch padded to its longest row (DataCollatorForSeq2Seq)
-    trl.SFTTrainer         packing (its default best-fit strategy, padding-free), completion-only loss
-    stoker                 the main job's settings (dynamic padding)
-    stoker, packing        TrainingArguments(packing=True): rows packed, padding-free attention
-    stoker, packing+chunk  packing and chunked_loss (the loss from hidden states in chunks, no full logits)
+    transformers.Trainer         dynamic padding: each batch padded to its longest row (DataCollatorForSeq2Seq),
+                                 transformers' default attention (sdpa)
+    transformers.Trainer, eager  the same with eager attention (what the main job uses: a CPU's SDPA backward
+                                 is the slower one for short rows), to show what the attention alone gives
+    trl.SFTTrainer               packing (its default best-fit strategy, padding-free), completion-only loss
+    stoker                       the main job's settings: dynamic padding, eager attention, chunked_loss (the loss
+                                 from hidden states in chunks, logits of the answer tokens only)
+    stoker, packing              the same with TrainingArguments(packing=True): rows packed, padding-free
 
 "target tokens per second" is the labelled tokens of the rows (the same for every way) over the seconds of the
 train() call; the first steps' cost is in it for every way alike. "peak growth" is the process's peak resident
@@ -34,7 +37,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fresh_process import run_child  # noqa: E402
 
-WAYS = ("transformers.Trainer", "trl.SFTTrainer (packing)", "stoker", "stoker, packing", "stoker, packing+chunk")
+WAYS = ("transformers.Trainer", "transformers.Trainer, eager", "trl.SFTTrainer (packing)", "stoker",
+        "stoker, packing")
 BATCH, LR, SEED = 8, 1e-3, 0
 
 
@@ -68,11 +72,12 @@ def child(way: str, rows: int, threads: int) -> dict:
                   lr_scheduler_type="constant", logging_steps=1000, save_strategy="no", report_to=[],
                   disable_tqdm=True, bf16=bf16, seed=SEED, data_seed=SEED, use_cpu=True, dataloader_num_workers=0)
     with third_party_output():
-        model = AutoModelForCausalLM.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, attn_implementation="eager" if way.startswith("stoker") or "eager" in way else "sdpa")
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                       task_type="CAUSAL_LM")
     torch.manual_seed(SEED)
-    if way == "transformers.Trainer":
+    if way.startswith("transformers.Trainer"):
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
         trainer = Trainer(get_peft_model(model, lora), TrainingArguments(**common), train_dataset=encoded,
@@ -89,7 +94,7 @@ def child(way: str, rows: int, threads: int) -> dict:
         from stoker import Trainer, TrainingArguments
 
         extra = {"packing": True, "packing_length": 512} if "packing" in way else {}
-        trainer = Trainer(model, TrainingArguments(**common, **extra, chunked_loss="chunk" in way),
+        trainer = Trainer(model, TrainingArguments(**common, **extra, chunked_loss=True),
                           train_dataset=encoded, processing_class=tokenizer, peft_config=lora)
     before = rss_bytes()
     started = time.perf_counter()
@@ -119,9 +124,9 @@ def main() -> None:
     base, trl = med["transformers.Trainer"], med["trl.SFTTrainer (packing)"]
     print(f"LoRA on SmolLM2-135M-Instruct, {a.rows} rows of the main job, batch {BATCH}, {a.threads} thread(s), "
           f"bf16 autocast: {runs['stoker'][0]['bf16']}; medians of {a.repeats} run(s), each in a fresh process")
-    print(f"{'way':<28}{'target tok/s':>14}{'vs HF':>8}{'vs TRL':>8}{'peak growth MiB':>17}{'vs TRL':>8}")
+    print(f"{'way':<30}{'target tok/s':>14}{'vs HF':>8}{'vs TRL':>8}{'peak growth MiB':>17}{'vs TRL':>8}")
     for way, m in med.items():
-        print(f"{way:<28}{m['tokens_per_s']:>14.1f}{m['tokens_per_s'] / base['tokens_per_s']:>7.2f}x"
+        print(f"{way:<30}{m['tokens_per_s']:>14.1f}{m['tokens_per_s'] / base['tokens_per_s']:>7.2f}x"
               f"{m['tokens_per_s'] / trl['tokens_per_s']:>7.2f}x{m['growth_mib']:>17.0f}"
               f"{m['growth_mib'] / max(trl['growth_mib'], 1):>7.2f}x")
 

@@ -24,6 +24,7 @@ from typing import Any
 from .distributed.launch import wants_cpu
 from .distributed.options import argument_problems
 from .errors import ConfigError, suggest
+from .optim import OPTIMIZERS
 from .requirements import installed_version_problems
 from .tracking import report_to_problems, resolve_report_to
 
@@ -33,13 +34,6 @@ SCHEDULER_NAMES = (
     "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
     "warmup_stable_decay",
 )
-# Optimizer names stoker builds (see stoker/optim.py); a subset of transformers' OptimizerNames.
-OPTIMIZER_NAMES = (
-    "adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop",
-    "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
-    "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
-)
-BNB_OPTIMIZERS = tuple(n for n in OPTIMIZER_NAMES if "8bit" in n or "lion" in n or n.startswith("paged_"))
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 TOKEN_COUNTS = ("no", "all", "non_padding")
@@ -171,9 +165,10 @@ class TrainingArguments:
     adam_beta2: float = field(default=0.999, metadata=_help("Adam beta2."))
     adam_epsilon: float = field(default=1e-8, metadata=_help("Adam epsilon."))
     max_grad_norm: float = field(default=1.0, metadata=_help(
-        "Clip the global gradient norm to this value (0 disables clipping and grad_norm logging)."))
+        "Clip the global gradient norm to this value (0 disables clipping; the norm is still measured and logged "
+        "as grad_norm)."))
     optim: str = field(default="adamw_torch_fused", metadata=_help(
-        f"Optimizer: one of {', '.join(OPTIMIZER_NAMES)}."))
+        f"Optimizer: one of {', '.join(OPTIMIZERS)}."))
     optim_args: str | None = field(default=None, metadata=_help(
         "Extra optimizer keyword arguments as 'key=value,key=value'."))
     lr_scheduler_type: str = field(default="linear", metadata=_help(
@@ -202,6 +197,9 @@ class TrainingArguments:
         "Evaluate outside training with the model cast to bfloat16 (faster, less memory, less exact)."))
     fp16_full_eval: bool = field(default=False, metadata=_help(
         "Evaluate outside training with the model cast to float16."))
+    float32_lm_head: bool = field(default=False, metadata=_help(
+        "Under bf16/fp16 autocast, run the output layer (lm_head) in float32: the logits, their argmax and the loss "
+        "are float32's while the rest of the model runs in 16 bits. Costs the output layer's matmul in float32."))
 
     # --- memory ---------------------------------------------------------------------------------
     gradient_checkpointing: bool | None = field(default=None, metadata=_help(
@@ -525,9 +523,9 @@ class TrainingArguments:
             bad("warmup_ratio", "must be in [0, 1)")
         if self.warmup_ratio and self.warmup_steps:
             p.append(f"warmup_steps={self.warmup_steps!r} and warmup_ratio={self.warmup_ratio!r}: set only one")
-        if self.optim not in OPTIMIZER_NAMES:
-            bad("optim", f"unknown optimizer{suggest(self.optim, OPTIMIZER_NAMES)}; "
-                         f"accepted: {', '.join(OPTIMIZER_NAMES)}")
+        if self.optim not in OPTIMIZERS:
+            bad("optim", f"unknown optimizer{suggest(self.optim, OPTIMIZERS)}; "
+                         f"accepted: {', '.join(OPTIMIZERS)}")
         if self.lr_scheduler_type not in SCHEDULER_NAMES:
             bad("lr_scheduler_type", f"unknown scheduler{suggest(self.lr_scheduler_type, SCHEDULER_NAMES)}; "
                                      f"accepted: {', '.join(SCHEDULER_NAMES)}")
@@ -676,8 +674,8 @@ class TrainingArguments:
         wanted = []
         if self.training_report:
             wanted.append(("training_report", "matplotlib", "matplotlib"))
-        if self.optim in BNB_OPTIMIZERS:
-            wanted.append(("optim", "bitsandbytes", "bitsandbytes"))
+        if self.optim in OPTIMIZERS and OPTIMIZERS[self.optim].package:
+            wanted.append(("optim", OPTIMIZERS[self.optim].package, OPTIMIZERS[self.optim].package))
         return [f"{name}={getattr(self, name)!r}: needs the {package} package, which is not installed "
                 f"(pip install {pip})" for name, package, pip in wanted if find_spec(package) is None]
 
@@ -719,7 +717,7 @@ class TrainingArguments:
                                "set it to False and upload output_dir yourself, e.g. with `hf upload`")
         if self.optim_target_modules is not None:
             bad("optim_target_modules", "is for GaLore / APOLLO optimizers, which stoker does not build; leave it "
-                                        f"unset (optimizers: {', '.join(OPTIMIZER_NAMES)})")
+                                        f"unset (optimizers: {', '.join(OPTIMIZERS)})")
         if self.parallelism_config is not None:
             bad("parallelism_config", "tensor and context parallelism are not run by stoker; leave it unset and "
                                       "shard with fsdp or deepspeed")
@@ -1002,7 +1000,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "optimizer": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
         "optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
         "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),
-    "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval"),
+    "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval", "float32_lm_head"),
     "memory": ("gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_compile",
         "torch_compile_backend", "torch_compile_mode", "chunked_loss", "activation_checkpointing",
         "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config", "use_cache",

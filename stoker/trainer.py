@@ -61,7 +61,7 @@ from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, log
 from .log import logger, set_log_levels, transformers_logger
 from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, plan_steps, window_sizes
 from .lora import trainable_parameters, wrap
-from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
+from .loss import chunked_causal_lm_loss, output_head, run_in_float32, smoothed_label_loss
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .plan import start_of_training_line
@@ -221,10 +221,18 @@ class Trainer(TrainerAPI):
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
         self._chunked_head = output_head(model) if a.chunked_loss else None
+        if a.float32_lm_head and (a.bf16 or a.fp16):
+            head = output_head(model)
+            if not isinstance(head, torch.nn.Linear) or not head.weight.is_floating_point():
+                raise ConfigError([f"float32_lm_head=True: the output layer of {type(model).__name__} is "
+                                   f"{type(head).__name__}, not a floating-point nn.Linear; turn it off"])
+            run_in_float32(head)
         self._convention = LossConvention(model, base, self.label_names[0], self._forward_kwargs,
                                           loss_func=self.compute_loss_func is not None,
                                           chunked=self._chunked_head is not None)
         self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
+        # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
+        self._train_batch_size = a.per_device_train_batch_size
         self._set_collator(base)
         return model
 
@@ -319,8 +327,8 @@ class Trainer(TrainerAPI):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset (or a get_train_dataloader that builds "
                              "its own loader)")
-        micro_batch = getattr(self, "_train_batch_size", self.args.per_device_train_batch_size)
-        loader = build_dataloader(self.train_dataset, self.args, micro_batch, self.data_collator, train=True)
+        loader = build_dataloader(self.train_dataset, self.args, self._train_batch_size, self.data_collator,
+                                  train=True)
         return self.accelerator.prepare(loader)
 
     def _prepared(self, loader):
@@ -814,7 +822,7 @@ class Trainer(TrainerAPI):
         if better and math.isfinite(value):
             s.best_metric, s.best_global_step = value, s.global_step
             if self._last_saved_step == s.global_step:  # evaluated after this step's checkpoint was written
-                s.best_model_checkpoint = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}{s.global_step}")
+                s.best_model_checkpoint = ckpt.checkpoint_dir(self.args.output_dir, s.global_step)
             return True
         return False
 

@@ -32,6 +32,21 @@ def results(out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+def test_the_recipe_table_is_the_one_list_of_recipes():
+    """Each RECIPES entry names its script (whose RECIPE is the same name), has its YAML and a row of the README's
+    recipes table, and nothing else is listed anywhere: a new recipe is one entry plus its files."""
+    import re
+
+    from stoker.recipes import RECIPES
+
+    for name, recipe in RECIPES.items():
+        assert importlib.import_module(recipe.module).RECIPE == name
+        assert recipe.default_job["recipe"] == name and (ROOT / "recipes" / f"{name}.yaml").is_file()
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| recipe | data | model | metric |"):].split("\n\n")[0]
+    assert re.findall(r"^\| `(\w+)` \|", table, re.M) == list(RECIPES)
+
+
 @pytest.mark.parametrize("recipe", ["clm", "sft", "classification"])
 def test_yaml_spells_out_the_embedded_default(recipe):
     from_yaml = parse_recipe_args([str(ROOT / "recipes" / f"{recipe}.yaml")])
@@ -223,10 +238,18 @@ def test_unknown_lora_targets_and_kbit_problems_are_named(base_model, monkeypatc
         quantization_config(load_in_4bit=True, quant_type="int4")
 
 
-def test_readme_documents_every_training_argument():
-    readme = (ROOT / "README.md").read_text()
-    missing = [f.name for f in dataclasses.fields(TrainingArguments) if f"`{f.name}`" not in readme]
-    assert missing == []
+def test_readme_documents_every_training_argument_as_its_help_says():
+    """The README's arguments table holds one row per field: its --help group, default and help text (where the
+    lists of accepted names, such as the optimizers, come from the tables that validation uses)."""
+    import re
+
+    from stoker.arguments import GROUP_OF
+
+    rows = {m.group(2): m.groups() for m in re.finditer(r"^\| (\S+) \| `(\w+)` \| `(.*?)` \| (.*) \|$",
+                                                       (ROOT / "README.md").read_text(), re.M)}
+    for f in dataclasses.fields(TrainingArguments):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        assert rows.get(f.name) == (GROUP_OF[f.name], f.name, repr(default), f.metadata["help"]), f.name
 
 
 # --- forking: each recipe is a whole script, and a copy of it runs on its own ---------------------------
@@ -283,3 +306,49 @@ def test_stoker_cp_copies_a_recipe_that_runs_on_its_own(tmp_path, capsys):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "forked run" in done.stdout and "held-out (16 rows)" in done.stdout
     assert {"eval_exact_match", "eval_loss"} <= set(results(out)["after"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_records_hold_out_people_whose_names_no_training_row_holds(seed):
+    """The main job's task: training people have made-up names that never repeat (an adapter cannot learn them,
+    only to copy them), held-out people real names that no training row holds; no name is also a city, which
+    would make a sentence ambiguous ("Sofia is home to ..."); every answer's values are in its sentence."""
+    import json as json_
+
+    from stoker.tasks import CITIES, FIRST_NAMES, SURNAMES, record_splits
+
+    assert not {*FIRST_NAMES, *SURNAMES} & set(CITIES)
+    train, held = record_splits(480, 100, seed)
+    people = lambda pairs: [json_.loads(answer) for _, answer in pairs]
+    train_words = [w for person in people(train) for w in person["name"].split()]
+    assert len(set(train_words)) > 0.95 * len(train_words) and not set(train_words) & {*FIRST_NAMES, *SURNAMES}
+    assert all(first in FIRST_NAMES and last in SURNAMES for first, last in (p["name"].split() for p in people(held)))
+    for prompt, person in zip([p for p, _ in train + held], people(train + held), strict=True):
+        assert person["name"] in prompt and f"{person['age']}" in prompt and person["city"] in prompt
+
+
+def test_attn_implementation_reaches_the_model(tmp_path):
+    from stoker.recipes.args import ModelArguments
+    from stoker.recipes.models import build_causal_lm
+
+    for asked in ("eager", "sdpa"):
+        _, model = build_causal_lm(ModelArguments(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                                  attn_implementation=asked), 0)
+        assert model.config._attn_implementation == asked
+
+
+def test_sft_labels_end_at_the_end_of_turn_token():
+    """SmolLM2's template writes a newline after <|im_end|>; generation stops at <|im_end|>, so the labels (what is
+    trained and what exact match scores) end there."""
+    from transformers import AutoTokenizer
+
+    from stoker.gguf import local_model, packaged_model
+    from stoker.recipes.args import DataArguments
+    from stoker.recipes.data import sft_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(local_model(packaged_model()))
+    row = sft_rows([{"messages": [{"role": "user", "content": "Say one."}, {"role": "assistant", "content": "1"}]}],
+                   tokenizer, DataArguments(), "data")[0]
+    labelled = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
+    assert tokenizer.decode(labelled) == "1<|im_end|>" and row["labels"][-1] == -100
+    assert tokenizer.decode(row["input_ids"][-1:]) == "\n"

@@ -6,9 +6,9 @@
     TrainingArguments every field of transformers' TrainingArguments, and stoker's own
 
 `parse_recipe_args` reads them from `[CONFIG.yaml|json] [--field value ...]`: flags override the file, the file
-overrides the recipe's embedded default (DEFAULT_JOBS, used only when no file is given), and every problem, the
-inputs' included (`input_problems`: the model, the data files, the folders the run writes), is reported at once
-before any work.
+overrides the recipe's embedded default (RECIPES[name].default_job, used only when no file is given), and every
+problem, the inputs' included (`input_problems`: the model, the data files, the folders the run writes), is
+reported at once before any work.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -27,8 +29,44 @@ from ..gguf import SMOLLM2, SMOLLM2_INSTALL, packaged_model
 from ..inputs import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
 from ..log import logger, third_party_output
 
-RECIPES = ("clm", "sft", "classification")
 GENERATED = ("records", "addition", "subtraction", "topics")
+
+
+class Recipe(NamedTuple):
+    """One recipe: the module of its script (main(argv), and `run`), the column sets it trains on (the first that
+    the rows have is used), and its embedded default, used when no config file is given (`stoker train` with
+    nothing runs sft's)."""
+
+    module: str
+    columns: Callable[[DataArguments], list[list[str]]]
+    default_job: dict
+
+
+_COMMON = {"per_device_train_batch_size": 32, "per_device_eval_batch_size": 100, "lr_scheduler_type": "cosine",
+           "warmup_steps": 0.05, "weight_decay": 0.01, "save_total_limit": 2, "eval_strategy": "steps"}
+# The one list of recipes: RecipeArguments, `stoker train` / `stoker cp` and the input checks read it.
+RECIPES = {
+    # a tiny Llama learns 2-digit addition from scratch: about half a minute on 2 CPU cores, exact match 0 -> ~1.
+    # At 3e-3 some seeds stall at a plateau (the carries unlearned); 1e-3 over 5 epochs learns them for every seed
+    "clm": Recipe("stoker.recipes.clm", lambda d: [["prompt", "completion"], [d.text_column]], {
+        **_COMMON, "recipe": "clm", "dataset_name": "addition", "output_dir": "stoker_output/base",
+        "num_train_epochs": 5, "learning_rate": 1e-3, "logging_steps": 100, "eval_steps": 250, "save_steps": 250}),
+    # the main job: LoRA teaches SmolLM2-135M-Instruct (model_name_or_path unset) to answer with a JSON record.
+    # Eager attention and the chunked loss: a step of 8 rows of ~90 tokens under bf16 autocast on 2 CPU threads
+    # takes 2.0 s with both, 2.2 s with eager only, 2.8 s with neither (torch's SDPA backward is slow on a CPU)
+    "sft": Recipe("stoker.recipes.sft", lambda d: [[d.messages_column], ["prompt", "completion"]], {
+        **_COMMON, "recipe": "sft", "dataset_name": "records", "output_dir": "stoker_output",
+        "use_peft": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"], "attn_implementation": "eager", "chunked_loss": True,
+        "num_train_examples": 480, "num_eval_examples": 100, "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 20, "num_train_epochs": 1, "learning_rate": 1e-3, "logging_steps": 10,
+        "eval_steps": 30, "save_steps": 30, "training_report": True}),
+    # a tiny BERT with a locally trained word tokenizer sorts sentences into four topics
+    "classification": Recipe("stoker.recipes.classification", lambda d: [[d.text_column, d.label_column]], {
+        **_COMMON, "recipe": "classification", "dataset_name": "topics", "output_dir": "stoker_output/classifier",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_train_examples": 4000,
+        "num_train_epochs": 3, "learning_rate": 1e-3, "logging_steps": 50, "eval_steps": 100, "save_steps": 100}),
+}
 
 
 @dataclass
@@ -70,6 +108,10 @@ class ModelArguments:
     num_hidden_layers: int = field(default=4, metadata={"help": "Layers of a model built from scratch."})
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of a model built from scratch."})
     intermediate_size: int = field(default=256, metadata={"help": "MLP width of a model built from scratch."})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "Attention kernel, as transformers names it: 'eager', 'sdpa', 'flash_attention_2', ... Unset: "
+                "transformers' choice (sdpa). On a CPU under bf16 autocast, eager is the faster one for rows of up "
+                "to about 512 tokens (torch's SDPA backward is slow there)."})
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
@@ -140,28 +182,6 @@ class DataArguments:
 
 
 ARGUMENT_TYPES = (RecipeArguments, ModelArguments, DataArguments, TrainingArguments)
-_COMMON = {"per_device_train_batch_size": 32, "per_device_eval_batch_size": 100, "lr_scheduler_type": "cosine",
-           "warmup_steps": 0.05, "weight_decay": 0.01, "save_total_limit": 2, "eval_strategy": "steps"}
-# The embedded defaults, one per recipe; `stoker train` with no config runs DEFAULT_JOBS["sft"].
-DEFAULT_JOBS = {
-    # a tiny Llama learns 2-digit addition from scratch: about half a minute on 2 CPU cores, exact match 0 -> ~1.
-    # At 3e-3 some seeds stall at a plateau (the carries unlearned); 1e-3 over 5 epochs learns them for every seed
-    "clm": {**_COMMON, "recipe": "clm", "dataset_name": "addition", "output_dir": "stoker_output/base",
-            "num_train_epochs": 5, "learning_rate": 1e-3, "logging_steps": 100, "eval_steps": 250,
-            "save_steps": 250},
-    # the main job: LoRA teaches SmolLM2-135M-Instruct (model_name_or_path unset) to answer with a JSON record
-    "sft": {**_COMMON, "recipe": "sft", "dataset_name": "records", "output_dir": "stoker_output",
-            "use_peft": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
-            "lora_target_modules": ["q_proj", "v_proj"], "num_train_examples": 480, "num_eval_examples": 100,
-            "per_device_train_batch_size": 8, "per_device_eval_batch_size": 20, "num_train_epochs": 1,
-            "learning_rate": 1e-3, "logging_steps": 10, "eval_steps": 30, "save_steps": 30,
-            "training_report": True},
-    # a tiny BERT with a locally trained word tokenizer sorts sentences into four topics
-    "classification": {**_COMMON, "recipe": "classification", "dataset_name": "topics",
-                       "output_dir": "stoker_output/classifier", "hidden_size": 64, "intermediate_size": 128,
-                       "num_hidden_layers": 2, "num_train_examples": 4000, "num_train_epochs": 3,
-                       "learning_rate": 1e-3, "logging_steps": 50, "eval_steps": 100, "save_steps": 100},
-}
 
 
 def recipe_of(argv: list[str]) -> str:
@@ -191,7 +211,7 @@ def parse_recipe_args(argv: list[str], recipe: str | None = None, prog: str | No
         recipe = recipe_of(argv)
     elif "--recipe" not in argv:
         argv += ["--recipe", recipe]
-    defaults = None if has_file else dict(DEFAULT_JOBS.get(recipe, {}))
+    defaults = None if has_file or recipe not in RECIPES else dict(RECIPES[recipe].default_job)
     if defaults and "--train_file" in argv:  # the user's data replaces the default's generated task
         defaults.pop("dataset_name", None)
     r, m, d, args = parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog,
@@ -224,7 +244,8 @@ def input_problems(built: dict, checks: tuple[str, ...] = INPUT_CHECKS) -> list[
             p.append(dataset_source_problem("dataset_name", d.dataset_name, GENERATED))
         for name in ("train_file", "validation_file"):
             if getattr(d, name):
-                p += data_file_problems(name, getattr(d, name), row_columns(recipe, d) if recipe else None,
+                columns = RECIPES[recipe].columns(d) if recipe in RECIPES else None
+                p += data_file_problems(name, getattr(d, name), columns,
                                         lambda column, value: _row_value_problem(d, column, value))
     if args and "output" in checks:
         p.append(writable_folder_problem("output_dir", args.output_dir))
@@ -244,13 +265,6 @@ def input_problems(built: dict, checks: tuple[str, ...] = INPUT_CHECKS) -> list[
                          f"{os.path.basename(existing[-1])}); resume with resume_from_checkpoint=true, or set "
                          "overwrite_output_dir=true")
     return [problem for problem in p if problem]
-
-
-def row_columns(recipe: str, d: DataArguments) -> list[list[str]]:
-    """The column sets a recipe trains on, the first one the rows have being used."""
-    return {"clm": [["prompt", "completion"], [d.text_column]],
-            "sft": [[d.messages_column], ["prompt", "completion"]],
-            "classification": [[d.text_column, d.label_column]]}[recipe]
 
 
 def _row_value_problem(d: DataArguments, column: str, value) -> str | None:

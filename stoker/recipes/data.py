@@ -49,15 +49,21 @@ def require_columns(rows, columns: list[list[str]], where: str) -> list[str]:
 
 
 def encode_chat(tokenizer, messages: list[dict], max_length: int) -> dict[str, list[int]]:
-    """Token ids of a conversation rendered by the chat template, with labels on the last (assistant) turn, cut to
-    `max_length`. A template whose prompt is not a prefix of the conversation is a ConfigError."""
+    """Token ids of a conversation rendered by the chat template, with labels on the last (assistant) turn up to its
+    end-of-turn token, cut to `max_length`. A template whose prompt is not a prefix of the conversation is a
+    ConfigError."""
     full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
                                            return_dict=True)["input_ids"]
     if full[: len(prompt)] != prompt:
         raise ConfigError(["chat template: the rendered prompt is not a prefix of the rendered conversation, so "
                            "the response tokens cannot be found"], "tokenizer")
-    row = {"input_ids": full, "attention_mask": [1] * len(full), "labels": [-100] * len(prompt) + full[len(prompt):]}
+    answer = full[len(prompt):]
+    # generation stops at the end-of-turn (eos) token: what the template writes after it (a newline) is neither
+    # trained on nor scored, so a right answer scores as greedy generation would
+    ends = [i for i, t in enumerate(answer) if t == tokenizer.eos_token_id]
+    answer = answer[:ends[-1] + 1] + [-100] * (len(answer) - ends[-1] - 1) if ends else answer
+    row = {"input_ids": full, "attention_mask": [1] * len(full), "labels": [-100] * len(prompt) + answer}
     return {k: v[:max_length] for k, v in row.items()}
 
 

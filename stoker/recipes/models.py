@@ -17,6 +17,11 @@ from ..tasks import char_tokenizer, train_word_tokenizer
 from .args import ModelArguments
 
 
+def attention(m: ModelArguments) -> dict:
+    """from_pretrained's (or a config's) attn_implementation keyword, when one is asked for."""
+    return {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+
+
 def build_causal_lm(m: ModelArguments, seed: int):
     """(tokenizer, model): from model_name_or_path (k-bit if asked; a tokenizer without a pad token pads with its
     eos token), or a tiny Llama built from the sizes with the character tokenizer, its weights drawn from `seed`."""
@@ -30,7 +35,8 @@ def build_causal_lm(m: ModelArguments, seed: int):
         quant = quantization_config(m.load_in_4bit, m.load_in_8bit, m.bnb_4bit_quant_type, m.use_bnb_nested_quant,
                                     m.bnb_4bit_compute_dtype)
         with third_party_output():  # transformers' load report and progress bar
-            return tokenizer, AutoModelForCausalLM.from_pretrained(source, quantization_config=quant)
+            return tokenizer, AutoModelForCausalLM.from_pretrained(
+                source, quantization_config=quant, **attention(m))
     if m.load_in_4bit or m.load_in_8bit:
         raise ConfigError(["load_in_4bit/load_in_8bit: quantise a pretrained model (set model_name_or_path); a "
                            "model built from scratch has nothing to keep frozen"], "ModelArguments")
@@ -42,7 +48,7 @@ def build_causal_lm(m: ModelArguments, seed: int):
         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_attention_heads, max_position_embeddings=512, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id)
+        eos_token_id=tokenizer.eos_token_id, **attention(m))
     torch.manual_seed(seed)  # the initial weights are part of the run's seed
     return tokenizer, LlamaForCausalLM(config)
 
@@ -66,7 +72,7 @@ def build_classifier(m: ModelArguments, labels: list[str], texts: list[str], max
         tokenizer = AutoTokenizer.from_pretrained(source)
         with third_party_output():  # transformers' load report ("newly initialized" head) and progress bar
             model = AutoModelForSequenceClassification.from_pretrained(
-                source, num_labels=len(labels), id2label=id2label, label2id=label2id)
+                source, num_labels=len(labels), id2label=id2label, label2id=label2id, **attention(m))
     else:
         tokenizer = train_word_tokenizer(texts, max_length=max_length)
         logger.info(f"no model_name_or_path: a new BERT from random weights (hidden {m.hidden_size}, "
@@ -75,7 +81,7 @@ def build_classifier(m: ModelArguments, labels: list[str], texts: list[str], max
             vocab_size=len(tokenizer), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
             num_attention_heads=m.num_attention_heads, intermediate_size=m.intermediate_size,
             max_position_embeddings=max(max_length, 64), num_labels=len(labels), id2label=id2label,
-            label2id=label2id, pad_token_id=tokenizer.pad_token_id))
+            label2id=label2id, pad_token_id=tokenizer.pad_token_id, **attention(m)))
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return tokenizer, model

@@ -25,7 +25,7 @@ def generate_sample(trainer, tokenizer, row: dict, prompt: str | None = None) ->
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     model.eval()
     ids = torch.tensor([row["input_ids"][:prompt_len]], device=trainer.accelerator.device)
-    with torch.no_grad():
+    with torch.no_grad(), trainer.accelerator.autocast():  # the precision the held-out metrics were taken in
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer_len + 8,
                              do_sample=False, synced_gpus=trainer.accelerator.num_processes > 1,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
