@@ -95,41 +95,28 @@ RECORD_TEMPLATES = (
 RECORD_INSTRUCTION = "Extract the person's name, age and city as JSON: "
 
 
-ONSETS = "b c d f g h j k l m n p r s t v w z br dr fr gr kl pl st tr sh ch".split()
-VOWELS = "a e i o u ai ei ia io ou".split()
-CODAS = ("", "", "", "n", "r", "s", "l", "m", "k")
-
-
-def made_up_name(rng: random.Random, real: set[str]) -> str:
-    """A pronounceable word of 2 or 3 syllables that is no name of FIRST_NAMES / SURNAMES and no city."""
-    while True:
-        word = ("".join(rng.choice(ONSETS) + rng.choice(VOWELS) for _ in range(rng.randint(2, 3)))
-                + rng.choice(CODAS)).capitalize()
-        if word not in real:
-            return word
-
-
 def record_splits(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Train / held-out (instruction + sentence, JSON record) pairs of the `records` task, drawn with `seed`.
 
-    Training people have made-up names (a new first name and surname for nearly every row), held-out people real
-    ones (FIRST_NAMES, SURNAMES): no held-out name is in a training row, and since no training name repeats, the
-    adapter cannot learn names, only to copy them."""
+    A fifth of the first names and of the surnames (chosen by the seed) appear only in held-out rows."""
     import json
 
     rng = random.Random(seed)
-    real = {*FIRST_NAMES, *SURNAMES, *CITIES}
+    firsts, lasts = FIRST_NAMES[:], SURNAMES[:]
+    rng.shuffle(firsts)
+    rng.shuffle(lasts)
+    cut_f, cut_l = len(firsts) // 5, len(lasts) // 5
 
-    def draw(name, n):
+    def draw(first_names, surnames, n):
         pairs = []
         for _ in range(n):
-            person = {"name": name(), "age": rng.randint(18, 90), "city": rng.choice(CITIES)}
+            person = {"name": f"{rng.choice(first_names)} {rng.choice(surnames)}", "age": rng.randint(18, 90),
+                      "city": rng.choice(CITIES)}
             sentence = rng.choice(RECORD_TEMPLATES).format(**person)
             pairs.append((RECORD_INSTRUCTION + sentence, json.dumps(person, ensure_ascii=False)))
         return pairs
 
-    train = draw(lambda: f"{made_up_name(rng, real)} {made_up_name(rng, real)}", num_train)
-    return train, draw(lambda: f"{rng.choice(FIRST_NAMES)} {rng.choice(SURNAMES)}", num_eval)
+    return draw(firsts[cut_f:], lasts[cut_l:], num_train), draw(firsts[:cut_f], lasts[:cut_l], num_eval)
 
 
 TOPICS = {

@@ -310,9 +310,9 @@ def test_stoker_cp_copies_a_recipe_that_runs_on_its_own(tmp_path, capsys):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_records_hold_out_people_whose_names_no_training_row_holds(seed):
-    """The main job's task: training people have made-up names that never repeat (an adapter cannot learn them,
-    only to copy them), held-out people real names that no training row holds; no name is also a city, which
-    would make a sentence ambiguous ("Sofia is home to ..."); every answer's values are in its sentence."""
+    """The main job's task: held-out people have first names and surnames that no training row holds; no name is
+    also a city, which would make a sentence ambiguous ("Sofia is home to ..."); every answer's values are in its
+    sentence."""
     import json as json_
 
     from stoker.tasks import CITIES, FIRST_NAMES, SURNAMES, record_splits
@@ -320,9 +320,8 @@ def test_records_hold_out_people_whose_names_no_training_row_holds(seed):
     assert not {*FIRST_NAMES, *SURNAMES} & set(CITIES)
     train, held = record_splits(480, 100, seed)
     people = lambda pairs: [json_.loads(answer) for _, answer in pairs]
-    train_words = [w for person in people(train) for w in person["name"].split()]
-    assert len(set(train_words)) > 0.95 * len(train_words) and not set(train_words) & {*FIRST_NAMES, *SURNAMES}
-    assert all(first in FIRST_NAMES and last in SURNAMES for first, last in (p["name"].split() for p in people(held)))
+    train_words = {w for person in people(train) for w in person["name"].split()}
+    assert all(not set(p["name"].split()) & train_words for p in people(held))
     for prompt, person in zip([p for p, _ in train + held], people(train + held), strict=True):
         assert person["name"] in prompt and f"{person['age']}" in prompt and person["city"] in prompt
 
