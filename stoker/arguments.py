@@ -197,9 +197,6 @@ class TrainingArguments:
         "Evaluate outside training with the model cast to bfloat16 (faster, less memory, less exact)."))
     fp16_full_eval: bool = field(default=False, metadata=_help(
         "Evaluate outside training with the model cast to float16."))
-    float32_lm_head: bool = field(default=False, metadata=_help(
-        "Under bf16/fp16 autocast, run the output layer (lm_head) in float32: the logits, their argmax and the loss "
-        "are float32's while the rest of the model runs in 16 bits. Costs the output layer's matmul in float32."))
 
     # --- memory ---------------------------------------------------------------------------------
     gradient_checkpointing: bool | None = field(default=None, metadata=_help(
@@ -1000,7 +997,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "optimizer": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
         "optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
         "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),
-    "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval", "float32_lm_head"),
+    "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval"),
     "memory": ("gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_compile",
         "torch_compile_backend", "torch_compile_mode", "chunked_loss", "activation_checkpointing",
         "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config", "use_cache",

@@ -132,8 +132,7 @@ def lm_head_bypassed(lm_head: nn.Module):
         hidden = args[0]
         captured.hidden = hidden
         device = hidden.device.type
-        autocast = torch.is_autocast_enabled(device) and not getattr(module, "float32", False)
-        captured.dtype = torch.get_autocast_dtype(device) if autocast else None
+        captured.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return (hidden.narrow(-2, 0, 0), *args[1:])
 
     handle = lm_head.register_forward_pre_hook(hook)
@@ -141,17 +140,6 @@ def lm_head_bypassed(lm_head: nn.Module):
         yield captured
     finally:
         handle.remove()
-
-
-def run_in_float32(head: nn.Linear) -> None:
-    """Make `head` compute in float32 under autocast (its input and weight upcast): the logits are float32's,
-    and the chunked loss, which reads `head.float32`, computes in float32 as well."""
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            bias = None if head.bias is None else head.bias.float()
-            return nn.functional.linear(x.float(), head.weight.float(), bias)
-
-    head.forward, head.float32 = forward, True
 
 
 def output_head(model: nn.Module) -> nn.Module | None:

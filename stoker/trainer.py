@@ -61,7 +61,7 @@ from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, log
 from .log import logger, set_log_levels, transformers_logger
 from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, plan_steps, window_sizes
 from .lora import trainable_parameters, wrap
-from .loss import chunked_causal_lm_loss, output_head, run_in_float32, smoothed_label_loss
+from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .plan import start_of_training_line
@@ -221,12 +221,6 @@ class Trainer(TrainerAPI):
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
         self._chunked_head = output_head(model) if a.chunked_loss else None
-        if a.float32_lm_head and (a.bf16 or a.fp16):
-            head = output_head(model)
-            if not isinstance(head, torch.nn.Linear) or not head.weight.is_floating_point():
-                raise ConfigError([f"float32_lm_head=True: the output layer of {type(model).__name__} is "
-                                   f"{type(head).__name__}, not a floating-point nn.Linear; turn it off"])
-            run_in_float32(head)
         self._convention = LossConvention(model, base, self.label_names[0], self._forward_kwargs,
                                           loss_func=self.compute_loss_func is not None,
                                           chunked=self._chunked_head is not None)

@@ -208,32 +208,3 @@ def test_chunked_loss_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):
         Trainer(capped, args(tmp_path, chunked_loss=True), train_dataset=rows(4))
 
-
-def test_float32_lm_head_gives_float32_logits_and_loss_under_bf16(tmp_path):
-    """float32_lm_head: under bf16 autocast the output layer computes from its float32 weight, in evaluation (the
-    logits equal a float32 matmul of the same hidden states, and differ from the bf16 ones) and in training with
-    the chunked loss (the same loss as the unchunked one with a float32 head)."""
-    data = rows(8, seed=3)
-    hidden, logits = {}, {}
-    for f32 in (False, True):
-        model = llama()
-        model.lm_head.register_forward_hook(lambda m, inputs, out, f32=f32: hidden.update({f32: inputs[0]}))
-        t = Trainer(model, args(tmp_path, bf16=True, float32_lm_head=f32, per_device_eval_batch_size=8),
-                    eval_dataset=data)
-        logits[f32] = torch.as_tensor(t.predict(data).predictions)
-    h = hidden[True].float()
-    assert torch.allclose(logits[True][:, :h.shape[1]], (h @ llama().lm_head.weight.T)[:, :], atol=1e-5)
-    assert not torch.allclose(logits[True], logits[False], atol=1e-5)
-
-    losses = {}
-    for chunked_loss in (False, True):
-        t = Trainer(llama(), args(tmp_path, bf16=True, float32_lm_head=True, chunked_loss=chunked_loss,
-                                  per_device_train_batch_size=8, max_steps=1), train_dataset=data)
-        losses[chunked_loss] = t.train().training_loss
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
-
-
-def test_float32_lm_head_needs_a_linear_output_layer(tmp_path):
-    with pytest.raises(ConfigError, match=r"float32_lm_head=True: the output layer of Regressor is NoneType, not "
-                                          r"a floating-point nn.Linear"):
-        Trainer(Regressor(), args(tmp_path, bf16=True, float32_lm_head=True), train_dataset=regression_rows(4))
