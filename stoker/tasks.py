@@ -68,11 +68,15 @@ def arithmetic_splits(task: str, num_train: int, num_eval: int, digits: int = 2,
     return pairs[:num_train], pairs[len(pairs) - num_eval:]
 
 
-# The `records` task: a sentence about a person -> the JSON record of their name, age and city. SmolLM2-135M-Instruct
-# (the main job's model) answers in prose or in a JSON of its own shape, so it gets almost none exactly right; a
-# LoRA adapter learns the shape in a minute or two on a CPU. Held-out people have first names and surnames that no
-# training sentence contains, so an adapter that only memorised its rows gets none of them right. No name is also a
-# city, which would make a sentence ambiguous ("Sofia is home to ...").
+# The `records` task: a sentence about a person -> the YAML record of their name, age and city, one "key: value"
+# line each. SmolLM2-135M-Instruct (the main job's model) answers in prose or in a shape of its own, so it gets
+# almost none exactly right; a LoRA adapter learns the shape in a minute or two on a CPU. YAML rather than JSON: in
+# the sentence every name follows a space, and so it does after "name: ", where the model copies the same tokens;
+# after a JSON quote 107 of the 186 names split into other tokens (" Hugo" is one token, '"Hugo' is '"', 'H',
+# 'ug', 'o'), and one held-out first name misspelled that way cost 4-6 points of held-out exact match. Held-out
+# people have first names and surnames that no training sentence contains, so an adapter that only memorised its
+# rows gets none of them right. No name is also a city, which would make a sentence ambiguous ("Sofia is home
+# to ...").
 FIRST_NAMES = """Ana Ben Clara Daniel Elena Felix Grace Hugo Iris Jonas Karin Leo Mara Nils Olga Pablo Rosa Sami Tara
 Umar Vera Wim Yara Zoe Aiko Bruno Chiara Dario Emil Farah Goran Hana Ivan Jana Kofi Lena Mateo Nora Oskar Priya Quinn
 Rafael Sonja Tomas Ugo Valentina Wanda Xavier Yusuf Zelda Anton Bianca Carlos Dora Erik Fatima Gustav Helga Isak
@@ -92,15 +96,13 @@ RECORD_TEMPLATES = (
     "{name} ({age}) works in {city}.",
     "Born {age} years ago, {name} now lives in {city}.",
 )
-RECORD_INSTRUCTION = "Extract the person's name, age and city as JSON: "
+RECORD_INSTRUCTION = "Extract the person's name, age and city as YAML: "
 
 
 def record_splits(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Train / held-out (instruction + sentence, JSON record) pairs of the `records` task, drawn with `seed`.
+    """Train / held-out (instruction + sentence, YAML record) pairs of the `records` task, drawn with `seed`.
 
     A fifth of the first names and of the surnames (chosen by the seed) appear only in held-out rows."""
-    import json
-
     rng = random.Random(seed)
     firsts, lasts = FIRST_NAMES[:], SURNAMES[:]
     rng.shuffle(firsts)
@@ -113,7 +115,7 @@ def record_splits(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[tu
             person = {"name": f"{rng.choice(first_names)} {rng.choice(surnames)}", "age": rng.randint(18, 90),
                       "city": rng.choice(CITIES)}
             sentence = rng.choice(RECORD_TEMPLATES).format(**person)
-            pairs.append((RECORD_INSTRUCTION + sentence, json.dumps(person, ensure_ascii=False)))
+            pairs.append((RECORD_INSTRUCTION + sentence, "\n".join(f"{k}: {v}" for k, v in person.items())))
         return pairs
 
     return draw(firsts[cut_f:], lasts[cut_l:], num_train), draw(firsts[:cut_f], lasts[:cut_l], num_eval)

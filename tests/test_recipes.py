@@ -312,14 +312,15 @@ def test_stoker_cp_copies_a_recipe_that_runs_on_its_own(tmp_path, capsys):
 def test_records_hold_out_people_whose_names_no_training_row_holds(seed):
     """The main job's task: held-out people have first names and surnames that no training row holds; no name is
     also a city, which would make a sentence ambiguous ("Sofia is home to ..."); every answer's values are in its
-    sentence."""
-    import json as json_
+    sentence; every answer is the YAML of exactly those three values."""
+    import yaml
 
     from stoker.tasks import CITIES, FIRST_NAMES, SURNAMES, record_splits
 
     assert not {*FIRST_NAMES, *SURNAMES} & set(CITIES)
     train, held = record_splits(480, 100, seed)
-    people = lambda pairs: [json_.loads(answer) for _, answer in pairs]
+    people = lambda pairs: [yaml.safe_load(answer) for _, answer in pairs]
+    assert all(list(p) == ["name", "age", "city"] and isinstance(p["age"], int) for p in people(train + held))
     train_words = {w for person in people(train) for w in person["name"].split()}
     assert all(not set(p["name"].split()) & train_words for p in people(held))
     for prompt, person in zip([p for p, _ in train + held], people(train + held), strict=True):

