@@ -38,7 +38,7 @@ from .callbacks import (
     TrainerState,
     integration_callbacks,
 )
-from .checkpointing import Checkpointer
+from .checkpointing import Checkpointer, RunObjects, resolve_resume, resume_settings, save_model
 from .convention import LossConvention, loss_of, loss_or_none
 from .data import (
     ColumnFilter,
@@ -48,7 +48,7 @@ from .data import (
     forward_columns,
 )
 from .diagnostics import peak_memory_metrics
-from .distributed.backends import backend_for
+from .distributed.backends import OptimizerSource, backend_for
 from .distributed.fsdp import full_tensor
 from .distributed.options import build_accelerator
 from .errors import (
@@ -161,7 +161,8 @@ class Trainer(TrainerAPI):
             raise ConfigError(problems, "Trainer inputs")
 
         self.accelerator = build_accelerator(self.args, model, optimizers)
-        self._backend, self._checkpointer = backend_for(self.accelerator, self.args), Checkpointer(self)
+        self._backend = backend_for(self.accelerator, self.args)
+        self._checkpointer: Checkpointer | None = None  # the current (or last) run's: train() builds it
         set_log_levels(self.args)
         self._enable_gradient_checkpointing(model)
         self.model = model
@@ -224,7 +225,6 @@ class Trainer(TrainerAPI):
         self._convention = LossConvention(model, base, self.label_names[0], self._forward_kwargs,
                                           loss_func=self.compute_loss_func is not None,
                                           chunked=self._chunked_head is not None)
-        self._logits_wanted = False  # set by evaluation: whether chunked_loss must still compute logits
         # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
         self._train_batch_size = a.per_device_train_batch_size
         self._set_collator(base)
@@ -278,11 +278,11 @@ class Trainer(TrainerAPI):
         receives it; any other returns a mean over its own items, which is rescaled by local items / window
         items, so that B x A micro-batches give exactly the update of one batch of B*A.
         With chunked_loss, a causal LM's loss comes from its hidden states (stoker.loss) unless the caller
-        needs the logits (an evaluation whose metrics want predictions).
+        asks for the outputs (return_outputs: an evaluation that keeps its predictions needs the logits).
         """
         inputs = {**inputs, **self._forward_kwargs}
         labels = inputs.get(self.label_names[0])
-        if self._chunked_head is not None and labels is not None and not (return_outputs and self._logits_wanted):
+        if self._chunked_head is not None and labels is not None and not return_outputs:
             del inputs[self.label_names[0]]
             loss, outputs = chunked_causal_lm_loss(model, self._chunked_head, inputs, labels, num_items_in_batch)
         elif self.compute_loss_func is not None:
@@ -377,7 +377,7 @@ class Trainer(TrainerAPI):
         resumed from), the loop, the run's metrics."""
         a = self.args
         self._ignore_keys_for_eval = ignore_keys_for_eval
-        resume_dir = self._checkpointer.resolve(resume_from_checkpoint)
+        resume_dir = resolve_resume(resume_from_checkpoint, a)
         pos, run, per_epoch = self._start_run(resume_dir, trial)
         s = self.state
         self._fire("on_train_begin", train_dataloader=self._train_dataloader)
@@ -404,8 +404,11 @@ class Trainer(TrainerAPI):
         steps per epoch (None for a dataset without a length)."""
         a, acc = self.args, self.accelerator
         self._backend.check_new_run()
-        if resume_dir is not None:
-            self._checkpointer.check_kind(resume_dir)
+        pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
+                           accumulation=a.gradient_accumulation_steps)
+        dataset_len = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+        # refused before anything of the run is set up; may adopt the micro-batch auto_find_batch_size settled on
+        loop = resume_settings(resume_dir, self._backend, a, dataset_len, pos) if resume_dir else None
         # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
         s = self.state = TrainerState(is_local_process_zero=acc.is_local_main_process,
                                       is_world_process_zero=acc.is_main_process)
@@ -415,7 +418,7 @@ class Trainer(TrainerAPI):
             s.trial_name = str(getattr(trial, "number", ""))
         self.control = TrainerControl()
         self.optimizer, self.lr_scheduler = self._given_optimizers
-        self.current_flos, self._last_saved_step = 0, None
+        self.current_flos = 0
         self._seed()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
             model = self._set_up_model(self.call_model_init(trial))
@@ -424,31 +427,24 @@ class Trainer(TrainerAPI):
             self.model = self.model_wrapped = model
         if a.use_liger_kernel:
             self._apply_liger_kernel()
-        pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
-                           accumulation=a.gradient_accumulation_steps)
-        loop = ckpt.read_json(resume_dir, "loop_state.json") if resume_dir else None
-        if loop is not None:  # may adopt the micro-batch that auto_find_batch_size settled on
-            self._checkpointer.check_resume_settings(loop, resume_dir, pos)
         self._train_batch_size = pos.micro_batch  # what get_train_dataloader batches by (as transformers)
         # checkpoints of this run carry its id; a resumed run continues the id of its checkpoint
-        self._run_id = (loop or {}).get("run_id") or uuid.uuid4().hex
+        self._checkpointer = Checkpointer(a, self._backend, (loop or {}).get("run_id") or uuid.uuid4().hex,
+                                          dataset_len)
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
         self._train_dataloader = self._prepared(self.get_train_dataloader())
         max_steps, per_epoch = plan_steps(self._train_dataloader, pos.accumulation, a)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
-        self._backend.prepare(self, max_steps)  # sets model_wrapped, optimizer, lr_scheduler
+        self.model_wrapped, self.optimizer, self.lr_scheduler = self._backend.prepare(
+            self.model, self._optimizer_source(), max_steps)
 
         s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.compute_steps(a, max_steps)
         run = RunningLog(acc.device)
         if resume_dir is not None:
-            self._checkpointer.load(resume_dir, run)
-            if s.is_world_process_zero:
-                logger.info(f"resumed from {resume_dir} at step {s.global_step}")
-            pos.epoch = loop["epoch"]
-            pos.batches = 0 if a.ignore_data_skip else self._checkpointer.resume_skip(loop, pos)
+            pos, run = self._checkpointer.restore(resume_dir, loop, self._run_objects(), pos)
             if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
                 left = len(window_sizes(max(len(self._train_dataloader) - pos.batches, 0), pos.accumulation))
@@ -463,6 +459,14 @@ class Trainer(TrainerAPI):
             for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
                 shutil.rmtree(stale, ignore_errors=True)
         return pos, run, per_epoch
+
+    def _optimizer_source(self) -> OptimizerSource:
+        """The given optimizer and schedule, and this Trainer's hooks that build what was not given."""
+        def build(model, steps: int):
+            self.create_optimizer_and_scheduler(steps, model)
+            return self.optimizer, self.lr_scheduler
+
+        return OptimizerSource(*self._given_optimizers, build, self.create_optimizer)
 
     def _apply_liger_kernel(self) -> None:
         """Patch the model with Liger's kernels, as transformers does when training starts (evaluation alone needs
@@ -511,11 +515,11 @@ class Trainer(TrainerAPI):
         self.store_flos()
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
-            self._checkpointer.load_model_weights(s.best_model_checkpoint)
+            self._backend.load_weights(s.best_model_checkpoint, self.model_wrapped)
             if s.is_world_process_zero:
                 logger.info(f"loaded the best model, {s.best_model_checkpoint} ({a.metric_for_best_model}="
                             f"{s.best_metric})")
-        self._checkpointer.keep_only_best()
+        self._checkpointer.keep_only_best(s.best_model_checkpoint)
         if memory is not None:
             memory.stop_and_update_metrics(metrics)
         self.log(metrics)
@@ -700,7 +704,7 @@ class Trainer(TrainerAPI):
         acc = self.accelerator
         bad = ~torch.isfinite(window_loss)
         # with fp16 loss scaling (Accelerate's or DeepSpeed's), inf gradients are the scaler's business
-        if not self._backend.scaler_handles_inf(self.args):
+        if not self._backend.scaler_handles_inf():
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
         mine = bad
         if acc.num_processes > 1:  # every rank must take the same decisions
@@ -747,9 +751,8 @@ class Trainer(TrainerAPI):
                 self.control.should_save = True
         if self.control.should_save:
             self.control.should_save = False
-            if self._last_saved_step != s.global_step:  # epoch end right after a step save: same step
+            if self._checkpointer.last_saved_step != s.global_step:  # epoch end right after a step save
                 self._save_checkpoint(pos, run)
-                self._last_saved_step = s.global_step
         run.excluded += time.perf_counter() - paused
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -815,7 +818,7 @@ class Trainer(TrainerAPI):
         better = best is None or (value > best if self.args.greater_is_better else value < best)
         if better and math.isfinite(value):
             s.best_metric, s.best_global_step = value, s.global_step
-            if self._last_saved_step == s.global_step:  # evaluated after this step's checkpoint was written
+            if self._checkpointer.last_saved_step == s.global_step:  # evaluated after this step's checkpoint
                 s.best_model_checkpoint = ckpt.checkpoint_dir(self.args.output_dir, s.global_step)
             return True
         return False
@@ -905,8 +908,12 @@ class Trainer(TrainerAPI):
                 # as transformers: a model patched by Liger then skips the logits; others ignore the flag
                 skip = {"skip_logits": True} if (self.args.use_liger_kernel and prediction_loss_only
                                                  and self._is_transformers) else {}
-                loss, outputs = self.compute_loss(model, {**inputs, **skip}, return_outputs=True,
-                                                  num_items_in_batch=max(items, 1))
+                inputs = {**inputs, **skip}
+                if prediction_loss_only:  # the loss alone: chunked_loss then computes no logits
+                    loss, outputs = self.compute_loss(model, inputs, num_items_in_batch=max(items, 1)), None
+                else:
+                    loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
+                                                      num_items_in_batch=max(items, 1))
         loss = loss.detach() if loss is not None else None
         if prediction_loss_only:
             return loss, None, None
@@ -923,7 +930,6 @@ class Trainer(TrainerAPI):
         a, acc, model, prefix = self.args, self.accelerator, self.model_wrapped, metric_key_prefix
         if prediction_loss_only is None:
             prediction_loss_only = a.prediction_loss_only
-        self._logits_wanted = not prediction_loss_only  # otherwise chunked_loss never computes the logits
         # each batch's loss is normalised over its own items (target tokens; rows for a plain module without
         # labels), then re-weighted by them: the exact mean over every item of the eval set
         loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
@@ -988,7 +994,8 @@ class Trainer(TrainerAPI):
         """Save the model for use outside stoker: transformers/peft models with save_pretrained
         (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json. Every
         process must call it (a sharded model is gathered)."""
-        self._checkpointer.save_model(output_dir or self.args.output_dir)
+        save_model(output_dir or self.args.output_dir, self.accelerator, self._backend, self.model_wrapped,
+                   self.processing_class, self.args)
 
     def _state_dict_for_saving(self) -> dict | None:
         """The full state dict, gathered across shards (every rank must call it); None where save_pretrained
@@ -996,5 +1003,14 @@ class Trainer(TrainerAPI):
         return self._backend.state_dict_for_saving(self.model_wrapped)
 
     def _save_checkpoint(self, pos: LoopPosition, run: RunningLog) -> str:
-        """Write checkpoint-<global_step> of the run at `pos` (stoker.checkpointing does the work)."""
-        return self._checkpointer.save(pos, run)
+        """Write checkpoint-<global_step> of the run at `pos` (stoker.checkpointing does the work), then
+        on_save."""
+        self.store_flos()
+        path = self._checkpointer.save(self._run_objects(), pos, run)
+        self._fire("on_save")
+        return path
+
+    def _run_objects(self) -> RunObjects:
+        """What a checkpoint holds of the run in progress."""
+        return RunObjects(self.model_wrapped, self.optimizer, self.lr_scheduler, self.state,
+                          self.callback_handler.callbacks, self.control)

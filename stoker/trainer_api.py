@@ -21,6 +21,7 @@ import torch
 from .arguments import ConfigError
 from .distributed.deepspeed import non_embedding_parameters
 from .distributed.options import build_accelerator
+from .loop import plan_steps
 from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kwargs, parameter_groups
 
 
@@ -51,28 +52,21 @@ class TrainerAPI:
 
     def set_initial_training_values(self, args, dataloader) -> tuple[int, int, int, int, int, int | None, int]:
         """(num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
-        steps_in_epoch, max_steps) of a run over `dataloader`, as transformers computes them."""
-        max_steps, accumulation = args.max_steps, args.gradient_accumulation_steps
-        try:
-            len_dataloader = len(dataloader)
-        except TypeError:
-            len_dataloader = None
-        total = self.get_total_train_batch_size(args)
-        if len_dataloader:
-            per_epoch = max(math.ceil(len_dataloader / accumulation), 1)
-            if max_steps <= 0:
-                max_steps = math.ceil(args.num_train_epochs * per_epoch)
-                epochs = math.ceil(args.num_train_epochs)
-                samples = self.num_examples(dataloader) * args.num_train_epochs
-            else:
-                epochs, samples = math.ceil(max_steps / per_epoch), max_steps * total
-            examples = self.num_examples(dataloader)
-        elif max_steps > 0:  # no length: as many passes as max_steps needs
-            epochs, per_epoch, examples, samples = sys.maxsize, max_steps, total * max_steps, total * max_steps
-        else:
+        steps_in_epoch, max_steps) of a run over `dataloader`, as transformers computes them; the steps are the
+        loop's own plan (stoker.loop.plan_steps)."""
+        accumulation, total = args.gradient_accumulation_steps, self.get_total_train_batch_size(args)
+        if args.max_steps <= 0 and not hasattr(dataloader, "__len__"):
             raise ValueError("max_steps must be > 0 for a dataloader without a length")
-        steps_in_epoch = len_dataloader if len_dataloader is not None else max_steps * accumulation
-        return epochs, per_epoch, examples, samples, total, steps_in_epoch, max_steps
+        max_steps, per_epoch = plan_steps(dataloader, accumulation, args)
+        if per_epoch is None:  # no length: as many passes as max_steps needs
+            samples = total * max_steps
+            return sys.maxsize, max_steps, samples, samples, total, max_steps * accumulation, max_steps
+        examples = self.num_examples(dataloader)
+        if args.max_steps > 0:
+            epochs, samples = math.ceil(max_steps / per_epoch), max_steps * total
+        else:
+            epochs, samples = math.ceil(args.num_train_epochs), examples * args.num_train_epochs
+        return epochs, per_epoch, examples, samples, total, len(dataloader), max_steps
 
     def get_tp_size(self) -> int:
         """Tensor-parallel degree: always 1, as stoker runs no tensor parallelism (parallelism_config is refused)."""

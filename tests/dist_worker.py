@@ -349,7 +349,7 @@ def fsdp2(out: str) -> None:
     resumed.train(resume_from_checkpoint=checkpoint_2)
     gathered_resumed = resumed._state_dict_for_saving()
     r.values["resumed_losses"] = losses(resumed)
-    resumed._checkpointer.load_model_weights(checkpoint_2)
+    resumed._backend.load_weights(checkpoint_2, resumed.model_wrapped)
     gathered_step_2 = resumed._state_dict_for_saving()
     if r.rank == 0:
         for name, tensors in (("final", gathered), ("resumed", gathered_resumed), ("step_2", gathered_step_2)):
@@ -492,7 +492,7 @@ def zero3(out: str) -> None:
     resumed = resumed_run(r, "resumed", args_of)
     r.values["resumed_losses"] = losses(resumed)
     resumed_final = resumed._state_dict_for_saving()
-    resumed._checkpointer.load_model_weights(os.path.join(r.folder, "out", "checkpoint-2"))
+    resumed._backend.load_weights(os.path.join(r.folder, "out", "checkpoint-2"), resumed.model_wrapped)
     step_2 = resumed._state_dict_for_saving()
     bad = os.path.join(r.folder, "bad")  # one tensor missing, one of another shape
     if r.rank == 0:
@@ -505,7 +505,7 @@ def zero3(out: str) -> None:
         save_file(weights, os.path.join(bad, "model.safetensors"))
     resumed.accelerator.wait_for_everyone()
     try:
-        resumed._checkpointer.load_model_weights(bad)
+        resumed._backend.load_weights(bad, resumed.model_wrapped)
     except Exception as e:
         r.values["bad_fit"] = f"{type(e).__name__}: {e}"
     if r.rank == 0:
@@ -534,7 +534,7 @@ def lora_zero3(out: str) -> None:
     resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
     resumed.save_model(os.path.join(r.folder, "resumed_saved"))
     # as load_best_model_at_end does
-    resumed._checkpointer.load_model_weights(os.path.join(r.folder, "out", "checkpoint-2"))
+    resumed._backend.load_weights(os.path.join(r.folder, "out", "checkpoint-2"), resumed.model_wrapped)
     resumed.save_model(os.path.join(r.folder, "step_2_saved"))
     r.values.update(losses=losses(full), resumed_losses=losses(resumed))
     r.write()

@@ -24,6 +24,8 @@ from stoker.distributed.backends import (
 )
 from stoker.errors import CheckpointError
 
+PLAIN, FP16 = types.SimpleNamespace(fp16=False), types.SimpleNamespace(fp16=True)  # the arguments backends read
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -63,7 +65,7 @@ def test_a_single_process_run_gets_the_plain_backend(tmp_path):
 @pytest.mark.parametrize("backend_class", [Backend, DeepSpeedBackend])
 def test_gradients_are_synchronised_on_the_last_micro_batch_only(backend_class):
     acc, model = StandInAccelerator(), object()
-    backend = backend_class(acc)
+    backend = backend_class(acc, PLAIN)
     seen = []
     for last in (False, False, True):
         with backend.micro_batch(model, last):
@@ -76,24 +78,23 @@ def test_gradients_are_synchronised_on_the_last_micro_batch_only(backend_class):
 
 def test_deepspeed_restores_sync_gradients_when_a_micro_batch_fails():
     acc = StandInAccelerator()
-    with pytest.raises(RuntimeError), DeepSpeedBackend(acc).micro_batch(object(), last=False):
+    with pytest.raises(RuntimeError), DeepSpeedBackend(acc, PLAIN).micro_batch(object(), last=False):
         raise RuntimeError("out of memory")
     assert acc.sync_gradients
 
 
 def test_backward_and_the_nonfinite_guard_members():
-    plain, fp16 = types.SimpleNamespace(fp16=False), types.SimpleNamespace(fp16=True)
     acc = StandInAccelerator()
-    Backend(acc).backward(torch.zeros(()))
-    DeepSpeedBackend(acc).backward(torch.zeros(()))
+    Backend(acc, PLAIN).backward(torch.zeros(()))
+    DeepSpeedBackend(acc, PLAIN).backward(torch.zeros(()))
     assert acc.backward_kwargs == [{}, {"scale_wrt_gas": False}]  # the loop normalises over the whole window
-    assert not Backend(StandInAccelerator()).scaler_handles_inf(fp16)
-    assert Backend(StandInAccelerator(scaler=object())).scaler_handles_inf(plain)
-    assert DeepSpeedBackend(StandInAccelerator()).scaler_handles_inf(fp16)
-    assert not DeepSpeedBackend(StandInAccelerator()).scaler_handles_inf(plain)
-    assert not Backend(StandInAccelerator()).update_applied_despite_nonfinite()
-    assert DeepSpeedBackend(StandInAccelerator()).update_applied_despite_nonfinite()
-    assert not DeepSpeedBackend(StandInAccelerator(step_was_skipped=True)).update_applied_despite_nonfinite()
+    assert not Backend(StandInAccelerator(), FP16).scaler_handles_inf()
+    assert Backend(StandInAccelerator(scaler=object()), PLAIN).scaler_handles_inf()
+    assert DeepSpeedBackend(StandInAccelerator(), FP16).scaler_handles_inf()
+    assert not DeepSpeedBackend(StandInAccelerator(), PLAIN).scaler_handles_inf()
+    assert not Backend(StandInAccelerator(), PLAIN).update_applied_despite_nonfinite()
+    assert DeepSpeedBackend(StandInAccelerator(), PLAIN).update_applied_despite_nonfinite()
+    assert not DeepSpeedBackend(StandInAccelerator(step_was_skipped=True), PLAIN).update_applied_despite_nonfinite()
 
 
 def test_a_checkpoint_is_resumed_only_by_its_own_kind_of_run(tmp_path):
@@ -103,11 +104,11 @@ def test_a_checkpoint_is_resumed_only_by_its_own_kind_of_run(tmp_path):
     (fsdp / "model_shards").mkdir()
     (zero / "optimizer_0.json").write_text("{}")
     assert [checkpoint_kind(str(f)) for f in (plain, fsdp, zero)] == [PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND]
-    Backend(StandInAccelerator()).check_checkpoint(str(plain))
+    Backend(StandInAccelerator(), PLAIN).check_checkpoint(str(plain))
     with pytest.raises(CheckpointError, match="was written by an FSDP run and this is a data-parallel"):
-        Backend(StandInAccelerator()).check_checkpoint(str(fsdp))
+        Backend(StandInAccelerator(), PLAIN).check_checkpoint(str(fsdp))
     with pytest.raises(CheckpointError, match="was written by a data-parallel .* run and this is a DeepSpeed run"):
-        DeepSpeedBackend(StandInAccelerator()).check_checkpoint(str(plain))
+        DeepSpeedBackend(StandInAccelerator(), PLAIN).check_checkpoint(str(plain))
 
 
 @pytest.mark.parametrize("module", ["trainer.py", "checkpointing.py"])

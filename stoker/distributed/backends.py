@@ -3,10 +3,10 @@
 The Trainer builds its backend once, from the Accelerator (`backend_for`), and calls it wherever the backends
 differ, so that neither the loop nor the checkpointing branches on the kind of run:
 
-    prepare(trainer, max_steps)              optimizer and scheduler built and prepared with the model for a run
+    prepare(model, source, max_steps)        the model prepared for a run, with its optimizer and schedule
     wraps_in_place                           whether prepare changed the model for good (train() runs once)
     micro_batch(model, last), backward(loss) one micro-batch of an accumulation window
-    scaler_handles_inf(args), update_applied_despite_nonfinite()   what the non-finite guard may decide
+    scaler_handles_inf(), update_applied_despite_nonfinite()   what the non-finite guard may decide
     state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
     save_rank_parts, save_optimizer          the optimizer state (and shards) in a checkpoint
     load_weights, load_training_state        what a checkpoint gives back
@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from .. import checkpoint as ckpt
 from ..errors import CheckpointError
@@ -49,18 +51,36 @@ from .options import check_sharding_active
 PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"
 
 
+class OptimizerSource(NamedTuple):
+    """Where a run's optimizer and schedule come from: the pair given to the Trainer (either may be None) and the
+    Trainer's hooks that build what was not given (a subclass may override them, as transformers')."""
+
+    given_optimizer: Any
+    given_scheduler: Any
+    build: Callable[[Any, int], tuple[Any, Any]]  # (model, steps) -> (optimizer, schedule): both, or the given
+    build_optimizer: Callable[[Any], Any]  # model -> the optimizer alone (or the given one)
+
+
+class Prepared(NamedTuple):
+    """What prepare makes for a run: the model as trained (DDP/FSDP/DeepSpeed-wrapped), its optimizer, schedule."""
+
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+
+
 def backend_for(accelerator, args) -> Backend:
     """The backend of the run Accelerate set up. Refuses (ConfigError) a run with `fsdp` set in which Accelerate
     did not set up FSDP, which would otherwise train unsharded."""
     check_sharding_active(args, accelerator.distributed_type)
     if is_deepspeed(accelerator):
-        return DeepSpeedBackend(accelerator)
+        return DeepSpeedBackend(accelerator, args)
     if is_sharded(accelerator):
         # the plugin's version, read without AcceleratorState.is_fsdp2, which fails where the process-wide state
         # says FSDP but this Accelerator has no plugin (a state set up by hand before it was built)
         version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 2)
-        return FSDP1Backend(accelerator) if version == 1 else FSDP2Backend(accelerator)
-    return Backend(accelerator)
+        return FSDP1Backend(accelerator, args) if version == 1 else FSDP2Backend(accelerator, args)
+    return Backend(accelerator, args)
 
 
 def checkpoint_kind(folder: str) -> str:
@@ -78,8 +98,8 @@ class Backend:
     kind = PLAIN_KIND  # as checkpoint messages name this kind of run
     wraps_in_place = False  # prepare leaves the model usable by another train() call
 
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
+    def __init__(self, accelerator, args):
+        self.accelerator, self.args = accelerator, args
         self.runs = 0  # prepare calls so far: one per train()
 
     # -- a run -------------------------------------------------------------------------------------------
@@ -92,13 +112,11 @@ class Backend:
                                "wrapped the model in place (DeepSpeed's engine, FSDP1's flat parameters), which "
                                "cannot be done twice: build a new Trainer and model for another run")
 
-    def prepare(self, trainer, max_steps: int) -> None:
-        """Build the optimizer and schedule for `max_steps` steps (unless given, through the Trainer's
-        create_optimizer_and_scheduler) and prepare them with the model; sets trainer.model_wrapped,
-        trainer.optimizer and trainer.lr_scheduler."""
+    def prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
+        """The optimizer and schedule for `max_steps` steps from `source`, prepared with the model."""
         self.runs += 1
-        trainer.create_optimizer_and_scheduler(max_steps)
-        trainer.model_wrapped, trainer.optimizer = self.accelerator.prepare(trainer.model, trainer.optimizer)
+        optimizer, scheduler = source.build(model, max_steps)
+        return Prepared(*self.accelerator.prepare(model, optimizer), scheduler)
 
     @contextlib.contextmanager
     def micro_batch(self, model, last: bool):
@@ -111,7 +129,7 @@ class Backend:
         """Backward of a micro-batch's loss, as normalised by the loop (Accelerate scales it for fp16)."""
         self.accelerator.backward(loss)
 
-    def scaler_handles_inf(self, args) -> bool:
+    def scaler_handles_inf(self) -> bool:
         """Whether fp16 loss scaling owns inf gradients (it skips their step and lowers the scale), so that the
         non-finite guard looks at the loss only."""
         return self.accelerator.scaler is not None
@@ -224,13 +242,12 @@ class FSDP1Backend(FSDPBackend):
 
     wraps_in_place = True
 
-    def prepare(self, trainer, max_steps: int) -> None:
+    def prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """The model wrapped first, then the optimizer built on its flat parameters and prepared."""
-        acc = self.accelerator
         self.runs += 1
-        trainer.model_wrapped = acc.prepare(trainer.model)
-        trainer.create_optimizer_and_scheduler(max_steps, trainer.model_wrapped)
-        trainer.optimizer = acc.prepare(trainer.optimizer)
+        wrapped = self.accelerator.prepare(model)
+        optimizer, scheduler = source.build(wrapped, max_steps)
+        return Prepared(wrapped, self.accelerator.prepare(optimizer), scheduler)
 
 
 class DeepSpeedBackend(Backend):
@@ -241,35 +258,32 @@ class DeepSpeedBackend(Backend):
     kind = DEEPSPEED_KIND
     wraps_in_place = True
 
-    def prepare(self, trainer, max_steps: int) -> None:
-        """Fill the config's "auto" values known only now (the schedule's steps), build the optimizer and
-        schedule (DeepSpeed's from the config's sections, else stoker's) and one engine of all three."""
-        acc = self.accelerator
-        self.runs += 1
-        finish_deepspeed_config(acc, trainer.args, max_steps)
-        self._create_optimizer_and_scheduler(trainer, max_steps)
-        trainer.model_wrapped, trainer.optimizer, trainer.lr_scheduler = acc.prepare(
-            trainer.model, trainer.optimizer, trainer.lr_scheduler)
-
-    def _create_optimizer_and_scheduler(self, trainer, num_training_steps: int) -> None:
-        """An "optimizer" or "scheduler" section of the DeepSpeed config is built by DeepSpeed (Accelerate's
-        placeholders stand for it until then); otherwise stoker's own is handed to DeepSpeed."""
+    def prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
+        """Fill the config's "auto" values known only now (the schedule's steps), then one engine of the model,
+        the optimizer and the schedule. An "optimizer" or "scheduler" section of the config is built by DeepSpeed
+        (Accelerate's placeholders stand for it until then); otherwise stoker's own (or the given one) is handed
+        to DeepSpeed."""
         from accelerate.utils import DummyOptim, DummyScheduler
 
-        a, config = trainer.args, self.accelerator.state.deepspeed_plugin.deepspeed_config
-        if trainer.optimizer is None:
-            trainer.optimizer = DummyOptim(parameter_groups(trainer.model, a.weight_decay), lr=a.learning_rate,
-                                           weight_decay=a.weight_decay) if "optimizer" in config else (
-                trainer.create_optimizer())
-        if trainer.lr_scheduler is not None:
-            return
-        if "scheduler" in config:
-            trainer.lr_scheduler = DummyScheduler(trainer.optimizer, total_num_steps=num_training_steps)
-        elif isinstance(trainer.optimizer, DummyOptim):  # stoker's schedule, on the optimizer DeepSpeed builds
-            trainer.lr_scheduler = DummyScheduler(
-                trainer.optimizer, lr_scheduler_callable=lambda opt: create_scheduler(opt, a, num_training_steps))
-        else:
-            trainer.lr_scheduler = create_scheduler(trainer.optimizer, a, num_training_steps)
+        acc = self.accelerator
+        self.runs += 1
+        finish_deepspeed_config(acc, self.args, max_steps)
+        a, config = self.args, acc.state.deepspeed_plugin.deepspeed_config
+        optimizer = source.given_optimizer
+        if optimizer is None:
+            optimizer = DummyOptim(parameter_groups(model, a.weight_decay), lr=a.learning_rate,
+                                   weight_decay=a.weight_decay) if "optimizer" in config else (
+                source.build_optimizer(model))
+        scheduler = source.given_scheduler
+        if scheduler is None:
+            if "scheduler" in config:
+                scheduler = DummyScheduler(optimizer, total_num_steps=max_steps)
+            elif isinstance(optimizer, DummyOptim):  # stoker's schedule, on the optimizer DeepSpeed builds
+                scheduler = DummyScheduler(
+                    optimizer, lr_scheduler_callable=lambda opt: create_scheduler(opt, a, max_steps))
+            else:
+                scheduler = create_scheduler(optimizer, a, max_steps)
+        return Prepared(*acc.prepare(model, optimizer, scheduler))
 
     @contextlib.contextmanager
     def micro_batch(self, model, last: bool):
@@ -288,9 +302,9 @@ class DeepSpeedBackend(Backend):
         accumulation steps again."""
         self.accelerator.backward(loss, scale_wrt_gas=False)
 
-    def scaler_handles_inf(self, args) -> bool:
+    def scaler_handles_inf(self) -> bool:
         """DeepSpeed's own fp16 loss scaler (with args.fp16), or Accelerate's."""
-        return self.accelerator.scaler is not None or bool(args.fp16)
+        return self.accelerator.scaler is not None or bool(self.args.fp16)
 
     def update_applied_despite_nonfinite(self) -> bool:
         """DeepSpeed applies the update inside its engine; its own overflow check skips some non-finite steps,
