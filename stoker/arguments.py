@@ -988,7 +988,8 @@ class TrainingArguments:
 
 
 # The group each field's --help line appears under, for TrainingArguments and its subclasses (argparse metadata
-# cannot carry it; a test checks that every field has exactly one).
+# cannot carry it; tests check that every field has exactly one, and that the class's `# --- ... ---` banners are
+# these groups in this order).
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "output": ("output_dir", "overwrite_output_dir", "run_name", "do_train", "do_eval", "do_predict"),
     "duration": ("num_train_epochs", "max_steps"),

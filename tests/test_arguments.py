@@ -136,6 +136,25 @@ def test_every_field_has_help_and_one_group():
     assert GROUPS <= set(FIELD_GROUPS)
 
 
+def test_the_class_banners_are_the_field_groups_in_order():
+    """The `# --- name ---` banners that section TrainingArguments' source are FIELD_GROUPS' groups, in order, and
+    every field stands under the banner of its group, so that the two cannot drift apart."""
+    import inspect
+    import re
+
+    from stoker.arguments import FIELD_GROUPS, GROUP_OF
+
+    banners, misplaced = [], []
+    for line in inspect.getsource(TrainingArguments).splitlines():
+        if m := re.match(r"    # --- (.+?) -+$", line):
+            banners.append(m.group(1))
+        elif (m := re.match(r"    (\w+): .+ = field\(", line)) and banners:
+            if GROUP_OF[m.group(1)] != list(FIELD_GROUPS)[len(banners) - 1]:
+                misplaced.append(f"{m.group(1)} (under {banners[-1]!r}, in group {GROUP_OF[m.group(1)]!r})")
+    assert len(banners) == len(FIELD_GROUPS) - 1  # all but Seq2SeqTrainingArguments' generation group
+    assert misplaced == []
+
+
 def test_metadata_is_what_argparse_accepts():
     # transformers' parser hands each field's metadata to argparse.add_argument as keyword arguments
     import argparse
