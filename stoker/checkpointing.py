@@ -134,6 +134,13 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------------------
 
+    def open_output_dir(self) -> None:
+        """Main process, before the run's first step: create output_dir and remove the temporary folders of saves
+        that a killed process never committed."""
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        for stale in ckpt.stale_temp_dirs(self.args.output_dir):
+            shutil.rmtree(stale, ignore_errors=True)
+
     def save(self, run: RunObjects, pos: LoopPosition, log: RunningLog) -> str:
         """Every rank: write output_dir/checkpoint-<global_step> and commit it atomically, then rotate; returns
         its path. Refuses (NonFiniteError) a model with non-finite parameters; a failure on any rank raises

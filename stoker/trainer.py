@@ -11,9 +11,7 @@ backend object that the loop calls without branching on which one it is.
 from __future__ import annotations
 
 import math
-import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -455,9 +453,7 @@ class Trainer(TrainerAPI):
                         f"({100 * trainable / max(total, 1):.2f}%)")
             if self._convention.causal:  # what memory this run should take (stoker.plan), before it takes it
                 logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
-            os.makedirs(a.output_dir, exist_ok=True)
-            for stale in ckpt.stale_temp_dirs(a.output_dir):  # left by a process killed mid-save
-                shutil.rmtree(stale, ignore_errors=True)
+            self._checkpointer.open_output_dir()
         return pos, run, per_epoch
 
     def _optimizer_source(self) -> OptimizerSource:
