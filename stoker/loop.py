@@ -34,6 +34,8 @@ def plan_steps(train_dataloader, accumulation: int, args) -> tuple[int, int | No
         per_epoch = None
     if args.max_steps > 0:
         return args.max_steps, per_epoch
+    if per_epoch is None:
+        raise ValueError("max_steps must be > 0 for a dataloader without a length (an IterableDataset)")
     if not per_epoch:
         raise ValueError("train_dataset yields no full micro-batch (dataloader_drop_last=True with fewer rows "
                          f"than per_device_train_batch_size={args.per_device_train_batch_size})")

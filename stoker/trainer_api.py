@@ -55,8 +55,6 @@ class TrainerAPI:
         steps_in_epoch, max_steps) of a run over `dataloader`, as transformers computes them; the steps are the
         loop's own plan (stoker.loop.plan_steps)."""
         accumulation, total = args.gradient_accumulation_steps, self.get_total_train_batch_size(args)
-        if args.max_steps <= 0 and not hasattr(dataloader, "__len__"):
-            raise ValueError("max_steps must be > 0 for a dataloader without a length")
         max_steps, per_epoch = plan_steps(dataloader, accumulation, args)
         if per_epoch is None:  # no length: as many passes as max_steps needs
             samples = total * max_steps

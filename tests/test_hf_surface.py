@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 
 # Values of transformers fields that ask for what stoker cannot do here: (field, value, reason).
 REFUSED_VALUES = [
@@ -134,8 +135,6 @@ def test_grouped_setters_set_what_transformers_sets(tmp_path):
 
 @pytest.mark.parametrize("name,value,reason", REFUSED_VALUES, ids=[r[0] for r in REFUSED_VALUES])
 def test_refused_values_are_one_error_naming_the_field(name, value, reason):
-    import torch
-
     from stoker import ConfigError, TrainingArguments
 
     if name == "fp16" and torch.cuda.is_available():
@@ -199,3 +198,17 @@ def test_set_initial_training_values_as_transformers(tiny_llama, make_args):
         loader = t.get_train_dataloader()
         assert t.set_initial_training_values(t.args, loader) == transformers.Trainer.set_initial_training_values(
             t, t.args, loader), kw
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(data)
+
+    t = Trainer(tiny_llama(), make_args(per_device_train_batch_size=2, max_steps=3), train_dataset=Stream())
+    loader = t.get_train_dataloader()  # no length: max_steps passes of as many batches as it needs
+    assert t.set_initial_training_values(t.args, loader) == transformers.Trainer.set_initial_training_values(
+        t, t.args, loader)
+    no_steps = dataclasses.replace(t.args, max_steps=-1)
+    with pytest.raises(ValueError, match="max_steps must be > 0 for a dataloader without a length"):
+        t.set_initial_training_values(no_steps, loader)
+    with pytest.raises(ValueError):  # as transformers refuses it
+        transformers.Trainer.set_initial_training_values(t, no_steps, loader)
