@@ -11,7 +11,9 @@ each in a fresh process of its own:
                                  is the slower one for short rows), to show what the attention alone gives
     trl.SFTTrainer               packing (its default best-fit strategy, padding-free), completion-only loss
     stoker                       the main job's settings: dynamic padding, eager attention, chunked_loss (the loss
-                                 from hidden states in chunks, logits of the answer tokens only)
+                                 from hidden states in chunks, logits of the answer tokens only), shared_prefix
+                                 (the system prompt and instruction every row starts with run once per batch)
+    stoker, no shared prefix     the same without shared_prefix, to show what each part gives
     stoker, packing              the same with TrainingArguments(packing=True): rows packed, padding-free
 
 "target tokens per second" is the labelled tokens of the rows (the same for every way) over the seconds of the
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fresh_process import run_child  # noqa: E402
 
 WAYS = ("transformers.Trainer", "transformers.Trainer, eager", "trl.SFTTrainer (packing)", "stoker",
-        "stoker, packing")
+        "stoker, no shared prefix", "stoker, packing")
 BATCH, LR, SEED = 8, 1e-3, 0
 
 
@@ -94,7 +96,8 @@ def child(way: str, rows: int, threads: int) -> dict:
     else:
         from stoker import Trainer, TrainingArguments
 
-        extra = {"packing": True, "packing_length": 512} if "packing" in way else {}
+        extra = ({"packing": True, "packing_length": 512} if "packing" in way
+                 else {} if "no shared prefix" in way else {"shared_prefix": True})
         trainer = Trainer(model, TrainingArguments(**common, **extra, chunked_loss=True),
                           train_dataset=encoded, processing_class=tokenizer, peft_config=lora)
     before = rss_bytes()

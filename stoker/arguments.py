@@ -213,6 +213,10 @@ class TrainingArguments:
         "Compute a causal LM's loss from its final hidden states a chunk of tokens at a time, never holding the "
         "[batch, seq, vocab] logits (same loss and gradients; stoker.loss). Evaluation still computes logits when "
         "compute_metrics needs predictions."))
+    shared_prefix: bool = field(default=False, metadata=_help(
+        "Run the leading tokens that every row of a training micro-batch shares (a system prompt, a fixed "
+        "instruction) once, for one row, and give the rest of each row their keys and values as a KV cache (same "
+        "loss and gradients; stoker.prefix). For causal LMs with a KV cache; the prefix holds no target."))
     activation_checkpointing: bool | None = field(default=None, metadata=_help(
         "Recompute activations in the backward pass (transformers 5's name for gradient_checkpointing).") | BARE_FLAG)
     activation_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
@@ -658,6 +662,14 @@ class TrainingArguments:
         if (self.packing or self.padding_free) and self.group_by_length:
             p.append(f"group_by_length=True with {'packing' if self.packing else 'padding_free'}=True: packed or "
                      "flattened rows leave nothing to group; use one or the other")
+        if self.shared_prefix:
+            why = {"packing": "packed rows start with different sequences",
+                   "padding_free": "a flattened micro-batch is a single row",
+                   "gradient_checkpointing": "recomputing activations drops the KV cache that carries the prefix",
+                   "fsdp": "the prefix runs through the model's body outside FSDP's wrapper",
+                   "deepspeed": "the prefix runs through the model's body outside DeepSpeed's engine"}
+            p += [f"shared_prefix=True with {name}={getattr(self, name)!r}: {reason}; turn one off"
+                  for name, reason in why.items() if getattr(self, name)]
         if self.padding_free and self.auto_find_batch_size:
             p.append("padding_free=True with auto_find_batch_size=True: a flattened micro-batch is one row, which "
                      "cannot be halved; turn one off")
@@ -1000,7 +1012,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
         "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),
     "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval"),
     "memory": ("gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_compile",
-        "torch_compile_backend", "torch_compile_mode", "chunked_loss", "activation_checkpointing",
+        "torch_compile_backend", "torch_compile_mode", "chunked_loss", "shared_prefix", "activation_checkpointing",
         "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config", "use_cache",
         "torch_empty_cache_steps"),
     "data": ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",

@@ -63,6 +63,7 @@ from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .plan import start_of_training_line
+from .prefix import prefix_body, shared_prefix_length, with_shared_prefix
 from .report import ReportCallback
 from .trainer_api import TrainerAPI
 from .trainer_inputs import trainer_input_problems
@@ -220,6 +221,7 @@ class Trainer(TrainerAPI):
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
         self._chunked_head = output_head(model) if a.chunked_loss else None
+        self._prefix_body = prefix_body(model) if a.shared_prefix else None
         self._convention = LossConvention(model, base, self.label_names[0], self._forward_kwargs,
                                           loss_func=self.compute_loss_func is not None,
                                           chunked=self._chunked_head is not None)
@@ -277,8 +279,15 @@ class Trainer(TrainerAPI):
         items, so that B x A micro-batches give exactly the update of one batch of B*A.
         With chunked_loss, a causal LM's loss comes from its hidden states (stoker.loss) unless the caller
         asks for the outputs (return_outputs: an evaluation that keeps its predictions needs the logits).
+        With shared_prefix, a training micro-batch's common leading tokens are run once (stoker.prefix).
         """
         inputs = {**inputs, **self._forward_kwargs}
+        if self._prefix_body is not None and model.training and not return_outputs:
+            length = shared_prefix_length(inputs, self.label_names[0])
+            if length:
+                decoder, cache_name = self._prefix_body
+                with self.accelerator.autocast():  # the prepared model's autocast does not cover its body alone
+                    inputs = with_shared_prefix(decoder, inputs, self.label_names[0], length, cache_name)
         labels = inputs.get(self.label_names[0])
         if self._chunked_head is not None and labels is not None and not return_outputs:
             del inputs[self.label_names[0]]

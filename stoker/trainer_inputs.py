@@ -13,6 +13,7 @@ import torch
 
 from .checkpoint import is_peft_model
 from .loss import chunked_loss_problems
+from .prefix import shared_prefix_problems
 
 
 def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset, collator, compute_loss_func,
@@ -49,6 +50,8 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
         if compute_loss_func is not None:
             p.append("chunked_loss=True: replaces the model's own loss and cannot feed compute_loss_func, "
                      "which needs the logits; use one or the other")
+    if a.shared_prefix and isinstance(model, torch.nn.Module):
+        p += shared_prefix_problems(model)
     if getattr(model, "hf_quantizer", None) is not None and not is_peft_model(model):
         p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                  "(LoRA) to train an adapter on it (QLoRA)")

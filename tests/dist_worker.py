@@ -657,6 +657,22 @@ def families(out: str) -> None:
     r.write()
 
 
+def shared_prefix(out: str) -> None:
+    """Rows that start alike with shared_prefix=True, 2 x batch 4 over 3 steps: compared by the test with one
+    process x batch 8 without sharing. The prefix's forward runs outside DDP's wrapper, its backward inside."""
+    from tests.test_prefix import PREFIX, EmbeddingShapes, prompt_rows
+
+    r = Report(out, "shared_prefix")
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=3,
+                         shared_prefix=True)
+    trainer = Trainer(llama(), args, train_dataset=prompt_rows(24, seed=5), callbacks=[shapes := EmbeddingShapes()])
+    trainer.train()
+    r.values.update(global_step=trainer.state.global_step, losses=losses(trainer), params=param_digest(trainer.model),
+                    prefix_forwards=shapes.shapes.count((1, len(PREFIX))))
+    r.save_tensors("final", final_params(trainer))
+    r.write()
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __init__(self, data):
         self.data = data
@@ -728,7 +744,7 @@ def per_process_tokens(out: str) -> None:
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
     preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
-    zero1_config_sections, per_process_tokens, families, iterable)}
+    zero1_config_sections, per_process_tokens, families, iterable, shared_prefix)}
 
 
 def main() -> None:

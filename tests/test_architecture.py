@@ -124,8 +124,8 @@ LAYERS = (
     ("arguments", ("stoker.arguments",)),
     ("helpers", ("stoker.checkpoint", "stoker.convention", "stoker.data", "stoker.diagnostics", "stoker.distributed",
                  "stoker.evaluation", "stoker.gguf", "stoker.log", "stoker.loop", "stoker.loss", "stoker.optim",
-                 "stoker.outputs", "stoker.packing", "stoker.plan", "stoker.requirements", "stoker.tasks",
-                 "stoker.tracking")),
+                 "stoker.outputs", "stoker.packing", "stoker.plan", "stoker.prefix", "stoker.requirements",
+                 "stoker.tasks", "stoker.tracking")),
     ("errors", ("stoker.errors",)),
 )
 

@@ -71,8 +71,8 @@ def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "save_failure",
-                 "per_process_tokens", "ddp_adamw", "families", "iterable", "fsdp1", "lora_fsdp2", "fsdp2",
-                 "fsdp_save_failure"))
+                 "per_process_tokens", "ddp_adamw", "families", "iterable", "shared_prefix", "fsdp1", "lora_fsdp2",
+                 "fsdp2", "fsdp_save_failure"))
     return out
 
 
@@ -116,6 +116,20 @@ def test_two_processes_update_like_one_process_for_every_family(two_ranks, tmp_p
         assert r0[name]["params"] == r1[name]["params"]
         assert [x for _, x in r0[name]["losses"]] == pytest.approx(
             [r["loss"] for r in one.state.log_history if "loss" in r], abs=2e-6)
+
+
+def test_two_processes_sharing_a_prefix_update_like_one_process_without(two_ranks, tmp_path):
+    from tests.test_prefix import prompt_rows
+
+    one = Trainer(llama(), w.training_args(str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=3),
+                  train_dataset=prompt_rows(24, seed=5))
+    one.train()
+    r0, r1 = ranks(two_ranks, "shared_prefix")
+    assert r0["global_step"] == r1["global_step"] == 3 and r0["params"] == r1["params"]
+    assert r0["prefix_forwards"] == r1["prefix_forwards"] == 3  # shared in every micro-batch of every rank
+    assert_params_close(load_file(str(two_ranks / "shared_prefix" / "final.safetensors")), params_of(one), atol=1e-6)
+    assert [x for _, x in r0["losses"]] == pytest.approx([r["loss"] for r in one.state.log_history if "loss" in r],
+                                                         abs=2e-6)
 
 
 def test_an_iterable_dataset_trains_and_predicts_over_two_processes_like_one(two_ranks, tmp_path):
