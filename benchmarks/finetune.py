@@ -20,7 +20,7 @@ each in a fresh process of its own:
 train() call; the first steps' cost is in it for every way alike. "peak growth" is the process's peak resident
 memory (ru_maxrss) minus its resident memory just before train(): what training adds on top of the loaded model.
 
-It is a measurement, not a test: it prints and exits 0. About five minutes on 2 idle CPU cores, with TRL installed
+It is a measurement, not a test: it prints and exits 0. About twenty minutes on 2 CPU cores, with TRL installed
 (`pip install -e ".[benchmarks]"`):
 
     python benchmarks/finetune.py [--rows 96] [--threads 2] [--repeats 1]

@@ -130,12 +130,13 @@ def test_the_prefix_runs_under_the_runs_autocast(tmp_path):
 
 
 def test_evaluation_and_prediction_run_whole_rows(tmp_path):
-    t = Trainer(llama(), args(tmp_path, per_device_eval_batch_size=4, shared_prefix=True),
-                eval_dataset=prompt_rows(8), callbacks=[shapes := EmbeddingShapes()])
-    t.model.get_input_embeddings().register_forward_hook(lambda m, i, o: shapes.shapes.append(tuple(i[0].shape)))
+    t = Trainer(llama(), args(tmp_path, per_device_eval_batch_size=4, shared_prefix=True), eval_dataset=prompt_rows(8))
+    shapes = []
+    t.model.get_input_embeddings().register_forward_hook(lambda m, i, o: shapes.append(tuple(i[0].shape)))
+    t.evaluate()
     out = t.predict(prompt_rows(8))
     assert out.predictions.shape[:2] == (8, max(len(r["input_ids"]) for r in prompt_rows(8)))
-    assert all(s[1] > len(PREFIX) for s in shapes.shapes)
+    assert shapes and all(s[1] > len(PREFIX) for s in shapes)
 
 
 def batch(ids, labels, mask=None, **extra):
