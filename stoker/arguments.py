@@ -57,6 +57,13 @@ JSON_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelera
                "deepspeed", "activation_checkpointing_kwargs", "liger_kernel_config", "parallelism_config")
 
 
+# the settings shared_prefix cannot go with, and why
+SHARED_PREFIX_CONFLICTS = {
+    "packing": "packed rows start with different sequences",
+    "padding_free": "a flattened micro-batch is a single row",
+    "gradient_checkpointing": "recomputing activations drops the KV cache that carries the prefix",
+    "fsdp": "the prefix runs through the model's body outside FSDP's wrapper",
+    "deepspeed": "the prefix runs through the model's body outside DeepSpeed's engine"}
 # as transformers declares its `bool | None` switches, so that a bare `--gradient_checkpointing` means True
 BARE_FLAG = {"nargs": "?", "const": True}
 
@@ -663,13 +670,8 @@ class TrainingArguments:
             p.append(f"group_by_length=True with {'packing' if self.packing else 'padding_free'}=True: packed or "
                      "flattened rows leave nothing to group; use one or the other")
         if self.shared_prefix:
-            why = {"packing": "packed rows start with different sequences",
-                   "padding_free": "a flattened micro-batch is a single row",
-                   "gradient_checkpointing": "recomputing activations drops the KV cache that carries the prefix",
-                   "fsdp": "the prefix runs through the model's body outside FSDP's wrapper",
-                   "deepspeed": "the prefix runs through the model's body outside DeepSpeed's engine"}
             p += [f"shared_prefix=True with {name}={getattr(self, name)!r}: {reason}; turn one off"
-                  for name, reason in why.items() if getattr(self, name)]
+                  for name, reason in SHARED_PREFIX_CONFLICTS.items() if getattr(self, name)]
         if self.padding_free and self.auto_find_batch_size:
             p.append("padding_free=True with auto_find_batch_size=True: a flattened micro-batch is one row, which "
                      "cannot be halved; turn one off")

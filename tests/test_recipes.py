@@ -238,6 +238,17 @@ def test_unknown_lora_targets_and_kbit_problems_are_named(base_model, monkeypatc
         quantization_config(load_in_4bit=True, quant_type="int4")
 
 
+@pytest.mark.parametrize("flags, shared", [
+    ([], True), (["--packing", "true"], False), (["--packing=false"], True), (["--gradient_checkpointing"], False),
+    (["--activation_checkpointing", "true"], False), (["--padding_free", "no"], True)])
+def test_the_main_jobs_shared_prefix_yields_to_a_setting_that_excludes_it(flags, shared):
+    """The embedded default turns shared_prefix on; asking for packing or gradient checkpointing on the command
+    line gets that, not a refusal of the default's own setting."""
+    from stoker.recipes import parse_recipe_args
+
+    assert parse_recipe_args(flags, "sft")[3].shared_prefix is shared
+
+
 def test_readme_documents_every_training_argument_as_its_help_says():
     """The README's arguments table holds one row per field: its --help group, default and help text (where the
     lists of accepted names, such as the optimizers, come from the tables that validation uses)."""

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from .. import checkpoint as ckpt
-from ..arguments import CONFIG_SUFFIXES, TrainingArguments, load_config_file, parse_config
+from ..arguments import (CONFIG_SUFFIXES, SHARED_PREFIX_CONFLICTS, TrainingArguments, load_config_file,
+                         parse_config)
 from ..errors import CheckpointError, ConfigError, report
 from ..gguf import SMOLLM2, SMOLLM2_INSTALL, packaged_model
 from ..inputs import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
@@ -215,11 +216,27 @@ def parse_recipe_args(argv: list[str], recipe: str | None = None, prog: str | No
     defaults = None if has_file or recipe not in RECIPES else dict(RECIPES[recipe].default_job)
     if defaults and "--train_file" in argv:  # the user's data replaces the default's generated task
         defaults.pop("dataset_name", None)
+    if defaults and _flags_on(argv, {*SHARED_PREFIX_CONFLICTS, "activation_checkpointing"}):
+        defaults.pop("shared_prefix", None)  # the default's speed-up yields to a setting asked for that excludes it
     r, m, d, args = parse_config(ARGUMENT_TYPES, argv, defaults, prog=prog,
                                  check=(lambda built: input_problems(built, checks)) if checks else None)
     if args.packing and args.packing_length is None:  # rows are cut to max_length, packed rows hold as many
         args.packing_length = max(d.max_length, 2)
     return r, m, d, args
+
+
+def _flags_on(argv: list[str], names: set[str]) -> bool:
+    """Whether a flag of `names` is given a value other than off (`--x`, `--x V`, `--x=V`; off: false, no, 0,
+    none or empty)."""
+    for i, token in enumerate(argv):
+        name, eq, value = token[2:].partition("=")
+        if not token.startswith("--") or name not in names:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "true"
+        if value.strip().lower() not in ("false", "no", "0", "none", ""):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------
