@@ -864,7 +864,7 @@ class Trainer(TrainerAPI):
         plus the speed metrics. With auto_find_batch_size, an out-of-memory error halves the evaluation batch (never
         the training batch) and starts over."""
         if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
-            self.model_wrapped = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+            self.model_wrapped = self._backend.place_for_evaluation(self.model)
         if not self.is_in_train and (self.args.bf16_full_eval or self.args.fp16_full_eval):
             self.model_wrapped.to(torch.bfloat16 if self.args.bf16_full_eval else torch.float16)
         model = self.model_wrapped

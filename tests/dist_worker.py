@@ -92,17 +92,21 @@ def losses(trainer) -> list:
 # scenarios
 
 
-def equivalence(out: str, per_device: int = 4, accumulation: int = 1, scenario: str = "equivalence") -> None:
-    """2 x batch 4 (or 2 x batch 2 x accumulation 2): compared by the test with 1 x 8 and 1 x 2 x 4."""
+def equivalence(out: str, per_device: int = 4, accumulation: int = 1, scenario: str = "equivalence",
+                evaluate_first: bool = False) -> None:
+    """2 x batch 4 (or 2 x batch 2 x accumulation 2): compared by the test with 1 x 8 and 1 x 2 x 4. With
+    `evaluate_first`, evaluate() runs before train(), as the recipes do."""
     r = Report(out, scenario)
     args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=per_device,
                          gradient_accumulation_steps=accumulation, num_train_epochs=1, save_strategy="steps",
                          save_steps=2)
-    trainer = Trainer(llama(), args, train_dataset=TRAIN)
+    trainer = Trainer(llama(), args, train_dataset=TRAIN, eval_dataset=EVAL7)
+    if evaluate_first:
+        trainer.evaluate()
     trainer.train()
     r.values.update(global_step=trainer.state.global_step, max_steps=trainer.state.max_steps,
                     losses=losses(trainer), params=param_digest(trainer.model),
-                    log_records=len(trainer.state.log_history))
+                    log_records=len(trainer.state.log_history), wrapper=type(trainer.model_wrapped).__name__)
     r.save_tensors("final", final_params(trainer))
     r.write()
 
@@ -125,6 +129,10 @@ def ddp_settings(out: str) -> None:
 
 def equivalence_accumulation(out: str) -> None:
     equivalence(out, per_device=2, accumulation=2, scenario="equivalence_accumulation")
+
+
+def equivalence_after_evaluate(out: str) -> None:
+    equivalence(out, scenario="equivalence_after_evaluate", evaluate_first=True)
 
 
 def evaluation(out: str) -> None:
@@ -326,10 +334,10 @@ def fsdp_args(out: str, **kw) -> TrainingArguments:
 def fsdp2(out: str) -> None:
     """The ddp_adamw run (2 processes x batch 2 x accumulation 2: the non-final micro-batches skip FSDP's
     gradient reduce-scatter) sharded with FSDP2 and compared by the test with it, saved with save_model. Its
-    checkpoint-2 (state_dict_type FULL_STATE_DICT, the default: shards and the full model) is resumed by a run
-    with SHARDED_STATE_DICT, whose checkpoint-3 holds shards only; that run then loads checkpoint-2's model
-    weights alone (as load_best_model_at_end does). It must be the launch's last scenario: the fixture leaves the
-    process's Accelerate state set to FSDP."""
+    checkpoint-2 (state_dict_type FULL_STATE_DICT, the default: shards and the full model) is resumed, after an
+    evaluate(), by a run with SHARDED_STATE_DICT, whose checkpoint-3 holds shards only; that run then loads
+    checkpoint-2's model weights alone (as load_best_model_at_end does). It must be the launch's last scenario:
+    the fixture leaves the process's Accelerate state set to FSDP."""
     r = Report(out, "fsdp2")
     args = fsdp_args(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2)
     full = Trainer(llama(), args, train_dataset=TRAIN)
@@ -346,9 +354,11 @@ def fsdp2(out: str) -> None:
     resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed"), save_strategy="steps", save_steps=3),
                       train_dataset=TRAIN)
     fsdp_on_cpu(resumed, state_dict_type="SHARDED_STATE_DICT")
+    resumed.evaluate(EVAL7)  # before train(), its evaluation-only placement must not keep FSDP from sharding
     resumed.train(resume_from_checkpoint=checkpoint_2)
     gathered_resumed = resumed._state_dict_for_saving()
     r.values["resumed_losses"] = losses(resumed)
+    r.values["resumed_dtensors"] = all(type(p).__name__ == "DTensor" for p in resumed.model_wrapped.parameters())
     resumed._backend.load_weights(checkpoint_2, resumed.model_wrapped)
     gathered_step_2 = resumed._state_dict_for_saving()
     if r.rank == 0:
@@ -742,9 +752,9 @@ def per_process_tokens(out: str) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (
-    ddp_settings, save_failure, equivalence, equivalence_accumulation, evaluation, guards, rng_resume, preempt,
-    preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite,
-    zero1_config_sections, per_process_tokens, families, iterable, shared_prefix)}
+    ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
+    guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
+    zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix)}
 
 
 def main() -> None:

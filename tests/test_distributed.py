@@ -70,23 +70,26 @@ def free_port() -> int:
 def two_ranks(tmp_path_factory) -> Path:
     """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
     out = tmp_path_factory.mktemp("two_ranks")
-    check(launch(out, "equivalence", "equivalence_accumulation", "evaluation", "guards", "rng_resume", "save_failure",
-                 "per_process_tokens", "ddp_adamw", "families", "iterable", "shared_prefix", "fsdp1", "lora_fsdp2",
-                 "fsdp2", "fsdp_save_failure"))
+    check(launch(out, "equivalence", "equivalence_accumulation", "equivalence_after_evaluate", "evaluation", "guards",
+                 "rng_resume", "save_failure", "per_process_tokens", "ddp_adamw", "families", "iterable",
+                 "shared_prefix", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure"))
     return out
 
 
 # --- invariant 1 across processes ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scenario", ["equivalence", "equivalence_accumulation"])
+@pytest.mark.parametrize("scenario", ["equivalence", "equivalence_accumulation", "equivalence_after_evaluate"])
 def test_two_processes_update_like_one_big_batch_and_like_accumulation(two_ranks, one_process, scenario):
     """2 x 4 (and 2 x 2 x accumulation 2) == 1 x 8 == 1 x 2 x accumulation 4, over 3 steps of padded rows of
-    very different lengths: the loss is normalised by the target tokens of all processes."""
+    very different lengths: the loss is normalised by the target tokens of all processes. Also after an
+    evaluate() before train() (the recipes' order), whose evaluation-only placement of the model must not keep
+    DDP from wrapping it: transformers.Trainer then trains each process on its own, its replicas drifting apart."""
     final = load_file(str(two_ranks / scenario / "final.safetensors"))
     for ref in one_process.values():
         assert_params_close(final, params_of(ref), atol=1e-6)
     r0, r1 = ranks(two_ranks, scenario)
+    assert r0["wrapper"] == r1["wrapper"] == "DistributedDataParallel"
     assert r0["global_step"] == r1["global_step"] == r0["max_steps"] == 3  # planned from one process's share
     assert r0["params"] == r1["params"]  # the replicas never drift apart
     ref_losses = [[r["step"], r["loss"]] for r in one_process["batch8"].state.log_history if "loss" in r]
@@ -268,8 +271,8 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_no_partial
 def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_ranks):
     """FSDP2 on 2 CPU processes (the test-only fixture dist_worker.fsdp_on_cpu sets up what Accelerate sets up
     on GPUs, from stoker's translation of fsdp='full_shard'): each rank holds half of the parameters; training
-    matches DDP; a resumed run ends bit for bit where the uninterrupted one ended; save_model writes one full
-    model that transformers loads."""
+    matches DDP; a resumed run, evaluated before it trains, is sharded too and ends bit for bit where the
+    uninterrupted one ended; save_model writes one full model that transformers loads."""
     from transformers import AutoModelForCausalLM
 
     r0, r1 = ranks(two_ranks, "fsdp2")
@@ -285,6 +288,7 @@ def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_
     for name in final:
         assert torch.equal(final[name], resumed[name]), name
     assert r0["resumed_losses"] == r0["losses"]
+    assert r0["resumed_dtensors"] and r1["resumed_dtensors"]  # sharded although evaluate() placed it first
     saved = AutoModelForCausalLM.from_pretrained(str(two_ranks / "fsdp2" / "saved"))
     for name, p in saved.named_parameters():
         assert torch.equal(p.detach(), final[name]), name

@@ -4,6 +4,7 @@ The Trainer builds its backend once, from the Accelerator (`backend_for`), and c
 differ, so that neither the loop nor the checkpointing branches on the kind of run:
 
     prepare(model, source, max_steps)        the model prepared for a run, with its optimizer and schedule
+    place_for_evaluation(model)              the model as evaluate() / predict() run it before train()
     wraps_in_place                           whether prepare changed the model for good (train() runs once)
     micro_batch(model, last), backward(loss) one micro-batch of an accumulation window
     scaler_handles_inf(), update_applied_despite_nonfinite()   what the non-finite guard may decide
@@ -101,6 +102,7 @@ class Backend:
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         self.runs = 0  # prepare calls so far: one per train()
+        self._placed_for_evaluation = None  # the model evaluate() placed before a train() call, if it did
 
     # -- a run -------------------------------------------------------------------------------------------
 
@@ -113,8 +115,31 @@ class Backend:
                                "cannot be done twice: build a new Trainer and model for another run")
 
     def prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
-        """The optimizer and schedule for `max_steps` steps from `source`, prepared with the model."""
+        """The model prepared for training (DDP-, FSDP- or DeepSpeed-wrapped), with the optimizer and schedule
+        for `max_steps` steps from `source`."""
         self.runs += 1
+        return self._prepare(self._unplaced(model), source, max_steps)
+
+    def place_for_evaluation(self, model):
+        """The model as evaluate() and predict() run it before any train() call: Accelerate's evaluation-only
+        preparation (on the device, mixed precision patched into its forward, compiled if asked), not wrapped."""
+        self._placed_for_evaluation = self.accelerator.prepare_model(model, evaluation_mode=True)
+        return self._placed_for_evaluation
+
+    def _unplaced(self, model):
+        """`model`, once the evaluation-only preparation of place_for_evaluation is undone. That preparation marks
+        the model as prepared, and Accelerate never prepares a model twice: the run would train without DDP or
+        FSDP, each process on its own share of the data, the replicas drifting apart (as transformers.Trainer
+        does after an evaluate() before train())."""
+        placed, self._placed_for_evaluation = self._placed_for_evaluation, None
+        if placed is not None:
+            acc = self.accelerator
+            acc._models = [m for m in acc._models if m is not placed]
+            plain = acc.unwrap_model(placed, keep_fp32_wrapper=False, keep_torch_compile=False)  # its own forward
+            plain.__dict__.pop("_is_accelerate_prepared", None)
+        return model
+
+    def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         optimizer, scheduler = source.build(model, max_steps)
         return Prepared(*self.accelerator.prepare(model, optimizer), scheduler)
 
@@ -242,9 +267,8 @@ class FSDP1Backend(FSDPBackend):
 
     wraps_in_place = True
 
-    def prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
+    def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """The model wrapped first, then the optimizer built on its flat parameters and prepared."""
-        self.runs += 1
         wrapped = self.accelerator.prepare(model)
         optimizer, scheduler = source.build(wrapped, max_steps)
         return Prepared(wrapped, self.accelerator.prepare(optimizer), scheduler)
@@ -258,7 +282,7 @@ class DeepSpeedBackend(Backend):
     kind = DEEPSPEED_KIND
     wraps_in_place = True
 
-    def prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
+    def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """Fill the config's "auto" values known only now (the schedule's steps), then one engine of the model,
         the optimizer and the schedule. An "optimizer" or "scheduler" section of the config is built by DeepSpeed
         (Accelerate's placeholders stand for it until then); otherwise stoker's own (or the given one) is handed
@@ -266,7 +290,6 @@ class DeepSpeedBackend(Backend):
         from accelerate.utils import DummyOptim, DummyScheduler
 
         acc = self.accelerator
-        self.runs += 1
         finish_deepspeed_config(acc, self.args, max_steps)
         a, config = self.args, acc.state.deepspeed_plugin.deepspeed_config
         optimizer = source.given_optimizer
