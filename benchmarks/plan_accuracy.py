@@ -12,12 +12,12 @@ are freed and then keeps later freed blocks in its heap, so resident memory stay
 in use (LoRA with dropout: 1395 MiB resident for 901 MiB ever in use at once); with a fixed threshold every
 large block goes back to the system when freed, and peak resident memory is the peak of memory in use, the
 CPU counterpart of torch.cuda.max_memory_allocated, which is what the plan predicts.
-Predicted = stoker.plan.estimate(...).peak for the same model and settings. The configurations differ in
+Predicted = stoker.memory_plan.estimate(...).peak for the same model and settings. The configurations differ in
 what dominates: the logits of a 32k vocabulary, activations of a wider model, optimizer state (AdamW,
 8-bit AdamW, SGD, Adafactor), gradients kept through accumulation, LoRA, gradient checkpointing and the
 chunked loss.
 
-Predicted = stoker.plan.estimate for the model built on the meta device from the same config, computed
+Predicted = stoker.memory_plan.estimate for the model built on the meta device from the same config, computed
 in this process; --save FILE keeps the measurements and --measured FILE reuses them, so that the predictions
 can be recomputed without training again (the measurements do not depend on the planner).
 
@@ -137,10 +137,10 @@ def child(name: str, steps: int) -> dict:
 
 
 def predict(name: str):
-    """stoker.plan's estimate for a configuration, from its model built on the meta device."""
+    """stoker.memory_plan's estimate for a configuration, from its model built on the meta device."""
     import torch
 
-    from stoker.plan import ModelShape, Setup, estimate
+    from stoker.memory_plan import ModelShape, Setup, estimate
 
     family, sizes, batch, seq, extra, lora = CONFIGS[name]
     with torch.device("meta"):
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.measured) as f:
             measured = json.load(f)
     mib = 2**20
-    lines = ["stoker.plan estimate against measured peak memory (float32, CPU; MiB above the imported libraries)",
+    lines = ["stoker.memory_plan estimate against measured peak memory (float32, CPU; MiB above the imported "
+             "libraries)",
              f"{'configuration':<38}{'predicted':>10}{'measured':>10}{'ratio':>7}   "
              "predicted parts: weights / gradients / optimizer / activations / logits"]
     worst = 0.0

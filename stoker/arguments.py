@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .distributed.accelerator import argument_problems
 from .distributed.launch import wants_cpu
-from .distributed.options import argument_problems
 from .errors import ConfigError, suggest
 from .optim import OPTIMIZERS
 from .requirements import installed_version_problems
@@ -218,8 +218,8 @@ class TrainingArguments:
         "torch.compile mode, e.g. 'reduce-overhead' or 'max-autotune'; setting it implies torch_compile."))
     chunked_loss: bool = field(default=False, metadata=_help(
         "Compute a causal LM's loss from its final hidden states a chunk of tokens at a time, never holding the "
-        "[batch, seq, vocab] logits (same loss and gradients; stoker.loss). Evaluation still computes logits when "
-        "compute_metrics needs predictions."))
+        "[batch, seq, vocab] logits (same loss and gradients; stoker.chunked_loss). Evaluation still computes "
+        "logits when compute_metrics needs predictions."))
     shared_prefix: bool = field(default=False, metadata=_help(
         "Run the leading tokens that every row of a training micro-batch shares (a system prompt, a fixed "
         "instruction) once, for one row, and give the rest of each row their keys and values as a KV cache (same "

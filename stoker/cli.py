@@ -27,14 +27,14 @@ import sys
 
 from . import __version__
 from .arguments import CONFIG_SUFFIXES, CollectingParser
-from .checkpoint import verify
+from .checkpoint_format import verify
 from .distributed.fsdp import consolidate as consolidate_checkpoint
 from .distributed.launch import launcher_world_size
 from .errors import ConfigError, report
 from .gguf import gguf_file, local_model, packaged_model
-from .inputs import adapter_folder_problem, model_source_problem, writable_folder_problem
 from .lora import merge_adapter
-from .plan import GIB, ModelShape, Setup, describe, estimate, largest_micro_batch, propose
+from .memory_plan import GIB, ModelShape, Setup, describe, estimate, largest_micro_batch, propose
+from .preflight import adapter_folder_problem, model_source_problem, writable_folder_problem
 from .recipes import INPUT_CHECKS, RECIPES, build_causal_lm, parse_recipe_args, recipe_of
 
 USAGE = """usage: stoker <command> [args]    (stoker --version: the installed version)
@@ -147,7 +147,7 @@ def _saved(what: str, parser: CollectingParser, argv: list[str], check, save) ->
 
 
 # ---------------------------------------------------------------------------------------------------
-# stoker plan: reads the run's arguments and the model's shape, prints stoker.plan's estimate
+# stoker plan: reads the run's arguments and the model's shape, prints stoker.memory_plan's estimate
 
 PLAN_HELP = (
     "usage: stoker plan [CONFIG.yaml|json | MODEL] [--budget_gb GiB] [--world_size N] [--device cuda|cpu] "

@@ -15,8 +15,8 @@ import os
 import torch
 
 from .arguments import ConfigError
-from .inputs import adapter_folder_problem
 from .log import third_party_output
+from .preflight import adapter_folder_problem
 
 LORA_TASK_TYPES = {"ForCausalLM": "CAUSAL_LM", "ForSequenceClassification": "SEQ_CLS",
                    "ForTokenClassification": "TOKEN_CLS"}

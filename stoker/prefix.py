@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .data import IGNORE_INDEX, forward_columns
-from .loss import model_family
+from .loss_normalization import model_family
 
 # a prefix that saves fewer tokens than this over the micro-batch is not worth a second forward call
 MIN_SAVED_TOKENS = 32

@@ -4,7 +4,7 @@ One optimizer step reads top to bottom in `Trainer._optimizer_step`: a window of
 target tokens counted over every process, `training_step` per micro-batch with the loss normalised over the
 whole window, clip, check, step, schedule, then log / evaluate / save as the callbacks ask. The loop's position
 and running sums are explicit objects (stoker.loop); how the loss of a model is normalised is decided once
-(stoker.convention); device placement, DDP, FSDP, DeepSpeed and mixed precision are Accelerate's, behind a
+(stoker.loss_normalization); device placement, DDP, FSDP, DeepSpeed and mixed precision are Accelerate's, behind a
 backend object that the loop calls without branching on which one it is.
 """
 
@@ -24,7 +24,7 @@ import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from . import checkpoint as ckpt
+from . import checkpoint_format as ckpt
 from .arguments import TrainingArguments
 from .callbacks import (
     DEFAULT_CALLBACKS,
@@ -36,8 +36,8 @@ from .callbacks import (
     TrainerState,
     integration_callbacks,
 )
-from .checkpointing import Checkpointer, RunObjects, resolve_resume, resume_settings, save_model
-from .convention import LossConvention, loss_of, loss_or_none
+from .checkpointer import Checkpointer, RunObjects, resolve_resume, resume_settings, save_model
+from .chunked_loss import chunked_causal_lm_loss, output_head
 from .data import (
     ColumnFilter,
     PaddingCollator,
@@ -46,9 +46,9 @@ from .data import (
     forward_columns,
 )
 from .diagnostics import peak_memory_metrics
+from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
 from .distributed.fsdp import full_tensor
-from .distributed.options import build_accelerator
 from .errors import (
     ConfigError,
     NonFiniteError,
@@ -59,14 +59,14 @@ from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, log
 from .log import logger, set_log_levels, transformers_logger
 from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, plan_steps, window_sizes
 from .lora import trainable_parameters, wrap
-from .loss import chunked_causal_lm_loss, output_head, smoothed_label_loss
+from .loss_normalization import LossConvention, loss_of, loss_or_none, smoothed_label_loss
+from .memory_plan import start_of_training_line
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
-from .plan import start_of_training_line
 from .prefix import prefix_body, shared_prefix_length, with_shared_prefix
 from .report import ReportCallback
 from .trainer_api import TrainerAPI
-from .trainer_inputs import trainer_input_problems
+from .trainer_checks import trainer_input_problems
 
 
 def set_seed(seed: int) -> None:
@@ -277,7 +277,7 @@ class Trainer(TrainerAPI):
         A model whose forward divides by a num_items_in_batch it is given (as LossConvention finds out)
         receives it; any other returns a mean over its own items, which is rescaled by local items / window
         items, so that B x A micro-batches give exactly the update of one batch of B*A.
-        With chunked_loss, a causal LM's loss comes from its hidden states (stoker.loss) unless the caller
+        With chunked_loss, a causal LM's loss comes from its hidden states (stoker.chunked_loss) unless the caller
         asks for the outputs (return_outputs: an evaluation that keeps its predictions needs the logits).
         With shared_prefix, a training micro-batch's common leading tokens are run once (stoker.prefix).
         """
@@ -460,7 +460,7 @@ class Trainer(TrainerAPI):
         if s.is_world_process_zero:
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
-            if self._convention.causal:  # what memory this run should take (stoker.plan), before it takes it
+            if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
                 logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
             self._checkpointer.open_output_dir()
         return pos, run, per_epoch
@@ -1008,7 +1008,7 @@ class Trainer(TrainerAPI):
         return self._backend.state_dict_for_saving(self.model_wrapped)
 
     def _save_checkpoint(self, pos: LoopPosition, run: RunningLog) -> str:
-        """Write checkpoint-<global_step> of the run at `pos` (stoker.checkpointing does the work), then
+        """Write checkpoint-<global_step> of the run at `pos` (stoker.checkpointer does the work), then
         on_save."""
         self.store_flos()
         path = self._checkpointer.save(self._run_objects(), pos, run)

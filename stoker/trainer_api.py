@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from .arguments import ConfigError
+from .distributed.accelerator import build_accelerator
 from .distributed.deepspeed import non_embedding_parameters
-from .distributed.options import build_accelerator
 from .loop import plan_steps
 from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kwargs, parameter_groups
 

@@ -272,7 +272,7 @@ def save_failure(out: str) -> None:
     """Rank 1 alone cannot write its part of checkpoint-2 (its safetensors file goes to a folder that does not
     exist: safetensors raises its own error, not an OSError): every rank must raise, none may wait for the
     others forever, and the partial folder goes."""
-    from stoker import checkpoint as ckpt
+    from stoker import checkpoint_format as ckpt
 
     r = Report(out, "save_failure")
     real = ckpt.save_state
@@ -553,7 +553,7 @@ def lora_zero3(out: str) -> None:
 def zero_nonfinite(out: str) -> None:
     """A NaN gradient at step 2 under ZeRO-2 and ZeRO-3 (only rank 1's, before the reduction), with the default
     policy (skip) and with nonfinite_policy='stop'."""
-    from stoker.distributed.launch import parameters_finite
+    from stoker.checkpointer import parameters_finite
     from stoker.errors import NonFiniteError
 
     without_deepspeed_shm_build()
@@ -629,7 +629,7 @@ def fsdp_save_failure(out: str) -> None:
     rank, and so must the Trainer (a CheckpointError), leaving no partial folder."""
     from torch.distributed.checkpoint import hf_storage
 
-    from stoker import checkpoint as ckpt
+    from stoker import checkpoint_format as ckpt
 
     r = Report(out, "fsdp_save_failure")
     real = hf_storage.HuggingFaceStorageWriter.write_data

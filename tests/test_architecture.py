@@ -118,14 +118,14 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
 # above. Each module is in the first layer one of whose prefixes it starts with.
 LAYERS = (
     ("entry points", ("stoker", "stoker.cli", "stoker.recipes")),
-    ("the Trainer", ("stoker.trainer", "stoker.trainer_api", "stoker.trainer_inputs", "stoker.seq2seq")),
-    ("the Trainer's services", ("stoker.checkpointing", "stoker.report", "stoker.lora", "stoker.inputs")),
+    ("the Trainer", ("stoker.trainer", "stoker.trainer_api", "stoker.trainer_checks", "stoker.seq2seq")),
+    ("the Trainer's services", ("stoker.checkpointer", "stoker.report", "stoker.lora", "stoker.preflight")),
     ("callbacks", ("stoker.callbacks",)),
     ("arguments", ("stoker.arguments",)),
-    ("helpers", ("stoker.checkpoint", "stoker.convention", "stoker.data", "stoker.diagnostics", "stoker.distributed",
-                 "stoker.evaluation", "stoker.gguf", "stoker.log", "stoker.loop", "stoker.loss", "stoker.optim",
-                 "stoker.outputs", "stoker.packing", "stoker.plan", "stoker.prefix", "stoker.requirements",
-                 "stoker.tasks", "stoker.tracking")),
+    ("helpers", ("stoker.checkpoint_format", "stoker.chunked_loss", "stoker.data", "stoker.diagnostics",
+                 "stoker.distributed", "stoker.evaluation", "stoker.gguf", "stoker.log", "stoker.loop",
+                 "stoker.loss_normalization", "stoker.memory_plan", "stoker.optim", "stoker.outputs",
+                 "stoker.packing", "stoker.prefix", "stoker.requirements", "stoker.tasks", "stoker.tracking")),
     ("errors", ("stoker.errors",)),
 )
 

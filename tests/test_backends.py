@@ -111,7 +111,7 @@ def test_a_checkpoint_is_resumed_only_by_its_own_kind_of_run(tmp_path):
         DeepSpeedBackend(StandInAccelerator(), PLAIN).check_checkpoint(str(plain))
 
 
-@pytest.mark.parametrize("module", ["trainer.py", "checkpointing.py"])
+@pytest.mark.parametrize("module", ["trainer.py", "checkpointer.py"])
 def test_the_trainer_and_the_checkpointing_do_not_branch_on_the_backend(module):
     source = (ROOT / "stoker" / module).read_text()
     assert not re.findall(r"\b(is_sharded|is_deepspeed|zero_stage|is_fsdp2)\b", source)

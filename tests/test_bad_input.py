@@ -262,7 +262,7 @@ def test_bad_input_exits_2_with_one_message_before_any_work(results, name):
 
 def test_a_folder_that_is_no_checkpoint_is_refused_without_reading_it(tmp_path, monkeypatch):
     """Only the manifest's path is looked at: no walk, no listing, no file opened."""
-    from stoker import checkpoint as ckpt
+    from stoker import checkpoint_format as ckpt
 
     home = tmp_path / "home"
     (home / "project").mkdir(parents=True)
@@ -283,7 +283,7 @@ def test_a_folder_that_is_no_checkpoint_is_refused_without_reading_it(tmp_path, 
 
 def test_a_real_checkpoint_with_a_planted_pickle_is_still_refused(tmp_path):
     """The manifest comes first, but inside a checkpoint every file is still looked at, listed or not."""
-    from stoker import checkpoint as ckpt
+    from stoker import checkpoint_format as ckpt
 
     tmp = tmp_path / ".tmp-checkpoint-1"
     tmp.mkdir()
@@ -344,7 +344,7 @@ def test_models_and_datasets_in_the_local_cache_need_no_hub(tmp_path, monkeypatc
     is accepted; only what is not cached is refused, naming HF_HUB_OFFLINE."""
     from huggingface_hub import constants
 
-    from stoker.inputs import dataset_source_problem, model_source_problem
+    from stoker.preflight import dataset_source_problem, model_source_problem
 
     def cache_model(repo_id: str, files: dict[str, str]):
         repo = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}"
@@ -376,7 +376,7 @@ def test_models_and_datasets_in_the_local_cache_need_no_hub(tmp_path, monkeypatc
     ("a.json", '[\n  {"text": "a"},\n  {"text": "b"},,\n]\n', "line 3, column 17: not valid JSON"),
 ])
 def test_data_rows_are_read_as_datasets_reads_them_and_errors_name_the_line(tmp_path, name, text, expected):
-    from stoker.inputs import read_rows
+    from stoker.preflight import read_rows
 
     (tmp_path / name).write_text(text)
     if isinstance(expected, str):

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from stoker import Trainer, TrainingArguments
-from stoker import checkpoint as ckpt
+from stoker import checkpoint_format as ckpt
 from stoker.arguments import ConfigError
 from tests import dist_worker as w
 from tests.test_distributed import assert_params_close, check, launch, params_of, ranks

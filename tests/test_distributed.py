@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from stoker import Trainer
-from stoker import checkpoint as ckpt
+from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE
 from tests import dist_worker as w
 from tests.test_trainer import llama

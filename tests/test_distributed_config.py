@@ -12,10 +12,10 @@ from torch import nn
 
 from stoker import ConfigError, Trainer, TrainingArguments
 from stoker.distributed import launch
+from stoker.distributed.accelerator import check_sharding_active
 from stoker.distributed.deepspeed import deepspeed_config, deepspeed_plugin
 from stoker.distributed.fsdp import fsdp_plugin, fsdp_plugin_kwargs
 from stoker.distributed.launch import check_world_size, launcher_world_size, wants_cpu
-from stoker.distributed.options import check_sharding_active
 from tests.test_trainer import llama
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from stoker import ConfigError, EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
-from stoker import checkpoint as ckpt
+from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE, NonFiniteError, TrainingPreempted
 from tests.test_trainer import llama, rows
 

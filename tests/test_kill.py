@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from stoker import checkpoint as ckpt
+from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE
 
 WORKER = Path(__file__).with_name("worker.py")

@@ -1,4 +1,4 @@
-"""The memory planner (stoker.plan): each part follows its setting, proposals keep the global batch and fit,
+"""The memory planner (stoker.memory_plan): each part follows its setting, proposals keep the global batch and fit,
 and `stoker plan` prints both. Accuracy against measured memory is benchmarks/plan_accuracy.py's job."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from stoker.plan import GIB, ModelShape, Setup, estimate, propose
+from stoker.memory_plan import GIB, ModelShape, Setup, estimate, propose
 
 SHAPE = ModelShape(params=7_000_000_000, linear_params=6_400_000_000, embedding_params=262_000_000, tied=False,
                    layers=32, hidden=4096, kv_width=1024, intermediate=14336, vocab=128256,
@@ -225,7 +225,7 @@ def test_stoker_plan_reads_a_model_folder_a_config_json_and_says_what_fits(tmp_p
 def test_stoker_plan_reads_a_hub_id_when_the_hub_answers(monkeypatch, capsys):
     from transformers import AutoConfig
 
-    from stoker import inputs
+    from stoker import preflight
     from stoker.cli import main
 
     asked = []
@@ -239,7 +239,7 @@ def test_stoker_plan_reads_a_hub_id_when_the_hub_answers(monkeypatch, capsys):
             "not a local folder, not in the local cache, and the hub is unreachable")
 
     monkeypatch.setattr(AutoConfig, "from_pretrained", hub)
-    monkeypatch.setattr(inputs, "_ask_hub", hub_has)
+    monkeypatch.setattr(preflight, "_ask_hub", hub_has)
     assert main(["plan", "org/tiny-neox", "--max_length", "64"]) == 0
     assert "layer norm, gelu MLP, sdpa attention" in capsys.readouterr().out
     assert main(["plan", "org/unreachable"]) == 2
@@ -249,7 +249,7 @@ def test_stoker_plan_reads_a_hub_id_when_the_hub_answers(monkeypatch, capsys):
 
 
 def test_largest_micro_batch_is_the_edge_of_the_budget():
-    from stoker.plan import largest_micro_batch
+    from stoker.memory_plan import largest_micro_batch
 
     setup = Setup(micro_batch=1, seq_len=512, world_size=8, fsdp="full_shard")
     budget = 40 * GIB

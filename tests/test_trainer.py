@@ -364,7 +364,7 @@ def test_eval_accumulation_and_preprocess_logits(tmp_path):
 def test_save_model_transformers_and_plain(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from stoker.checkpoint import load_weights
+    from stoker.checkpoint_format import load_weights
 
     t, _ = train(llama(), tmp_path / "a", rows(8), per_device_train_batch_size=4, max_steps=1)
     t.save_model(str(tmp_path / "final"))
@@ -411,7 +411,7 @@ def test_inputs_are_checked_together_before_any_work(tmp_path):
 
 
 def test_rotation_never_deletes_the_best_or_the_newest(tmp_path):
-    from stoker.checkpoint import rotate
+    from stoker.checkpoint_format import rotate
 
     for step in (1, 2, 3, 10, 20):
         os.makedirs(tmp_path / f"checkpoint-{step}")

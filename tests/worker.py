@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stoker import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from stoker import checkpoint as ckpt  # noqa: E402
+from stoker import checkpoint_format as ckpt  # noqa: E402
 from tests.test_trainer import llama, rows  # noqa: E402
 
 

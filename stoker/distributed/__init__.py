@@ -3,13 +3,12 @@ and DeepSpeed's); this package decides what to ask Accelerate for, refuses combi
 silently run as something else, and keeps sharded and partitioned state in stoker's checkpoint format
 (safetensors + JSON, never a pickle).
 
-    launch      the launcher's world: world size, accelerator availability, one process group, decisions all
-                ranks take together
+    launch      the launcher's world: world size, accelerator availability, one process group, leaving it at exit
     parsing     distributed settings as transformers reads them (dicts or JSON files, booleans)
     fsdp        `fsdp` / `fsdp_config` -> Accelerate's FSDP plugin; FSDP shard I/O, the gathered full model,
                 `consolidate`
     deepspeed   `deepspeed` config loading, "auto" filling, validation; ZeRO partition I/O, ZeRO-3 gathers
-    options     the arguments' problems, what this machine cannot run, the Accelerator options for a run
+    accelerator the arguments' problems, what this machine cannot run, the Accelerator options for a run
     backends    one object per backend (plain/DDP, FSDP1, FSDP2, DeepSpeed) that the Trainer calls: prepare, the
                 state dict for saving, its checkpoint parts, its refusals
 

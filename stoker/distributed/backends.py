@@ -24,9 +24,10 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .. import checkpoint as ckpt
+from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError
 from ..optim import create_scheduler, parameter_groups
+from .accelerator import check_sharding_active
 from .deepspeed import (
     finish_deepspeed_config,
     gather_trainable_zero3,
@@ -46,7 +47,6 @@ from .fsdp import (
     model_class_name,
     save_shards,
 )
-from .options import check_sharding_active
 
 # how checkpoint messages name each kind of run
 PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"

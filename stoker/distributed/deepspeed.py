@@ -11,7 +11,7 @@ import copy
 import os
 import re
 
-from .. import checkpoint as ckpt
+from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError, ConfigError
 from .launch import launcher_world_size
 from .parsing import load_json_config

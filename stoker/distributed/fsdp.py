@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from .. import checkpoint as ckpt
+from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError, ConfigError, suggest
 from .parsing import as_bool, load_json_config
 

@@ -1,5 +1,5 @@
 """The launcher's world: how many processes it started, whether they joined one process group, whether this
-machine has an accelerator, and the decisions every process of a run takes together.
+machine has an accelerator, and leaving the group at exit.
 
 Cheap to import: torch is imported where it is used.
 """
@@ -136,21 +136,6 @@ def _leave_process_group() -> None:
         return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def parameters_finite(accelerator, model) -> bool:
-    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
-    DTensor's local part, a ZeRO-3 parameter's partition)."""
-    import torch
-
-    def own(p):
-        return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
-
-    local = all(bool(torch.isfinite(own(p)).all()) for p in model.parameters())
-    if accelerator.num_processes == 1:
-        return local
-    flag = torch.tensor(0.0 if local else 1.0, device=accelerator.device)
-    return accelerator.reduce(flag, reduction="sum").item() == 0
 
 
 def check_save_on_each_node(save_on_each_node: bool, num_processes: int) -> None:

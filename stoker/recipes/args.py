@@ -22,12 +22,12 @@ from typing import NamedTuple
 
 import torch
 
-from .. import checkpoint as ckpt
+from .. import checkpoint_format as ckpt
 from ..arguments import CONFIG_SUFFIXES, SHARED_PREFIX_CONFLICTS, TrainingArguments, load_config_file, parse_config
 from ..errors import CheckpointError, ConfigError, report
 from ..gguf import SMOLLM2, SMOLLM2_INSTALL, packaged_model
-from ..inputs import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
 from ..log import logger, third_party_output
+from ..preflight import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
 
 GENERATED = ("records", "addition", "subtraction", "topics")
 

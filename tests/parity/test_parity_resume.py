@@ -75,7 +75,7 @@ def test_a_buffer_grown_in_training_resumes_with_the_model_s_own_load_state_dict
 
 
 def test_a_shape_mismatch_is_still_refused_without_a_load_state_dict_of_the_model_s_own(tmp_path):
-    from stoker.checkpoint import load_weights, save_weights
+    from stoker.checkpoint_format import load_weights, save_weights
     from stoker.errors import CheckpointError
 
     class Plain(nn.Module):

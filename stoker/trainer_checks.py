@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import is_peft_model
-from .loss import chunked_loss_problems
+from .checkpoint_format import is_peft_model
+from .chunked_loss import chunked_loss_problems
 from .prefix import shared_prefix_problems
 
 

@@ -24,7 +24,9 @@ import contextlib
 import torch
 from torch import nn
 
-IGNORE_INDEX = -100
+from .data import IGNORE_INDEX
+from .loss_normalization import model_family
+
 CHUNK_ELEMENTS = 2**23  # logits per chunk: 32 MiB in float32 (262 tokens at vocab 32k, 65 at 128k)
 
 
@@ -153,34 +155,6 @@ def output_head(model: nn.Module) -> nn.Module | None:
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _transformers_task_names(kind: str) -> set[str]:
-    from transformers.models.auto import modeling_auto
-
-    names = set()
-    for value in getattr(modeling_auto, f"MODEL_FOR_{kind}_MAPPING_NAMES").values():
-        names.update((value,) if isinstance(value, str) else value)
-    return names
-
-
-def model_family(model: nn.Module) -> str:
-    """What the model's loss is over, from what the model is rather than from `loss_type` (None for GPT-2 in
-    transformers 5): "causal_lm" (labels shifted inside: token t predicts label t+1), "seq2seq" (decoder
-    targets, unshifted), "token" (one label per input token, unshifted: masked LM, token classification) or
-    "other" (one label per sample, or a plain module). A subclass of a transformers class keeps its family.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    classes = {c.__name__ for c in type(base).__mro__ if c.__module__.startswith("transformers.")}
-    if not classes or not hasattr(base, "config"):
-        return "other"
-    if getattr(base.config, "is_encoder_decoder", False) or classes & _transformers_task_names("SEQ_TO_SEQ_CAUSAL_LM"):
-        return "seq2seq"
-    if classes & _transformers_task_names("CAUSAL_LM") or getattr(base, "loss_type", None) == "ForCausalLM":
-        return "causal_lm"
-    if classes & (_transformers_task_names("MASKED_LM") | _transformers_task_names("TOKEN_CLASSIFICATION")):
-        return "token"
-    return "other"
-
-
 def chunked_loss_problems(model: nn.Module) -> list[str]:
     """Why chunked_loss=True cannot be used with this model (empty if it can)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -212,18 +186,3 @@ def chunked_causal_lm_loss(model: nn.Module, lm_head: nn.Linear, inputs: dict, l
     loss = chunked_cross_entropy(captured.hidden, lm_head.weight, labels, num_items_in_batch, bias=lm_head.bias,
                                  compute_dtype=captured.dtype)
     return loss, outputs
-
-
-def smoothed_label_loss(logits: torch.Tensor, labels: torch.Tensor, epsilon: float, shift: bool,
-                        num_items) -> torch.Tensor:
-    """Label smoothing (label_smoothing_factor) as transformers' LabelSmoother computes it per target token,
-    (1 - eps) x cross-entropy + eps x the mean negative log-likelihood over the classes, but summed and divided
-    by num_items, the window's target count, so that accumulation stays exact (transformers averages each
-    micro-batch on its own). `shift` for causal LMs, whose logits at t predict the token at t + 1."""
-    if shift:
-        logits, labels = logits[..., :-1, :], labels[..., 1:]
-    neg_log_probs = -torch.log_softmax(logits.float(), dim=-1)
-    target = labels != IGNORE_INDEX
-    nll = neg_log_probs.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    per_item = (1 - epsilon) * nll + epsilon * neg_log_probs.mean(-1)
-    return (per_item * target).sum() / num_items

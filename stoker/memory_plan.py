@@ -55,7 +55,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what a process's CUDA context and loaded kernels take on the device before any tensor (0.3 to 1 GiB
 # depending on the GPU, CUDA and torch versions; lazy module loading keeps it near the lower end)
 CUDA_CONTEXT = 0.5 * GIB
-CHUNK_ELEMENTS = 2**23  # stoker.loss.CHUNK_ELEMENTS, repeated so that planning imports no torch
+CHUNK_ELEMENTS = 2**23  # stoker.chunked_loss.CHUNK_ELEMENTS, repeated so that planning imports no torch
 
 
 # values an MLP activation keeps per intermediate unit: a gated SiLU keeps gate, up, silu(gate) and the product;

@@ -1,9 +1,9 @@
 """Saving and resuming a Trainer's run: checkpoint-<step> folders written by every rank and committed atomically,
 rotation (save_total_limit), RNG and loop state, and the checks that keep a resume exact or refuse it.
 
-The file format (safetensors + JSON, never a pickle; the atomic commit and its verification) is stoker.checkpoint's;
-what each kind of run writes of its model and optimizer state (whole, FSDP shards, ZeRO partitions) is its
-backend's (stoker.distributed.backends). This module puts them together for a Trainer.
+The file format (safetensors + JSON, never a pickle; the atomic commit and its verification) is
+stoker.checkpoint_format's; what each kind of run writes of its model and optimizer state (whole, FSDP shards,
+ZeRO partitions) is its backend's (stoker.distributed.backends). This module puts them together for a Trainer.
 
 A checkpoint folder holds: the model (save_pretrained's files, or the config of what FSDP shards are the weights
 of), every rank's shards or partitions when the backend has them, optimizer.json (a whole optimizer state),
@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoint_format as ckpt
 from .callbacks import TrainerState, callback_states, restore_callback_states
-from .distributed.launch import parameters_finite
 from .errors import CheckpointError, NonFiniteError
 from .log import logger
 from .loop import LoopPosition, RunningLog
@@ -326,3 +325,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def parameters_finite(accelerator, model) -> bool:
+    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
+    DTensor's local part, a ZeRO-3 parameter's partition)."""
+    def own(p):
+        return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+
+    local = all(bool(torch.isfinite(own(p)).all()) for p in model.parameters())
+    if accelerator.num_processes == 1:
+        return local
+    flag = torch.tensor(0.0 if local else 1.0, device=accelerator.device)
+    return accelerator.reduce(flag, reduction="sum").item() == 0
