@@ -1,6 +1,9 @@
-"""The training loop's own state, passed explicitly through `Trainer._train_loop` instead of living in attributes:
-where the loop stands in the data (`LoopPosition`, written into every checkpoint) and what it sums between two
-logs (`RunningLog`, saved with every checkpoint so that a resumed run logs what the uninterrupted one logged)."""
+"""The training loop's own state and the pieces of one step, passed explicitly instead of living in the Trainer's
+attributes: one train() call's `Run` (built by `Trainer._start_run`, gone when train() returns), where the loop
+stands in the data (`LoopPosition`, written into every checkpoint), what it sums between two logs (`RunningLog`,
+saved with every checkpoint so that a resumed run logs what the uninterrupted one logged), what every process
+decides together after a window (`agree_on_step`), the non-finite policy (`NonFinitePolicy`) and out-of-memory
+halving (`MicroBatchHalver`)."""
 
 from __future__ import annotations
 
@@ -10,12 +13,16 @@ import math
 import signal
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
+from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import diagnostics
 from .data import count_input_tokens
+from .errors import NonFiniteError
+from .evaluation import split_batch
 from .log import logger
 
 
@@ -234,3 +241,121 @@ def neftune_noise(embeddings: torch.nn.Module | None, alpha: float | None):
         yield
     finally:
         handle.remove()
+
+
+class StepVerdict(NamedTuple):
+    """What every process agrees on after a window's backward."""
+
+    finite: bool  # the window's loss and gradient norm are finite on every process
+    finite_here: bool  # ... on this one
+    preempted: int | None  # the signal to checkpoint and stop on, if any process has received one
+
+
+def agree_on_step(accelerator, window_loss: torch.Tensor, grad_norm, check_grad_norm: bool,
+                  received: int | None) -> StepVerdict:
+    """Whether the update may be applied and whether the run is being preempted, decided by every process
+    together: one all-reduce of both flags and one host sync per step, the price of never applying a non-finite
+    update (with fp16 loss scaling, `check_grad_norm` is False: inf gradients are the scaler's business)."""
+    bad = ~torch.isfinite(window_loss)
+    if check_grad_norm:
+        bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=window_loss.device))
+    if accelerator.num_processes == 1:
+        finite = not bad.item()
+        return StepVerdict(finite, finite, received)
+    flags = torch.stack([bad.float(), torch.tensor(float(received is not None), device=window_loss.device)])
+    anywhere = accelerator.reduce(flags.clone(), reduction="sum")
+    bad_anywhere, signalled, bad_here = torch.cat([anywhere, flags[:1]]).tolist()
+    # a signal another process received reads as the scheduler's usual SIGTERM here
+    return StepVerdict(not bad_anywhere, not bad_here, (received or signal.SIGTERM) if signalled else None)
+
+
+class NonFinitePolicy:
+    """nonfinite_policy / max_nonfinite_steps: a step whose loss or gradient norm is not finite is skipped with a
+    warning, or stops the run with NonFiniteError ("stop", too many in a row, or a backend that has applied the
+    update already). The counts live in the RunningLog, which checkpoints keep."""
+
+    def __init__(self, args, backend):
+        self.policy, self.limit, self.backend = args.nonfinite_policy, args.max_nonfinite_steps, backend
+
+    def allows(self, verdict: StepVerdict, log: RunningLog, window_loss: torch.Tensor, grad_norm, step: int,
+               process_index: int) -> bool:
+        """Whether the update of `step` is applied; raises NonFiniteError where the run must stop."""
+        if verdict.finite:
+            log.nonfinite_run = 0
+            return True
+        log.nonfinite_run += 1
+        log.nonfinite_total += 1
+        what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
+        if verdict.finite_here:
+            what += f" on another process (this is process {process_index})"
+        if self.backend.update_applied_despite_nonfinite():  # its own overflow check skips some, not all
+            raise NonFiniteError(f"{what}; DeepSpeed has applied the update inside its engine, where it cannot be "
+                                 "skipped: stopping")
+        if self.policy == "stop":
+            raise NonFiniteError(f"{what}; stopping (nonfinite_policy='stop')")
+        if log.nonfinite_run >= self.limit:
+            raise NonFiniteError(f"{what}: {log.nonfinite_run} non-finite steps in a row "
+                                 f"(max_nonfinite_steps={self.limit}); stopping")
+        logger.warning(f"{what}; update skipped")
+        return False
+
+
+class MicroBatchHalver:
+    """auto_find_batch_size, in one place. An out-of-memory error in a window reruns the same samples as twice as
+    many micro-batches of half the size (`accumulate`); one in a callback after the update (`after_update`) halves
+    the windows from the next on. Either way the update is unchanged (the loss is normalised over the window's
+    target tokens, not over micro-batches), `position` and the state's train_batch_size follow, and the loop
+    rebuilds its loader at the same sample. Any other error, or any without auto_find_batch_size, is raised."""
+
+    def __init__(self, enabled: bool, position: LoopPosition, state):
+        self.enabled, self.position, self.state = enabled, position, state
+
+    def accumulate(self, window: list[dict], run_window: Callable[[list[dict]], torch.Tensor],
+                   optimizer) -> tuple[list[dict], torch.Tensor]:
+        """(the window as it ran, run_window's result), retried at half the micro-batch after an out-of-memory
+        error (the partial gradients are dropped first)."""
+        while True:
+            try:
+                return window, run_window(window)
+            except Exception as e:
+                optimizer.zero_grad(set_to_none=True)
+                self._halve(e)
+                window = [part for batch in window for part in split_batch(batch, self.position.micro_batch)]
+
+    @contextlib.contextmanager
+    def after_update(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as e:
+            self._halve(e)
+
+    def _halve(self, error: Exception) -> None:
+        pos = self.position
+        if not (self.enabled and should_reduce_batch_size(error)):
+            raise error
+        if pos.micro_batch % 2:
+            raise RuntimeError(f"out of memory with a micro-batch of {pos.micro_batch}: auto_find_batch_size "
+                               "can only halve an even micro-batch (use a power of two)") from error
+        clear_device_cache(garbage_collection=True)
+        pos.halve()
+        self.state.train_batch_size = pos.micro_batch
+        logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
+                       f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
+
+
+@dataclasses.dataclass
+class Run:
+    """One train() call: built by Trainer._start_run before the first step, passed down through the loop, gone
+    when train() returns. The Trainer itself keeps transformers' attributes and its configuration only."""
+
+    position: LoopPosition
+    log: RunningLog
+    checkpointer: Any  # this run's stoker.checkpointer.Checkpointer
+    train_dataloader: Any  # prepared; rebuilt at the same sample when the micro-batch is halved
+    steps_per_epoch: int | None  # None for a dataset without a length
+    halver: MicroBatchHalver
+    nonfinite: NonFinitePolicy
+    signals: PreemptionSignals
+    resumed: bool
+    ignore_keys_for_eval: list[str] | None = None
+    started: float = dataclasses.field(default_factory=time.time)  # wall clock, as transformers' speed metrics

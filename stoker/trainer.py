@@ -1,18 +1,19 @@
 """The Trainer: one managed training loop over an accelerate.Accelerator, steered by callbacks.
 
-One optimizer step reads top to bottom in `Trainer._optimizer_step`: a window of micro-batches, the window's
-target tokens counted over every process, `training_step` per micro-batch with the loss normalised over the
-whole window, clip, check, step, schedule, then log / evaluate / save as the callbacks ask. The loop's position
-and running sums are explicit objects (stoker.loop); how the loss of a model is normalised is decided once
-(stoker.loss_normalization); device placement, DDP, FSDP, DeepSpeed and mixed precision are Accelerate's, behind a
+One optimizer step reads top to bottom in `Trainer._optimizer_step`: a window of micro-batches (`_accumulate`:
+the window's target tokens counted over every process, `training_step` per micro-batch with the loss normalised
+over the whole window), clip, one check every process agrees on, step or skip, schedule, then log / evaluate /
+save as the callbacks ask. One train() call's state is a `Run` (stoker.loop) built by `_start_run` and passed
+down; how a model's loss is normalised and computed is decided once per model (stoker.loss_normalization,
+stoker.loss_computation); device placement, DDP, FSDP, DeepSpeed and mixed precision are Accelerate's, behind a
 backend object that the loop calls without branching on which one it is.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
-import signal
 import sys
 import time
 import uuid
@@ -37,7 +38,7 @@ from .callbacks import (
     integration_callbacks,
 )
 from .checkpointer import Checkpointer, RunObjects, resolve_resume, resume_settings, save_model
-from .chunked_loss import chunked_causal_lm_loss, output_head
+from .chunked_loss import output_head
 from .data import (
     ColumnFilter,
     PaddingCollator,
@@ -49,21 +50,28 @@ from .diagnostics import peak_memory_metrics
 from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
 from .distributed.fsdp import full_tensor
-from .errors import (
-    ConfigError,
-    NonFiniteError,
-    TrainingPreempted,
-    exit_with_code_after_preemption,
-)
-from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, logits_of, predictions_of, split_batch
+from .errors import ConfigError, TrainingPreempted, exit_with_code_after_preemption
+from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, predictions_of, split_batch
 from .log import logger, set_log_levels, transformers_logger
-from .loop import LoopPosition, PreemptionSignals, RunningLog, neftune_noise, plan_steps, window_sizes
+from .loop import (
+    LoopPosition,
+    MicroBatchHalver,
+    NonFinitePolicy,
+    PreemptionSignals,
+    Run,
+    RunningLog,
+    agree_on_step,
+    neftune_noise,
+    plan_steps,
+    window_sizes,
+)
 from .lora import trainable_parameters, wrap
-from .loss_normalization import LossConvention, loss_of, loss_or_none, smoothed_label_loss
+from .loss_computation import loss_computation
+from .loss_normalization import LossConvention, loss_or_none
 from .memory_plan import start_of_training_line
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
-from .prefix import prefix_body, shared_prefix_length, with_shared_prefix
+from .prefix import prefix_body
 from .report import ReportCallback
 from .trainer_api import TrainerAPI
 from .trainer_checks import trainer_input_problems
@@ -161,19 +169,22 @@ class Trainer(TrainerAPI):
 
         self.accelerator = build_accelerator(self.args, model, optimizers)
         self._backend = backend_for(self.accelerator, self.args)
-        self._checkpointer: Checkpointer | None = None  # the current (or last) run's: train() builds it
         set_log_levels(self.args)
         self._enable_gradient_checkpointing(model)
         self.model = model
         self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
         self.current_flos = 0  # FLOPs since the last store_flos (transformers' estimate)
         self.is_in_train = False
-        self._ignore_keys_for_eval = None
-        self._diagnostics = {}  # stoker's figures for the next log record, beside transformers' keys (see log)
-        self._run_started, self._initial_tokens_seen = None, 0  # this train() call's start, tokens seen then
+        self._initial_num_input_tokens_seen = 0  # when this train() call started (transformers' name)
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
+        # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
+        self._train_batch_size = self.args.per_device_train_batch_size
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
+        # stoker's wall-clock figures of a log record go to on_log beside it, where log() (or an override) takes them
+        parameters = inspect.signature(self.log).parameters
+        self._log_takes_diagnostics = "diagnostics" in parameters or any(
+            p.kind is p.VAR_KEYWORD for p in parameters.values())
         self._eval_dataloaders = {}  # with dataloader_persistent_workers: "eval" or a set's name -> its loader
 
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
@@ -205,28 +216,29 @@ class Trainer(TrainerAPI):
 
             DebugUnderflowOverflow(base)
         self._is_transformers = hasattr(base, "config")
-        self._label_smoothing = a.label_smoothing_factor
-        if a.label_smoothing_factor and getattr(getattr(base, "config", None), "problem_type",
+        label_smoothing = a.label_smoothing_factor
+        if label_smoothing and getattr(getattr(base, "config", None), "problem_type",
                                                 None) == "multi_label_classification":
             # as transformers: a warning, and the run trains on the model's own multi-label loss
             warnings.warn(f"Label smoothing is not compatible with multi-label classification: "
                           f"label_smoothing_factor={a.label_smoothing_factor} is ignored for this "
                           f"{type(base).__name__} (problem_type='multi_label_classification')", UserWarning,
                           stacklevel=3)
-            self._label_smoothing = 0.0
+            label_smoothing = 0.0
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
         # a KV cache is wasted memory in a loss forward, and while one exists transformers ignores the
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
-        self._chunked_head = output_head(model) if a.chunked_loss else None
-        self._prefix_body = prefix_body(model) if a.shared_prefix else None
+        chunked_head = output_head(model) if a.chunked_loss else None
         self._convention = LossConvention(model, base, self.label_names[0], self._forward_kwargs,
                                           loss_func=self.compute_loss_func is not None,
-                                          chunked=self._chunked_head is not None)
-        # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
-        self._train_batch_size = a.per_device_train_batch_size
+                                          chunked=chunked_head is not None)
+        # how compute_loss computes the loss, decided here once (stoker.loss_computation)
+        self._loss = loss_computation(self._convention, self._forward_kwargs, chunked_head=chunked_head,
+                                      compute_loss_func=self.compute_loss_func, label_smoothing=label_smoothing,
+                                      base_model=base, prefix_body=prefix_body(model) if a.shared_prefix else None)
         self._set_collator(base)
         return model
 
@@ -274,46 +286,15 @@ class Trainer(TrainerAPI):
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The micro-batch's share of the window loss: sum of its item losses / num_items_in_batch.
 
-        A model whose forward divides by a num_items_in_batch it is given (as LossConvention finds out)
-        receives it; any other returns a mean over its own items, which is rescaled by local items / window
-        items, so that B x A micro-batches give exactly the update of one batch of B*A.
-        With chunked_loss, a causal LM's loss comes from its hidden states (stoker.chunked_loss) unless the caller
-        asks for the outputs (return_outputs: an evaluation that keeps its predictions needs the logits).
-        With shared_prefix, a training micro-batch's common leading tokens are run once (stoker.prefix).
+        How is decided once per model (stoker.loss_computation): a model whose forward divides by a
+        num_items_in_batch it is given (as LossConvention finds out) receives it; any other returns a mean over
+        its own items, which is rescaled by local items / window items, so that B x A micro-batches give exactly
+        the update of one batch of B*A. compute_loss_func, label_smoothing_factor and chunked_loss (a causal LM's
+        loss from its hidden states, unless the caller asks for the outputs: an evaluation that keeps its
+        predictions needs the logits) each replace the model's loss; with shared_prefix, a training micro-batch's
+        common leading tokens are run once (stoker.prefix).
         """
-        inputs = {**inputs, **self._forward_kwargs}
-        if self._prefix_body is not None and model.training and not return_outputs:
-            length = shared_prefix_length(inputs, self.label_names[0])
-            if length:
-                decoder, cache_name = self._prefix_body
-                with self.accelerator.autocast():  # the prepared model's autocast does not cover its body alone
-                    inputs = with_shared_prefix(decoder, inputs, self.label_names[0], length, cache_name)
-        labels = inputs.get(self.label_names[0])
-        if self._chunked_head is not None and labels is not None and not return_outputs:
-            del inputs[self.label_names[0]]
-            loss, outputs = chunked_causal_lm_loss(model, self._chunked_head, inputs, labels, num_items_in_batch)
-        elif self.compute_loss_func is not None:
-            labels = inputs.pop(self.label_names[0], None)
-            outputs = model(**inputs)
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif self._label_smoothing and labels is not None and not labels.is_floating_point():
-            items = num_items_in_batch if num_items_in_batch is not None else self._convention.targets(inputs)
-            del inputs[self.label_names[0]]
-            base = _unwrap_peft(self.accelerator.unwrap_model(model))
-            if "decoder_input_ids" not in inputs and hasattr(base, "prepare_decoder_input_ids_from_labels"):
-                inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
-            outputs = model(**inputs)
-            loss = smoothed_label_loss(logits_of(outputs), labels, self._label_smoothing,
-                                       self._convention.causal, items)
-        elif num_items_in_batch is not None and self._convention.divides_by_num_items(model, inputs, self.accelerator):
-            outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-            loss = loss_of(outputs)
-        else:
-            outputs = model(**inputs)
-            loss = loss_of(outputs)
-            if num_items_in_batch is not None:
-                local = self._convention.targets(inputs)
-                loss = loss * (local / num_items_in_batch)
+        loss, outputs = self._loss(model, inputs, self.accelerator, num_items_in_batch, return_outputs)
         return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------------------------------
@@ -380,25 +361,22 @@ class Trainer(TrainerAPI):
 
     # named as transformers names it: its memory tracker recognises the stage by the caller's name
     def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval, memory):
-        """One run: set up (fresh state, the model, optimizer and schedule prepared by the backend, the checkpoint
-        resumed from), the loop, the run's metrics."""
+        """One run: set up (`_start_run`), the loop, the run's metrics."""
         a = self.args
-        self._ignore_keys_for_eval = ignore_keys_for_eval
-        resume_dir = resolve_resume(resume_from_checkpoint, a)
-        pos, run, per_epoch = self._start_run(resume_dir, trial)
+        run = self._start_run(resolve_resume(resume_from_checkpoint, a), trial, ignore_keys_for_eval)
         s = self.state
-        self._fire("on_train_begin", train_dataloader=self._train_dataloader)
-        if a.eval_on_start and resume_dir is None:
-            self._evaluate_and_track()
+        self._fire("on_train_begin", train_dataloader=run.train_dataloader)
+        if a.eval_on_start and not run.resumed:
+            self._evaluate_and_track(run)
 
         started, first_step, preempted = time.perf_counter(), s.global_step, None
-        self._run_started, self._initial_tokens_seen = time.time(), s.num_input_tokens_seen
+        run.started, self._initial_num_input_tokens_seen = time.time(), s.num_input_tokens_seen
         embeddings = (_unwrap_peft(self.accelerator.unwrap_model(self.model)).get_input_embeddings()
                       if a.neftune_noise_alpha else None)
-        with PreemptionSignals(a.save_on_signal) as signals, neftune_noise(embeddings, a.neftune_noise_alpha):
+        with run.signals, neftune_noise(embeddings, a.neftune_noise_alpha):
             # resumed from the run's last checkpoint (the same script run again): nothing is left to do
             if s.global_step < s.max_steps:
-                preempted = self._train_loop(pos, run, per_epoch, signals)
+                preempted = self._train_loop(run)
         if preempted is not None:
             if self.accelerator.num_processes > 1:  # every rank has its share of the checkpoint once all are here
                 self.accelerator.wait_for_everyone()
@@ -406,9 +384,9 @@ class Trainer(TrainerAPI):
             raise TrainingPreempted(preempted, s.global_step)
         return self._finalize_training(run, time.perf_counter() - started, s.global_step - first_step, memory)
 
-    def _start_run(self, resume_dir: str | None, trial) -> tuple[LoopPosition, RunningLog, int | None]:
-        """Everything before the first step: returns where the loop starts, its running log and the optimizer
-        steps per epoch (None for a dataset without a length)."""
+    def _start_run(self, resume_dir: str | None, trial, ignore_keys_for_eval) -> Run:
+        """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
+        the checkpoint resumed from; returns the run."""
         a, acc = self.args, self.accelerator
         self._backend.check_new_run()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
@@ -424,7 +402,7 @@ class Trainer(TrainerAPI):
             s.trial_params = dict(getattr(trial, "params", trial))
             s.trial_name = str(getattr(trial, "number", ""))
         self.control = TrainerControl()
-        self.optimizer, self.lr_scheduler = self._given_optimizers
+        self.optimizer, self.lr_scheduler = self._given_optimizers  # what create_optimizer builds on
         self.current_flos = 0
         self._seed()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
@@ -434,44 +412,50 @@ class Trainer(TrainerAPI):
             self.model = self.model_wrapped = model
         if a.use_liger_kernel:
             self._apply_liger_kernel()
-        self._train_batch_size = pos.micro_batch  # what get_train_dataloader batches by (as transformers)
         # checkpoints of this run carry its id; a resumed run continues the id of its checkpoint
-        self._checkpointer = Checkpointer(a, self._backend, (loop or {}).get("run_id") or uuid.uuid4().hex,
-                                          dataset_len)
+        checkpointer = Checkpointer(a, self._backend, (loop or {}).get("run_id") or uuid.uuid4().hex, dataset_len)
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
-        self._train_dataloader = self._prepared(self.get_train_dataloader())
-        max_steps, per_epoch = plan_steps(self._train_dataloader, pos.accumulation, a)
+        loader = self._train_loader(pos.micro_batch)
+        max_steps, per_epoch = plan_steps(loader, pos.accumulation, a)
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
         self.model_wrapped, self.optimizer, self.lr_scheduler = self._backend.prepare(
-            self.model, self._optimizer_source(), max_steps)
+            self.model, OptimizerSource(*self._given_optimizers, self._build_optimizer_and_scheduler,
+                                        self.create_optimizer), max_steps)
 
         s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.compute_steps(a, max_steps)
-        run = RunningLog(acc.device)
+        log = RunningLog(acc.device)
         if resume_dir is not None:
-            pos, run = self._checkpointer.restore(resume_dir, loop, self._run_objects(), pos)
+            pos, log = checkpointer.restore(resume_dir, loop, self._run_objects(), pos)
             if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
-                left = len(window_sizes(max(len(self._train_dataloader) - pos.batches, 0), pos.accumulation))
+                left = len(window_sizes(max(len(loader) - pos.batches, 0), pos.accumulation))
                 s.num_train_epochs = pos.epoch + 1 + max(math.ceil((max_steps - s.global_step - left) / per_epoch), 0)
-        self._log_training_header(trainable)
+        self._log_training_header(trainable, loader)
         if s.is_world_process_zero:
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
             if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
                 logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
-            self._checkpointer.open_output_dir()
-        return pos, run, per_epoch
+            checkpointer.open_output_dir()
+        return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader,
+                   steps_per_epoch=per_epoch, halver=MicroBatchHalver(a.auto_find_batch_size, pos, s),
+                   nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
+                   resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval)
 
-    def _optimizer_source(self) -> OptimizerSource:
-        """The given optimizer and schedule, and this Trainer's hooks that build what was not given."""
-        def build(model, steps: int):
-            self.create_optimizer_and_scheduler(steps, model)
-            return self.optimizer, self.lr_scheduler
+    def _train_loader(self, micro_batch: int):
+        """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
+        _train_batch_size, as transformers')."""
+        self._train_batch_size = micro_batch
+        return self._prepared(self.get_train_dataloader())
 
-        return OptimizerSource(*self._given_optimizers, build, self.create_optimizer)
+    def _build_optimizer_and_scheduler(self, model, steps: int) -> tuple:
+        """What a backend calls when it needs the run's optimizer and schedule built (transformers' hooks, which a
+        subclass may override, build what was not given)."""
+        self.create_optimizer_and_scheduler(steps, model)
+        return self.optimizer, self.lr_scheduler
 
     def _apply_liger_kernel(self) -> None:
         """Patch the model with Liger's kernels, as transformers does when training starts (evaluation alone needs
@@ -490,11 +474,11 @@ class Trainer(TrainerAPI):
             logger.warning(f"use_liger_kernel=True: {type(base).__name__} is not a transformers model; no Liger "
                            "kernel is applied")
 
-    def _log_training_header(self, trainable: int) -> None:
+    def _log_training_header(self, trainable: int, loader) -> None:
         """transformers' "***** Running training *****" lines, in its words and on its trainer logger, so that
         what a script or test captures from that logger at log_level='info' is the same."""
         a, s = self.args, self.state
-        epochs, per_epoch, examples = self.set_initial_training_values(a, self._train_dataloader)[:3]
+        epochs, per_epoch, examples = self.set_initial_training_values(a, loader)[:3]
         for line in ("***** Running training *****", f"  Num examples = {examples:,}",
                      f"  Num Epochs = {epochs:,}", f"  Num update steps per epoch = {per_epoch:,}",
                      f"  Instantaneous batch size per device = {a.per_device_train_batch_size:,}",
@@ -505,18 +489,18 @@ class Trainer(TrainerAPI):
                      f"  Number of trainable parameters = {trainable:,}"):
             transformers_logger.info(line)
 
-    def _finalize_training(self, run: RunningLog, runtime: float, steps_run: int, memory) -> TrainOutput:
+    def _finalize_training(self, run: Run, runtime: float, steps_run: int, memory) -> TrainOutput:
         """The run's metrics (over the whole run, a resumed one included: the losses before the checkpoint came
         back with it), the best model loaded back if asked for, on_train_end."""
-        a, s = self.args, self.state
+        a, s, log = self.args, self.state, run.log
         metrics = {
             "train_runtime": round(runtime, 4),
-            "train_samples_per_second": round(run.samples_seen / runtime, 3),
+            "train_samples_per_second": round(log.samples_seen / runtime, 3),
             "train_steps_per_second": round(max(steps_run, 1) / runtime, 3),
-            "train_loss": run.total_loss / max(s.global_step - run.nonfinite_total, 1),
+            "train_loss": log.total_loss / max(s.global_step - log.nonfinite_total, 1),
         }
-        self._diagnostics = {"train_tokens_per_second": round(run.tokens_seen / runtime, 3),
-                             **peak_memory_metrics(self.accelerator.device)}
+        diagnostics = {"train_tokens_per_second": round(log.tokens_seen / runtime, 3),
+                       **peak_memory_metrics(self.accelerator.device)}
         self.store_flos()
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
@@ -524,10 +508,10 @@ class Trainer(TrainerAPI):
             if s.is_world_process_zero:
                 logger.info(f"loaded the best model, {s.best_model_checkpoint} ({a.metric_for_best_model}="
                             f"{s.best_metric})")
-        self._checkpointer.keep_only_best(s.best_model_checkpoint)
+        run.checkpointer.keep_only_best(s.best_model_checkpoint)
         if memory is not None:
             memory.stop_and_update_metrics(metrics)
-        self.log(metrics)
+        self._log(metrics, None, diagnostics)
         self._fire("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
 
@@ -550,102 +534,101 @@ class Trainer(TrainerAPI):
             self._memory = TrainerMemoryTracker(skip_memory_metrics=False)
         return self._memory
 
-    def _train_loop(self, pos: LoopPosition, run: RunningLog, per_epoch: int | None,
-                    signals: PreemptionSignals) -> int | None:
-        """The epochs from `pos` on; returns the signal that preempted the run, or None."""
-        s = self.state
+    def _train_loop(self, run: Run) -> int | None:
+        """The epochs from the run's position on; returns the signal that preempted the run, or None."""
+        s, pos, log = self.state, run.position, run.log
         model = self.model_wrapped
         model.train()
-        run.restart_clock()
+        log.restart_clock()
         preempted = None
         for epoch in range(pos.epoch, s.num_train_epochs):
             pos.epoch = epoch
             self._fire("on_epoch_begin")
-            for window in self._windows(pos, run):
-                preempted = self._optimizer_step(model, window, pos, run, per_epoch, signals)
+            for window in self._windows(run):
+                preempted = self._optimizer_step(model, window, run)
                 # read anew after every event: a callback may return a TrainerControl of its own, which then
                 # replaces self.control (as in transformers)
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
-            if per_epoch and pos.batches >= len(self._train_dataloader):
+            if run.steps_per_epoch and pos.batches >= len(run.train_dataloader):
                 s.epoch = pos.epoch + 1
             self._fire("on_epoch_end")
-            self._maybe_log_save_evaluate(pos, run)
+            self._maybe_log_save_evaluate(run)
             pos.batches, self.control.should_epoch_stop = 0, False
             if self.control.should_training_stop or s.global_step >= s.max_steps:
                 break
-        if run.steps:  # loss and tokens of steps after the last log
-            run.total_loss += run.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
-        run.fold_tokens(self.accelerator, s, self.args.include_num_input_tokens_seen)
+        if log.steps:  # loss and tokens of steps after the last log
+            log.total_loss += log.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
+        log.fold_tokens(self.accelerator, s, self.args.include_num_input_tokens_seen)
         return preempted
 
-    def _optimizer_step(self, model, window: list[dict], pos: LoopPosition, run: RunningLog,
-                        per_epoch: int | None, signals: PreemptionSignals) -> int | None:
+    def _optimizer_step(self, model, window: list[dict], run: Run) -> int | None:
         """One optimizer step over a window of micro-batches, top to bottom as callbacks.py maps its events.
         Returns the signal that preempts the run after this step (its checkpoint is written), or None."""
-        a, s, acc = self.args, self.state, self.accelerator
+        a, s, acc, pos = self.args, self.state, self.accelerator, run.position
         self._fire("on_step_begin")
-        while True:
-            try:
-                if not self._convention.settled:  # once, on the first window
-                    self._convention.decide(model, window[0], acc)
-                # every micro-batch's loss is normalised over the target items of the whole window, on every
-                # process: the accumulated gradient is exactly that of one batch of the window's rows
-                num_items = self._convention.window_items(window, acc, a.average_tokens_across_devices)
-                window_loss = torch.zeros((), device=acc.device)
-                for i, batch in enumerate(window):
-                    last = i == len(window) - 1
-                    with self._backend.micro_batch(model, last):  # gradients sync on the last one only
-                        window_loss += self.training_step(model, batch, num_items)
-                    if not last:
-                        self._fire("on_substep_end")
-                break
-            except Exception as e:  # auto_find_batch_size: halve the micro-batch and rerun the same samples
-                window = self._halve_micro_batch(window, pos, e)
+        # forward and backward of every micro-batch; out of memory reruns the same samples at half the micro-batch
+        window, window_loss = run.halver.accumulate(window, lambda w: self._accumulate(model, w), self.optimizer)
         for batch in window:
-            run.count(batch, acc.num_processes)
+            run.log.count(batch, acc.num_processes)
             self.current_flos += float(self.floating_point_ops(batch))
         pos.batches += len(window)
         # with max_grad_norm=0 this only measures the norm (the non-finite guard needs it)
         grad_norm = full_tensor(acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf))
-        apply, signalled = self._check_step(window_loss, grad_norm, run, signals.received)  # one host sync
-        if apply:
+        verdict = agree_on_step(acc, window_loss, grad_norm, not self._backend.scaler_handles_inf(),
+                                run.signals.received)  # the step's one host sync
+        if run.nonfinite.allows(verdict, run.log, window_loss, grad_norm, s.global_step + 1, acc.process_index):
             self._fire("on_pre_optimizer_step")
             self.optimizer.step()
             self._fire("on_optimizer_step")
             # logged with the rate this step used; fp16 loss scaling skips steps with inf gradients, and a
             # plateau schedule steps after evaluation instead
-            run.add_step(window_loss, grad_norm, self._learning_rate())
+            run.log.add_step(window_loss, grad_norm, self._learning_rate())
             if not acc.optimizer_step_was_skipped and not self._steps_on_metric():
                 self.lr_scheduler.step()
         elif not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
-            run.add_step(window_loss)
+            run.log.add_step(window_loss)
         self.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
-        s.epoch = pos.epoch + (pos.batches / len(self._train_dataloader) if per_epoch else 0)
-        try:
+        s.epoch = pos.epoch + (pos.batches / len(run.train_dataloader) if run.steps_per_epoch else 0)
+        with run.halver.after_update():  # out of memory in a callback: the windows from the next on are halved
             self._fire("on_step_end")
-        except Exception as e:  # out of memory after the update (in a callback): the next windows are halved
-            self._halve(pos, e)
-        if acc.num_processes == 1 and signals.received:  # alone, act on a signal as soon as the step is done
-            signalled = signals.received
-        if signalled:  # checkpoint this step, then leave
+        # alone, a process acts on a signal as soon as the step is done; several act on the one they agreed on
+        preempted = run.signals.received if acc.num_processes == 1 else verdict.preempted
+        if preempted:  # checkpoint this step, then leave
             self.control.should_save = self.control.should_training_stop = True
-        self._maybe_log_save_evaluate(pos, run)
-        return signalled
+        self._maybe_log_save_evaluate(run)
+        return preempted
 
-    def _windows(self, pos: LoopPosition, run: RunningLog) -> Iterator[list[dict]]:
-        """The epoch's optimizer-step windows from micro-batch `pos.batches` on; the last may be shorter.
+    def _accumulate(self, model, window: list[dict]) -> torch.Tensor:
+        """Forward and backward of every micro-batch of the window; returns the window's loss (detached). Every
+        micro-batch's loss is normalised over the target items of the whole window, on every process, so that
+        the accumulated gradient is exactly that of one batch of the window's rows."""
+        acc = self.accelerator
+        if not self._convention.settled:  # once, on the first window
+            self._convention.decide(model, window[0], acc)
+        num_items = self._convention.window_items(window, acc, self.args.average_tokens_across_devices)
+        window_loss = torch.zeros((), device=acc.device)
+        for i, batch in enumerate(window):
+            last = i == len(window) - 1
+            with self._backend.micro_batch(model, last):  # gradients sync on the last one only
+                window_loss += self.training_step(model, batch, num_items)
+            if not last:
+                self._fire("on_substep_end")
+        return window_loss
+
+    def _windows(self, run: Run) -> Iterator[list[dict]]:
+        """The epoch's optimizer-step windows from micro-batch `run.position.batches` on; the last may be shorter.
 
         Resuming skips indices in the sampler, so no skipped batch is loaded or run. When an out-of-memory
         error has halved the micro-batch, the loader is rebuilt at the same sample position.
         """
+        pos = run.position
         while True:
             size = pos.micro_batch
             if self._train_batch_size != size:
-                self._train_batch_size = size
-                self._train_dataloader = self._prepared(self.get_train_dataloader())
-            loader = self._train_dataloader
+                run.train_dataloader = self._train_loader(size)
+            loader = run.train_dataloader
             if hasattr(loader, "set_epoch"):  # a loader of the user's own may have none, as in transformers
                 loader.set_epoch(pos.epoch)
             if getattr(loader, "generator", None) is not None:  # worker seeds = f(data_seed, epoch), not the
@@ -653,7 +636,7 @@ class Trainer(TrainerAPI):
             if pos.batches:
                 loader = self.accelerator.skip_first_batches(loader, pos.batches)
             window = []
-            for batch in run.data_clock.timed(loader):  # sums the time spent waiting for batches
+            for batch in run.log.data_clock.timed(loader):  # sums the time spent waiting for batches
                 window.append(dict(batch))  # a transformers collator's BatchEncoding is a Mapping, not a dict
                 if len(window) == pos.accumulation:
                     yield window
@@ -679,103 +662,51 @@ class Trainer(TrainerAPI):
             clear_device_cache()
         return loss.detach()
 
-    def _halve_micro_batch(self, window: list[dict], pos: LoopPosition, error: Exception) -> list[dict]:
-        """After an out-of-memory error in a window with auto_find_batch_size: the same samples as twice as many
-        micro-batches of half the size (the update is unchanged: the loss is normalised over the window's
-        target tokens, not over micro-batches). Raises `error` again for any other failure."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self._halve(pos, error)
-        return [part for batch in window for part in split_batch(batch, pos.micro_batch)]
-
-    def _halve(self, pos: LoopPosition, error: Exception) -> None:
-        """Halve the micro-batch and double the accumulation from here on (the loop rebuilds its loader at the
-        same sample) after an out-of-memory error with auto_find_batch_size; raises `error` again for any other
-        failure."""
-        if not (self.args.auto_find_batch_size and should_reduce_batch_size(error)):
-            raise error
-        if pos.micro_batch % 2:
-            raise RuntimeError(f"out of memory with a micro-batch of {pos.micro_batch}: auto_find_batch_size "
-                               "can only halve an even micro-batch (use a power of two)") from error
-        clear_device_cache(garbage_collection=True)
-        pos.halve()
-        self.state.train_batch_size = pos.micro_batch
-        logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
-                       f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
-
-    def _check_step(self, window_loss: torch.Tensor, grad_norm, run: RunningLog,
-                    received: int | None) -> tuple[bool, int | None]:
-        """(whether the update may be applied, the preempting signal if any process has received one). Checked
-        on every step, which costs one host sync per step: the price of never applying a non-finite update."""
-        acc = self.accelerator
-        bad = ~torch.isfinite(window_loss)
-        # with fp16 loss scaling (Accelerate's or DeepSpeed's), inf gradients are the scaler's business
-        if not self._backend.scaler_handles_inf():
-            bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=acc.device))
-        mine = bad
-        if acc.num_processes > 1:  # every rank must take the same decisions
-            flags = torch.stack([bad.float(), torch.tensor(float(received is not None), device=acc.device)])
-            flags = acc.reduce(flags, reduction="sum")
-            bad, signalled = flags[0] > 0, flags[1].item() > 0
-        else:
-            signalled = received is not None
-        signal_number = (received or signal.SIGTERM) if signalled else None
-        if not bad.item():
-            run.nonfinite_run = 0
-            return True, signal_number
-        run.nonfinite_run += 1
-        run.nonfinite_total += 1
-        step = self.state.global_step + 1
-        what = f"non-finite loss ({window_loss.item():.4g}) or gradient norm ({float(grad_norm):.4g}) at step {step}"
-        if not mine.item():  # this process's numbers are finite: another one's are not
-            what += f" on another process (this is process {acc.process_index})"
-        if self._backend.update_applied_despite_nonfinite():  # its own overflow check skips some, not all
-            raise NonFiniteError(f"{what}; DeepSpeed has applied the update inside its engine, where it cannot be "
-                                 "skipped: stopping")
-        if self.args.nonfinite_policy == "stop":
-            raise NonFiniteError(f"{what}; stopping (nonfinite_policy='stop')")
-        if run.nonfinite_run >= self.args.max_nonfinite_steps:
-            raise NonFiniteError(f"{what}: {run.nonfinite_run} non-finite steps in a row "
-                                 f"(max_nonfinite_steps={self.args.max_nonfinite_steps}); stopping")
-        logger.warning(f"{what}; update skipped")
-        return False, signal_number
-
-    def _maybe_log_save_evaluate(self, pos: LoopPosition, run: RunningLog) -> None:
+    def _maybe_log_save_evaluate(self, run: Run) -> None:
         """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
         the logged throughput)."""
-        s = self.state  # self.control is read anew after each event: a callback may replace it
-        if self.control.should_log and (run.steps or run.nonfinite_total):
-            logs, self._diagnostics = run.window_logs(self.args, self.accelerator, self.model_wrapped, s,
-                                                      self._learning_rate())
-            self.log(logs, self._run_started)
-            run.restart_clock()
+        s, log = self.state, run.log  # self.control is read anew after each event: a callback may replace it
+        if self.control.should_log and (log.steps or log.nonfinite_total):
+            logs, diagnostics = log.window_logs(self.args, self.accelerator, self.model_wrapped, s,
+                                                self._learning_rate())
+            self._log(logs, run.started, diagnostics)
+            log.restart_clock()
         self.control.should_log = False
         paused = time.perf_counter()
         if self.control.should_evaluate:
             self.control.should_evaluate = False
-            if self._evaluate_and_track() and self.args.save_strategy == "best":
+            if self._evaluate_and_track(run) and self.args.save_strategy == "best":
                 self.control.should_save = True
         if self.control.should_save:
             self.control.should_save = False
-            if self._checkpointer.last_saved_step != s.global_step:  # epoch end right after a step save
-                self._save_checkpoint(pos, run)
-        run.excluded += time.perf_counter() - paused
+            if run.checkpointer.last_saved_step != s.global_step:  # epoch end right after a step save
+                self._save_checkpoint(run)
+        log.excluded += time.perf_counter() - paused
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+    def log(self, logs: dict[str, float], start_time: float | None = None, diagnostics: dict | None = None) -> None:
         """Record logs, with the epoch, in state.log_history (with the step) and hand them to the on_log callbacks,
         as transformers does: with include_num_input_tokens_seen also num_input_tokens_seen and, given the run's
         start_time (time.time()), train_runtime and train_tokens_per_second of this train() call. The loop logs
-        through this method, so a subclass that overrides it sees (and may change) every record. stoker's
-        wall-clock diagnostics of the record go to on_log as `diagnostics` (metrics.jsonl writes them)."""
+        through this method, so a subclass that overrides it sees (and may change) every record. `diagnostics`,
+        stoker's wall-clock figures of the record (which differ between two identical runs, so they stay out of
+        log_history), go to on_log beside it (metrics.jsonl writes them)."""
         s = self.state
         logs = {**logs, "epoch": s.epoch}
         if self.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = s.num_input_tokens_seen
             if start_time is not None:
                 logs.update(speed_metrics("train", start_time,
-                                          num_tokens=s.num_input_tokens_seen - self._initial_tokens_seen))
+                                          num_tokens=s.num_input_tokens_seen - self._initial_num_input_tokens_seen))
         s.log_history.append({**logs, "step": s.global_step})
-        diagnostics, self._diagnostics = self._diagnostics, {}
-        self._fire("on_log", logs=logs, diagnostics=diagnostics)
+        self._fire("on_log", logs=logs, diagnostics=diagnostics or {})
+
+    def _log(self, logs: dict[str, float], start_time: float | None, diagnostics: dict) -> None:
+        """log() from the loop: with the diagnostics where log() takes them (an override written for transformers'
+        log(logs, start_time) does not)."""
+        if self._log_takes_diagnostics:
+            self.log(logs, start_time, diagnostics=diagnostics)
+        else:
+            self.log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
@@ -809,10 +740,10 @@ class Trainer(TrainerAPI):
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 
-    def _evaluate_and_track(self) -> bool:
+    def _evaluate_and_track(self, run: Run) -> bool:
         """Evaluate, step a plateau schedule on the metric and update best_metric; True if this evaluation is
         the new best."""
-        metrics = self.evaluate(ignore_keys=self._ignore_keys_for_eval)
+        metrics = self.evaluate(ignore_keys=run.ignore_keys_for_eval)
         self._report_to_hp_search(metrics)  # a search trial's objective, which its pruner may stop it on
         name = self.args.metric_for_best_model
         if self._steps_on_metric():  # as transformers: on metric_for_best_model, else eval_loss
@@ -823,7 +754,7 @@ class Trainer(TrainerAPI):
         better = best is None or (value > best if self.args.greater_is_better else value < best)
         if better and math.isfinite(value):
             s.best_metric, s.best_global_step = value, s.global_step
-            if self._checkpointer.last_saved_step == s.global_step:  # evaluated after this step's checkpoint
+            if run.checkpointer.last_saved_step == s.global_step:  # evaluated after this step's checkpoint
                 s.best_model_checkpoint = ckpt.checkpoint_dir(self.args.output_dir, s.global_step)
             return True
         return False
@@ -1002,16 +933,11 @@ class Trainer(TrainerAPI):
         save_model(output_dir or self.args.output_dir, self.accelerator, self._backend, self.model_wrapped,
                    self.processing_class, self.args)
 
-    def _state_dict_for_saving(self) -> dict | None:
-        """The full state dict, gathered across shards (every rank must call it); None where save_pretrained
-        takes a peft adapter from the model itself."""
-        return self._backend.state_dict_for_saving(self.model_wrapped)
-
-    def _save_checkpoint(self, pos: LoopPosition, run: RunningLog) -> str:
-        """Write checkpoint-<global_step> of the run at `pos` (stoker.checkpointer does the work), then
+    def _save_checkpoint(self, run: Run) -> str:
+        """Write checkpoint-<global_step> of the run at its position (stoker.checkpointer does the work), then
         on_save."""
         self.store_flos()
-        path = self._checkpointer.save(self._run_objects(), pos, run)
+        path = run.checkpointer.save(self._run_objects(), run.position, run.log)
         self._fire("on_save")
         return path
 

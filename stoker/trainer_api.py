@@ -27,8 +27,28 @@ from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kw
 
 class TrainerAPI:
     """transformers.Trainer's public methods besides train / evaluate / predict, with the same names, signatures and
-    results; `Trainer` inherits them and supplies the attributes they read (args, accelerator, model, optimizer,
-    lr_scheduler, state)."""
+    results; `Trainer` inherits them and supplies what they need, declared here."""
+
+    # what the Trainer supplies: transformers' public attributes ...
+    args: Any  # TrainingArguments
+    accelerator: Any
+    model: torch.nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+    state: Any  # TrainerState
+    current_flos: float
+    # ... and its own: the loss normalisation of the model (its target count for get_batch_samples), the
+    # optimizers given to the constructor (create_accelerator_and_postprocess builds with them)
+    _convention: Any  # stoker.loss_normalization.LossConvention
+    _given_optimizers: tuple
+
+    def _evaluation_loader(self, dataset):
+        """The prepared evaluation loader of `dataset` (get_test_dataloader's)."""
+        raise NotImplementedError
+
+    def _fire(self, event: str, **kwargs) -> None:
+        """Fire a callback event (hyperparameter_search ends a pruned trial's run with on_train_end)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------
     # processes

@@ -50,6 +50,9 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
         if compute_loss_func is not None:
             p.append("chunked_loss=True: replaces the model's own loss and cannot feed compute_loss_func, "
                      "which needs the logits; use one or the other")
+        if a.label_smoothing_factor:
+            p.append(f"chunked_loss=True: computes the plain cross-entropy and would ignore "
+                     f"label_smoothing_factor={a.label_smoothing_factor}; use one or the other")
     if a.shared_prefix and isinstance(model, torch.nn.Module):
         p += shared_prefix_problems(model)
     if getattr(model, "hf_quantizer", None) is not None and not is_peft_model(model):

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from stoker.checkpointer import Checkpointer  # noqa: E402
 from stoker.errors import TrainingPreempted  # noqa: E402
 from stoker.loop import LoopPosition, RunningLog  # noqa: E402
 from tests.test_trainer import llama, rows  # noqa: E402
@@ -82,6 +83,11 @@ class Report:
     def write(self) -> None:
         with open(os.path.join(self.folder, f"rank_{self.rank}.json"), "w") as f:
             json.dump(self.values, f, indent=1)
+
+
+def gathered_state(trainer) -> dict | None:
+    """The trained model's full state dict, gathered across shards on rank 0 (every rank must call it)."""
+    return trainer._backend.state_dict_for_saving(trainer.model_wrapped)
 
 
 def losses(trainer) -> list:
@@ -348,7 +354,7 @@ def fsdp2(out: str) -> None:
         dtensors=all(type(p).__name__ == "DTensor" for p in params),
         local_numel=sum(p.to_local().numel() for p in params), total_numel=sum(p.numel() for p in params),
         losses=losses(full), global_step=full.state.global_step)
-    gathered = full._state_dict_for_saving()  # the full model, on rank 0
+    gathered = gathered_state(full)  # the full model, on rank 0
     full.save_model(os.path.join(r.folder, "saved"))  # one full safetensors model, for transformers
     checkpoint_2 = os.path.join(r.folder, "out", "checkpoint-2")
     resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed"), save_strategy="steps", save_steps=3),
@@ -356,11 +362,11 @@ def fsdp2(out: str) -> None:
     fsdp_on_cpu(resumed, state_dict_type="SHARDED_STATE_DICT")
     resumed.evaluate(EVAL7)  # before train(), its evaluation-only placement must not keep FSDP from sharding
     resumed.train(resume_from_checkpoint=checkpoint_2)
-    gathered_resumed = resumed._state_dict_for_saving()
+    gathered_resumed = gathered_state(resumed)
     r.values["resumed_losses"] = losses(resumed)
     r.values["resumed_dtensors"] = all(type(p).__name__ == "DTensor" for p in resumed.model_wrapped.parameters())
     resumed._backend.load_weights(checkpoint_2, resumed.model_wrapped)
-    gathered_step_2 = resumed._state_dict_for_saving()
+    gathered_step_2 = gathered_state(resumed)
     if r.rank == 0:
         for name, tensors in (("final", gathered), ("resumed", gathered_resumed), ("step_2", gathered_step_2)):
             r.save_tensors(name, {k: v.contiguous() for k, v in tensors.items()})
@@ -387,7 +393,7 @@ def fsdp1(out: str) -> None:
                     total_numel=sum(p.numel() for p in llama().parameters()),
                     optimizer_on_flat=sorted(id(p) for g in full.optimizer.param_groups for p in g["params"])
                     == sorted(map(id, flat)))
-    gathered = full._state_dict_for_saving()
+    gathered = gathered_state(full)
     try:
         full.train()
     except RuntimeError as e:
@@ -396,7 +402,7 @@ def fsdp1(out: str) -> None:
     fsdp_on_cpu(resumed, version=1, **fsdp_config)
     resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
     r.values["resumed_losses"] = losses(resumed)
-    gathered_resumed = resumed._state_dict_for_saving()
+    gathered_resumed = gathered_state(resumed)
     if r.rank == 0:
         r.save_tensors("ddp", final_params(ddp))
         for name, tensors in (("final", gathered), ("resumed", gathered_resumed)):
@@ -421,16 +427,16 @@ def lora_fsdp2(out: str) -> None:
 
     full = trainer("out", save_strategy="steps", save_steps=2)
     full.train()
-    adapter = full._state_dict_for_saving()  # the trainable parameters, gathered on rank 0
+    adapter = gathered_state(full)  # the trainable parameters, gathered on rank 0
     full.save_model(os.path.join(r.folder, "saved"))
     resumed = trainer("resumed")
     resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
     r.values.update(losses=losses(full), resumed_losses=losses(resumed))
     if r.rank == 0:
         r.save_tensors("final", {k: v.contiguous() for k, v in adapter.items()})
-        r.save_tensors("resumed", {k: v.contiguous() for k, v in resumed._state_dict_for_saving().items()})
+        r.save_tensors("resumed", {k: v.contiguous() for k, v in gathered_state(resumed).items()})
     else:
-        resumed._state_dict_for_saving()
+        gathered_state(resumed)
     r.write()
 
 
@@ -497,13 +503,13 @@ def zero3(out: str) -> None:
     params = list(trainer.model_wrapped.parameters())
     r.values.update(losses=losses(trainer), local_numel=sum(p.ds_tensor.numel() for p in params),
                     total_numel=sum(p.ds_numel for p in params), total_flos=trainer.state.total_flos)
-    final = trainer._state_dict_for_saving()  # gathered on rank 0
+    final = gathered_state(trainer)  # gathered on rank 0
     trainer.save_model(os.path.join(r.folder, "saved"))
     resumed = resumed_run(r, "resumed", args_of)
     r.values["resumed_losses"] = losses(resumed)
-    resumed_final = resumed._state_dict_for_saving()
+    resumed_final = gathered_state(resumed)
     resumed._backend.load_weights(os.path.join(r.folder, "out", "checkpoint-2"), resumed.model_wrapped)
-    step_2 = resumed._state_dict_for_saving()
+    step_2 = gathered_state(resumed)
     bad = os.path.join(r.folder, "bad")  # one tensor missing, one of another shape
     if r.rank == 0:
         from safetensors.torch import load_file
@@ -578,8 +584,9 @@ def zero_nonfinite(out: str) -> None:
                     if r.rank == 1:
                         next(iter(trainer.model_wrapped.parameters())).ds_tensor.data.fill_(float("inf"))
                     try:
-                        trainer._save_checkpoint(LoopPosition(epoch=1, batches=0, micro_batch=2, accumulation=2),
-                                                 RunningLog(trainer.accelerator.device))
+                        Checkpointer(args, trainer._backend, "refused", len(TRAIN)).save(
+                            trainer._run_objects(), LoopPosition(epoch=1, batches=0, micro_batch=2, accumulation=2),
+                            RunningLog(trainer.accelerator.device))
                     except NonFiniteError as e:
                         outcome["save"] = str(e)
             except NonFiniteError as e:

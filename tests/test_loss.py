@@ -198,6 +198,8 @@ def test_chunked_loss_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="chunked_loss=True: replaces the model's own loss"):
         Trainer(llama(), args(tmp_path, chunked_loss=True), train_dataset=rows(4),
                 compute_loss_func=lambda outputs, labels, num_items_in_batch: outputs.logits.sum())
+    with pytest.raises(ConfigError, match="would ignore label_smoothing_factor=0.1"):
+        Trainer(llama(), args(tmp_path, chunked_loss=True, label_smoothing_factor=0.1), train_dataset=rows(4))
     from peft import LoraConfig
 
     with pytest.raises(ConfigError, match="output layer of LlamaForCausalLM is peft.*Linear, not a plain"):
