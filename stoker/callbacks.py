@@ -9,10 +9,10 @@ line::
         on_epoch_begin
         for window of gradient_accumulation_steps micro-batches:
             on_step_begin
-            for micro-batch in window:
+            for micro-batch in window:       # Trainer._accumulate
                 training_step                # forward, backward; gradients sync on the window's last one only
                 on_substep_end               # after every micro-batch but the window's last
-            clip, check loss and gradient norm (one host sync: a non-finite step is skipped)
+            clip; every process agrees on the step (one host sync): a non-finite one is skipped
             on_pre_optimizer_step            # gradients are final and clipped
             optimizer.step()
             on_optimizer_step

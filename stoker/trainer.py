@@ -178,6 +178,7 @@ class Trainer(TrainerAPI):
         self._initial_num_input_tokens_seen = 0  # when this train() call started (transformers' name)
         self.optimizer, self.lr_scheduler = optimizers
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
+        self._trial, self._flops_model, self._flops_parameters = None, None, None  # TrainerAPI's, empty at first
         # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
         self._train_batch_size = self.args.per_device_train_batch_size
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)

@@ -41,6 +41,11 @@ class TrainerAPI:
     # optimizers given to the constructor (create_accelerator_and_postprocess builds with them)
     _convention: Any  # stoker.loss_normalization.LossConvention
     _given_optimizers: tuple
+    # ... and, empty at first, this mixin's own: the trial of the last train() call, and floating_point_ops'
+    # parameter count of the model it was counted for
+    _trial: Any
+    _flops_model: Any
+    _flops_parameters: int | None
 
     def _evaluation_loader(self, dataset):
         """The prepared evaluation loader of `dataset` (get_test_dataloader's)."""
@@ -274,7 +279,7 @@ class TrainerAPI:
         main_input = getattr(model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(model, "num_parameters"):
             return 0
-        if getattr(self, "_flops_model", None) is not model:  # counted once per model: it visits every parameter
+        if self._flops_model is not model:  # counted once per model: it visits every parameter
             self._flops_model, self._flops_parameters = model, non_embedding_parameters(model)
         return 6 * inputs[main_input].numel() * self._flops_parameters
 
@@ -291,7 +296,6 @@ class TrainerAPI:
     # hyperparameter search
 
     hp_search_backend = None  # "optuna" while hyperparameter_search runs (as transformers' attribute)
-    _trial = None  # the trial train() was last called with
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction: str | list[str] = "minimize", backend=None, hp_name=None, **kwargs):
