@@ -59,7 +59,7 @@ class Optimizer(NamedTuple):
     package: str | None = None
 
 
-# The one list of optimizer names: validation, --help and the README's arguments table read it, and
+# The one list of optimizer names: validation, --help and the arguments table (docs/arguments.md) read it, and
 # optimizer_cls_and_kwargs builds from it. A subset of transformers' OptimizerNames, with its kwargs.
 OPTIMIZERS = {o.name: o for o in (
     Optimizer("adamw_torch", "torch.optim:AdamW"),

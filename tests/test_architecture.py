@@ -1,6 +1,6 @@
 """The layering that the package's structure promises, checked from the source: no import cycles among stoker's
 modules (imports inside functions count: a cycle hidden there is still a cycle) and internal imports at the top of
-files, and every import pointing down the layers that DESIGN.md draws. (That the loop never branches on the
+files, and every import pointing down the layers that docs/architecture.md draws. (That the loop never branches on the
 distributed backend is checked in test_backends.py.)"""
 
 from __future__ import annotations
@@ -114,8 +114,9 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     assert _cycles(graph) == [["stoker.a", "stoker.b"]] and inside == ["stoker.b:2"]
 
 
-# DESIGN.md's layers, top to bottom: a module may import its own layer's modules and any layer below, never one
-# above. Each module is in the first layer one of whose prefixes it starts with.
+# docs/architecture.md's layers (test_docs.py checks its table against this tuple), top to bottom: a module may
+# import its own layer's modules and any layer below, never one above. Each module is in the first layer one of
+# whose prefixes it starts with.
 LAYERS = (
     ("entry points", ("stoker", "stoker.cli", "stoker.recipes")),
     ("the Trainer", ("stoker.trainer", "stoker.trainer_api", "stoker.trainer_checks", "stoker.seq2seq")),
@@ -135,7 +136,7 @@ def _layer(module: str) -> int:
     exact = [i for i, (_, names) in enumerate(LAYERS) if module in names]
     nested = [i for i, (_, names) in enumerate(LAYERS) for n in names if n != "stoker" and module.startswith(n + ".")]
     found = exact or nested
-    assert found, f"{module} is in no layer of LAYERS (DESIGN.md)"
+    assert found, f"{module} is in no layer of LAYERS (docs/architecture.md)"
     return found[0]
 
 

@@ -33,8 +33,8 @@ def results(out: Path) -> dict:
 
 
 def test_the_recipe_table_is_the_one_list_of_recipes():
-    """Each RECIPES entry names its script (whose RECIPE is the same name), has its YAML and a row of the README's
-    recipes table, and nothing else is listed anywhere: a new recipe is one entry plus its files."""
+    """Each RECIPES entry names its script (whose RECIPE is the same name), has its YAML and a row of the recipes
+    table in docs/recipes.md, and nothing else is listed anywhere: a new recipe is one entry plus its files."""
     import re
 
     from stoker.recipes import RECIPES
@@ -42,8 +42,8 @@ def test_the_recipe_table_is_the_one_list_of_recipes():
     for name, recipe in RECIPES.items():
         assert importlib.import_module(recipe.module).RECIPE == name
         assert recipe.default_job["recipe"] == name and (ROOT / "recipes" / f"{name}.yaml").is_file()
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| recipe | data | model | metric |"):].split("\n\n")[0]
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    table = page[page.index("| recipe | data | model | metric |"):].split("\n\n")[0]
     assert re.findall(r"^\| `(\w+)` \|", table, re.M) == list(RECIPES)
 
 
@@ -249,15 +249,15 @@ def test_the_main_jobs_shared_prefix_yields_to_a_setting_that_excludes_it(flags,
     assert parse_recipe_args(flags, "sft")[3].shared_prefix is shared
 
 
-def test_readme_documents_every_training_argument_as_its_help_says():
-    """The README's arguments table holds one row per field: its --help group, default and help text (where the
+def test_the_docs_document_every_training_argument_as_its_help_says():
+    """docs/arguments.md's table holds one row per field: its --help group, default and help text (where the
     lists of accepted names, such as the optimizers, come from the tables that validation uses)."""
     import re
 
     from stoker.arguments import GROUP_OF
 
     rows = {m.group(2): m.groups() for m in re.finditer(r"^\| (\S+) \| `(\w+)` \| `(.*?)` \| (.*) \|$",
-                                                       (ROOT / "README.md").read_text(), re.M)}
+                                                       (ROOT / "docs" / "arguments.md").read_text(), re.M)}
     for f in dataclasses.fields(TrainingArguments):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         assert rows.get(f.name) == (GROUP_OF[f.name], f.name, repr(default), f.metadata["help"]), f.name

@@ -1,5 +1,6 @@
 """The declared version ranges: a package installed outside its range is named in one line before any work, the
-ranges come from the installed metadata (setup.cfg's install_requires), and the README lists the same floors."""
+ranges come from the installed metadata (setup.cfg's install_requires), and docs/compatibility.md lists the same
+floors."""
 
 from __future__ import annotations
 
@@ -81,11 +82,11 @@ def test_the_command_names_a_package_installed_below_its_floor(tmp_path):
     assert not (tmp_path / "out").exists() and done.stdout == ""
 
 
-def test_setup_cfg_gives_every_range_a_floor_and_the_readme_lists_the_same():
+def test_setup_cfg_gives_every_range_a_floor_and_the_docs_list_the_same():
     ranged = [line for line in declared_in_setup_cfg() if re.search(r"[<>=]", line)]
     assert ranged and all(">=" in line for line in ranged)  # .ci/floor installs each lower bound
-    readme = (ROOT / "README.md").read_text()
-    paragraph = next(p for p in readme.split("\n\n") if p.startswith("Supported versions"))
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    paragraph = next(p for p in page.split("\n\n") if p.startswith("Supported versions"))
     assert re.findall(r"`([A-Za-z0-9._-]+[<>=][^`]*)`", paragraph) == ranged
 
 

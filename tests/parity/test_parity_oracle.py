@@ -1,8 +1,8 @@
 """transformers.Trainer as the oracle: the same job through both, compared number by number per model family.
 
 Where transformers 5 is itself wrong (GPT-2's loss divided by the unshifted label count, because its
-`loss_type` is None), the test pins stoker to the value computed by hand instead (see README, "where stoker
-differs from transformers.Trainer").
+`loss_type` is None), the test pins stoker to the value computed by hand instead (see docs/compatibility.md, "Where
+the numbers differ from transformers.Trainer, model by model").
 """
 
 from __future__ import annotations
