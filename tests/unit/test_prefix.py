@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM,
 from stoker import ConfigError, Trainer, TrainerCallback
 from stoker.data import IGNORE_INDEX
 from stoker.prefix import shared_prefix_length
-from tests.test_trainer import GradRecorder, Regressor, args, llama, regression_rows
+from tests.integration.test_trainer import GradRecorder, Regressor, args, llama, regression_rows
 
 PREFIX = [5, 9, 2, 33, 17, 8, 41, 12, 3, 27, 6, 50]  # a "system prompt" every row starts with
 

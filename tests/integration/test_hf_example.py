@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "hf_example.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "hf_example.py"
 OURS = "from stoker import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer  # TRAINER"
 THEIRS = "from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer  # TRAINER"
 COMMON = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--learning_rate", "1e-2",

@@ -1,5 +1,5 @@
 """DeepSpeed through Accelerate with real processes: one torchrun launch of 2 ranks (CPU, gloo, float32) runs
-the ZeRO scenarios of tests/dist_worker.py, which the tests compare with single-process and DDP runs of the
+the ZeRO scenarios of tests/helpers/dist_worker.py, which the tests compare with single-process and DDP runs of the
 same settings. DeepSpeed runs on the CPU with its CPU accelerator and a gloo process group."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from stoker import Trainer, TrainingArguments
 from stoker import checkpoint_format as ckpt
 from stoker.arguments import ConfigError
-from tests import dist_worker as w
-from tests.test_distributed import assert_params_close, check, launch, params_of, ranks
-from tests.test_trainer import llama
+from tests.distributed.test_distributed import assert_params_close, check, launch, params_of, ranks
+from tests.helpers import dist_worker as w
+from tests.integration.test_trainer import llama
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="the deepspeed extra is not installed (pip install -e '.[dev]' installs it)")
@@ -206,7 +206,7 @@ def test_the_readme_zero3_offload_recipe_command_ends_with_0_and_writes_its_resu
 
     from stoker.recipes.args import ModelArguments
     from stoker.recipes.models import build_causal_lm
-    from tests.test_distributed import ROOT, TIMEOUT, free_port
+    from tests.distributed.test_distributed import ROOT, TIMEOUT, free_port
 
     out, sizes = tmp_path / "out", {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",

@@ -13,7 +13,7 @@ from torch import nn
 from stoker import Trainer, TrainerCallback
 from stoker.data import IGNORE_INDEX, LengthGroupedSampler, PaddingCollator
 from stoker.packing import PackingCollator, best_fit_decreasing, pack_rows, padding_fraction, sequence_starts
-from tests.test_trainer import args, llama, rows
+from tests.integration.test_trainer import args, llama, rows
 
 
 def sft_rows(n: int, seed: int = 0, lo: int = 2, hi: int = 20) -> list[dict]:
@@ -230,7 +230,7 @@ def test_trainer_with_group_by_length_pads_less_and_sees_every_row(tmp_path):
 
 
 def test_resume_with_group_by_length_is_exact(tmp_path):
-    from tests.test_resume import losses_after, make
+    from tests.integration.test_resume import losses_after, make
 
     data = rows(22, seed=11)
     full = make(tmp_path / "full", data, 0.0, group_by_length=True)
@@ -283,7 +283,7 @@ def test_packing_settings_give_the_update_of_the_unpacked_rows(tmp_path, setting
 
 
 def test_packing_resumes_exactly(tmp_path):
-    from tests.test_resume import losses_after, make
+    from tests.integration.test_resume import losses_after, make
 
     data = sft_rows(60, seed=12, lo=2, hi=12)
     full = make(tmp_path / "full", data, 0.1, packing=True, packing_length=24)

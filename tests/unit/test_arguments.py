@@ -291,7 +291,7 @@ def test_not_yet_supported_list_matches_help_texts():
     assert set(NOT_YET_SUPPORTED) <= set(FEATURE_ON)  # every unsupported field has a value to test it with
     flagged = {f.name for f in dataclasses.fields(TrainingArguments) if "not yet supported" in f.metadata["help"]}
     assert flagged == set(NOT_YET_SUPPORTED)
-    # fsdp, fsdp_config and deepspeed are checked by stoker.distributed (tests/test_distributed_config.py)
+    # fsdp, fsdp_config and deepspeed are checked by stoker.distributed (tests/unit/test_distributed_config.py)
     assert not {"fsdp", "fsdp_config", "deepspeed"} & flagged
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STOKER = str(Path(sys.executable).parent / "stoker")
 
 LLAMA_CONFIG = json.dumps({"model_type": "llama", "hidden_size": 8})

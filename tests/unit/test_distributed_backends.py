@@ -1,6 +1,7 @@
 """stoker.distributed.backends: the members the loop calls (on stand-in accelerators, no processes), which
 checkpoints each kind of run resumes, and that the Trainer and the checkpointing leave every backend difference
-to the backend objects. The backends' real runs are tested in tests/test_distributed.py and test_deepspeed.py."""
+to the backend objects. The backends' real runs are tested in tests/distributed/test_distributed.py and
+test_deepspeed.py."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from stoker.errors import CheckpointError
 
 PLAIN, FP16 = types.SimpleNamespace(fp16=False), types.SimpleNamespace(fp16=True)  # the arguments backends read
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class StandInAccelerator:

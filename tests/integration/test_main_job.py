@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # every line the default job prints: stoker's log lines, the before/after table, the samples, where things are
 STOKER_LINES = re.compile(r"\[stoker\] |held-out \(\d+ rows\) |eval_\w+ +[-\d.]+ +[-\d.]+$|sample: |    -> |"
                           r"(adapter|merged model|report|results): ")

@@ -1,5 +1,5 @@
-"""The function each Ray Train worker runs in tests/test_ray_train.py (a module of its own, so that the workers
-import it by name: with the repository on PYTHONPATH, as the test's runtime_env sets)."""
+"""The function each Ray Train worker runs in tests/distributed/test_ray_train.py (a module of its own, so that the
+workers import it by name: with the repository on PYTHONPATH, as the test's runtime_env sets)."""
 
 from __future__ import annotations
 

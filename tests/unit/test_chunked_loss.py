@@ -11,7 +11,7 @@ from stoker import ConfigError, Trainer, TrainerCallback
 from stoker import chunked_loss as chunked
 from stoker.chunked_loss import chunked_causal_lm_loss, chunked_cross_entropy, output_head
 from stoker.data import IGNORE_INDEX, PaddingCollator
-from tests.test_trainer import GradRecorder, Regressor, args, llama, regression_rows, rows
+from tests.integration.test_trainer import GradRecorder, Regressor, args, llama, regression_rows, rows
 
 
 def reference_loss(hidden, weight, bias, labels, num_items=None):

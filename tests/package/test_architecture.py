@@ -1,7 +1,7 @@
 """The layering that the package's structure promises, checked from the source: no import cycles among stoker's
 modules (imports inside functions count: a cycle hidden there is still a cycle) and internal imports at the top of
 files, and every import pointing down the layers that DESIGN.md draws. (That the loop never branches on the
-distributed backend is checked in test_backends.py.)"""
+distributed backend is checked in tests/unit/test_distributed_backends.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "stoker"
+PACKAGE = Path(__file__).resolve().parents[2] / "stoker"
 
 
 def _module_name(path: Path) -> str:

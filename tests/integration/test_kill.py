@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE
 
-WORKER = Path(__file__).with_name("worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "worker.py"
 
 
 def start(out: Path, *extra: str) -> subprocess.Popen:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_worker import ROWS, SETTINGS, train_func  # Ray's workers import it by this name
+from tests.helpers.ray_worker import ROWS, SETTINGS, train_func  # Ray's workers import it by this name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from stoker import ConfigError, Trainer, TrainingArguments
 from stoker.tracking import INTEGRATIONS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRACKERS = ["mlflow", "wandb", "trackio"]
 # what both frameworks log (log_history keys) and the name each tracker gives it
 KEYS = ("loss", "grad_norm", "learning_rate", "eval_loss", "epoch")

@@ -1,7 +1,7 @@
 """How much of transformers' TrainingArguments and Trainer stoker has, counted against the installed
 transformers. Run as a script for the counts and the list of refusals:
 
-    PYTHONPATH=. python tests/test_hf_surface.py
+    PYTHONPATH=. python tests/integration/test_hf_surface.py
 
 As tests: every field and every public method is there, each refused value is refused with one error that
 names the field, and the list of refusals below is complete for the values tried.
@@ -148,7 +148,7 @@ def test_refused_without_their_package():
     import importlib.util
 
     from stoker import ConfigError, Trainer, TrainingArguments
-    from tests.test_trainer import Regressor, regression_rows
+    from tests.integration.test_trainer import Regressor, regression_rows
 
     for name, value, package, _ in REFUSED_WITHOUT_PACKAGE:
         args = TrainingArguments(**{name: value}, report_to="none")

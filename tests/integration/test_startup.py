@@ -14,7 +14,7 @@ import torch
 from stoker import TrainingArguments
 from stoker.arguments import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Heavy modules a plain model's run has no use for. torch._inductor.compile_fx stands for the compiler: a bare
 # torch optimizer already imports a few torch._inductor modules through torch._dynamo, the compiler itself not.

@@ -15,7 +15,7 @@ import pytest
 
 from stoker import ConfigError, TrainingArguments, requirements
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def declared_in_setup_cfg() -> list[str]:

@@ -16,7 +16,7 @@ from stoker import TrainingArguments
 from stoker.arguments import ConfigError
 from stoker.recipes import parse_recipe_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # 64 wide: bitsandbytes' CPU 4-bit inference path needs in_features >= its 64-value block
 TINY = ["--hidden_size", "64", "--intermediate_size", "128", "--num_hidden_layers", "1"]
 SHORT = ["--num_train_examples", "192", "--num_eval_examples", "32", "--num_train_epochs", "1",

@@ -1,8 +1,9 @@
-"""One rank of the multi-process tests in tests/test_distributed.py, started by torchrun (CPU, gloo, float32):
+"""One rank of the multi-process tests in tests/distributed/test_distributed.py, started by torchrun (CPU, gloo,
+float32):
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT SCENARIO [SCENARIO ...]
+    python -m torch.distributed.run --nproc_per_node 2 tests/helpers/dist_worker.py OUT SCENARIO [SCENARIO ...]
 
-Every scenario trains the tiny Llama of tests/test_trainer.py and writes what the test compares under
+Every scenario trains the tiny Llama of tests/integration/test_trainer.py and writes what the test compares under
 OUT/<scenario>/: rank_<r>.json (what that rank saw: steps, logs, metrics, a digest of its parameters and RNG)
 and, from rank 0 only, safetensors files of final parameters and predictions. The single-process references
 are computed by the test itself with the same settings (see `training_args` and the data below).
@@ -17,7 +18,7 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -25,7 +26,7 @@ from safetensors.torch import save_file  # noqa: E402
 from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from stoker.errors import TrainingPreempted  # noqa: E402
 from stoker.loop import LoopPosition, RunningLog  # noqa: E402
-from tests.test_trainer import llama, rows  # noqa: E402
+from tests.integration.test_trainer import llama, rows  # noqa: E402
 
 # 24 training rows = 3 optimizer steps of a global batch of 8; 7 and 3 held-out rows do not divide evenly
 # over 2 processes, so Accelerate pads the last evaluation batch with duplicates.
@@ -670,7 +671,7 @@ def families(out: str) -> None:
 def shared_prefix(out: str) -> None:
     """Rows that start alike with shared_prefix=True, 2 x batch 4 over 3 steps: compared by the test with one
     process x batch 8 without sharing. The prefix's forward runs outside DDP's wrapper, its backward inside."""
-    from tests.test_prefix import PREFIX, EmbeddingShapes, prompt_rows
+    from tests.unit.test_prefix import PREFIX, EmbeddingShapes, prompt_rows
 
     r = Report(out, "shared_prefix")
     args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=3,

@@ -1,4 +1,4 @@
-"""A training process for the kill tests: `python tests/worker.py OUTPUT_DIR [--kill-in-save STEP]`.
+"""A training process for the kill tests: `python tests/helpers/worker.py OUTPUT_DIR [--kill-in-save STEP]`.
 
 It trains a tiny Llama with dropout, checkpointing every step, resuming from the newest complete checkpoint,
 and writes its final parameters to OUTPUT_DIR/final. It prints TRAINING once the loop starts and STEP n after each step.
@@ -8,11 +8,11 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from stoker import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from stoker import checkpoint_format as ckpt  # noqa: E402
-from tests.test_trainer import llama, rows  # noqa: E402
+from tests.integration.test_trainer import llama, rows  # noqa: E402
 
 
 class Announce(TrainerCallback):

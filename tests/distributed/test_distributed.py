@@ -1,5 +1,5 @@
 """Data-parallel training with real processes: torchrun starts 2 ranks (CPU, gloo, float32) that run the
-scenarios of tests/dist_worker.py, and the test compares what they wrote with single-process runs of the same
+scenarios of tests/helpers/dist_worker.py, and the test compares what they wrote with single-process runs of the same
 settings made here. One launch runs several scenarios, because each start of torchrun costs seconds.
 """
 
@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from stoker import Trainer
 from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE
-from tests import dist_worker as w
-from tests.test_trainer import llama
+from tests.helpers import dist_worker as w
+from tests.integration.test_trainer import llama
 
-WORKER = str(Path(__file__).with_name("dist_worker.py"))
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 600
 
 
@@ -122,7 +122,7 @@ def test_two_processes_update_like_one_process_for_every_family(two_ranks, tmp_p
 
 
 def test_two_processes_sharing_a_prefix_update_like_one_process_without(two_ranks, tmp_path):
-    from tests.test_prefix import prompt_rows
+    from tests.unit.test_prefix import prompt_rows
 
     one = Trainer(llama(), w.training_args(str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=3),
                   train_dataset=prompt_rows(24, seed=5))
@@ -475,7 +475,7 @@ import atexit, os, sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
 from stoker import Trainer, TrainingArguments
-from tests.test_trainer import llama, rows
+from tests.integration.test_trainer import llama, rows
 
 out, rank = sys.argv[1], os.environ.get("RANK", "0")
 atexit.register(lambda: open(os.path.join(out, "group_at_exit_" + rank), "w").write(str(dist.is_initialized())))
