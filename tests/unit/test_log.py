@@ -1,26 +1,12 @@
-"""What a recipe run chooses and shows: bf16 only where the device runs it fast, and the libraries' warnings, log
-records and progress bars only at log_level=debug (stoker.log.third_party_output), their state restored after."""
+"""What a recipe run shows: the libraries' warnings, log records and progress bars only at log_level=debug
+(stoker.log.third_party_output), their state restored after."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 
-import torch
-
 from stoker.log import logger, third_party_output
-from stoker.recipes.args import fast_bf16
-
-
-def test_bf16_only_on_a_cpu_with_bf16_instructions(monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    chosen, why = fast_bf16(torch.device("cpu"))
-    assert not chosen and "lacks AVX512-BF16 and AMX" in why
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    chosen, why = fast_bf16(torch.device("cpu"))
-    assert chosen and "AMX" in why
-    assert fast_bf16(torch.device("meta"))[0] is False
 
 
 def test_the_libraries_output_is_shown_only_at_debug_and_restored_after(caplog):
