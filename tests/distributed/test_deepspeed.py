@@ -20,8 +20,9 @@ from tests.distributed.test_distributed import assert_params_close, check, launc
 from tests.helpers import dist_worker as w
 from tests.integration.test_trainer import llama
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="the deepspeed extra is not installed (pip install -e '.[dev]' installs it)")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="the deepspeed extra is not installed (pip install -e '.[dev]' installs it)")]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,8 @@ WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 600
 
+pytestmark = pytest.mark.distributed
+
 
 def torchrun_command(out: Path, *scenarios: str, launcher: list[str] | None = None) -> list[str]:
     launcher = launcher or ["--standalone", "--nproc_per_node", "2"]

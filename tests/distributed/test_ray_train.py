@@ -15,6 +15,8 @@ from tests.helpers.ray_worker import ROWS, SETTINGS, train_func  # Ray's workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.distributed
+
 
 @pytest.fixture(scope="module")
 def local_ray():

@@ -199,6 +199,7 @@ if trainer.is_world_process_zero():
 """
 
 
+@pytest.mark.distributed
 def test_a_two_process_run_logs_once(tmp_path, monkeypatch):
     tracker_env(monkeypatch, tmp_path)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ddp")

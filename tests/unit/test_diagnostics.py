@@ -141,6 +141,7 @@ def test_peak_tflops_must_be_positive():
         TrainingArguments(output_dir="x", peak_tflops=0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="MFU and allocated memory are logged on GPUs")
 def test_gpu_logs_mfu_and_peak_memory(tmp_path):
     t = Trainer(llama(), args(tmp_path, per_device_train_batch_size=4, max_steps=2, peak_tflops=100.0),
