@@ -57,5 +57,7 @@ def test_checkpoints_are_listed_by_step_and_rotated_without_the_newest_or_the_be
     deleted = ckpt.rotate(str(tmp_path), limit=2, keep=ckpt.checkpoint_dir(str(tmp_path), 2))
     assert [ckpt.checkpoint_step(p) for p in deleted] == [4, 10]
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(str(tmp_path))] == [2, 30]
+    # the best and the newest both stay, even above the limit
+    assert ckpt.rotate(str(tmp_path), limit=1, keep=ckpt.checkpoint_dir(str(tmp_path), 2)) == []
     assert ckpt.rotate(str(tmp_path), limit=None) == [] and ckpt.rotate(str(tmp_path), limit=1) == [
         ckpt.checkpoint_dir(str(tmp_path), 2)]
