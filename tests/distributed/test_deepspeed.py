@@ -194,6 +194,7 @@ def test_an_optimizer_given_with_a_configs_optimizer_section_is_refused(tmp_path
         Trainer(model, args, train_dataset=w.TRAIN, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
 
 
+@pytest.mark.slow
 def test_the_readme_zero3_offload_recipe_command_ends_with_0_and_writes_its_results(tmp_path):
     """The README's `torchrun --nproc_per_node 2 -m stoker.recipes.clm recipes/clm.yaml --deepspeed
     recipes/ds_zero3_offload.json` (a smaller model and data): every rank exits 0 and results.json holds the

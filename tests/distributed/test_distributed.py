@@ -492,6 +492,7 @@ print("script finished on rank", rank)
 """
 
 
+@pytest.mark.slow
 def test_a_plain_script_exits_0_on_every_rank_and_a_failed_one_non_zero_with_its_error_once(tmp_path):
     """A script that never leaves its process group: stoker leaves it at exit, after the script's last line and
     before the interpreter's teardown (which could abort a finished rank with SIGABRT when gloo was freed late),

@@ -15,7 +15,7 @@ from tests.helpers.ray_worker import ROWS, SETTINGS, train_func  # Ray's workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,7 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, ref
     assert_equal_params(reference, final_params(tmp_path))
 
 
+@pytest.mark.slow
 def test_random_sigkills_then_resume_end_bit_for_bit(tmp_path, reference):
     """Six SIGKILLs, each a random number of steps into a run plus a random fraction of a step, so that
     they land in forward/backward passes, optimizer steps and checkpoint writes alike."""

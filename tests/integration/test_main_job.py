@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,6 +21,7 @@ STOKER_LINES = re.compile(r"\[stoker\] |held-out \(\d+ rows\) |eval_\w+ +[-\d.]+
                           r"(adapter|merged model|report|results): ")
 
 
+@pytest.mark.slow
 def test_default_job_learns_prints_only_its_own_lines_and_saves_what_it_says(tmp_path):
     done = subprocess.run([sys.executable, "-m", "stoker.cli", "train"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -143,6 +143,7 @@ def test_sft_qlora_recipe_runs_on_a_4bit_base(base_model, tmp_path):
     assert results(out)["after"]["eval_loss"] < results(out)["before"]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_classification_recipe_end_to_end(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
