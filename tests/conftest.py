@@ -71,11 +71,11 @@ def make_args(tmp_path):
 
 @pytest.fixture(scope="session")
 def one_process(tmp_path_factory) -> dict:
-    """The single-process runs the multi-process runs (tests/dist_worker.py) must match: 1 x batch 8, and
+    """The single-process runs the multi-process runs (tests/helpers/dist_worker.py) must match: 1 x batch 8, and
     1 x batch 2 x accumulation 4."""
     from stoker import Trainer
-    from tests import dist_worker as w
-    from tests.test_trainer import llama
+    from tests.helpers import dist_worker as w
+    from tests.integration.test_trainer import llama
 
     out = tmp_path_factory.mktemp("one_process")
     runs = {}

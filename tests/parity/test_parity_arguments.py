@@ -105,7 +105,7 @@ def test_accelerator_config_is_read_as_transformers_reads_it(tmp_path, kind):
 
 
 def test_accelerator_config_reaches_the_accelerator_and_the_saved_arguments(tmp_path):
-    from tests.test_trainer import Regressor
+    from tests.integration.test_trainer import Regressor
 
     args = stoker.TrainingArguments(output_dir=str(tmp_path), accelerator_config={"even_batches": False},
                                     report_to="none")

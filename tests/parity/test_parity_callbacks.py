@@ -11,7 +11,7 @@ import transformers
 
 import stoker
 import stoker.callbacks
-from tests.test_trainer import Regressor, regression_rows
+from tests.integration.test_trainer import Regressor, regression_rows
 
 STOKERS_OWN = ("JsonlLoggerCallback",)
 

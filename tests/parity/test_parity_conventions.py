@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from stoker import ConfigError, Trainer
+from tests.integration.test_trainer import args
 from tests.parity.families import FAMILIES, rows
 from tests.parity.oracle import assert_logs_close, recorder
-from tests.test_trainer import args
 
 
 def tokenizer():

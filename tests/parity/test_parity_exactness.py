@@ -1,6 +1,7 @@
 """Exact accumulation for every model family: B x A micro-batches (the last window short) give the update of
 one batch of B*A, whatever the model does with num_items_in_batch. The 2-process half of the matrix is
-tests/test_distributed.py::test_two_processes_update_like_one_process_for_every_family (one torchrun launch).
+tests/distributed/test_distributed.py::test_two_processes_update_like_one_process_for_every_family (one torchrun
+launch).
 """
 
 from __future__ import annotations

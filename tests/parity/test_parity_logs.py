@@ -41,7 +41,7 @@ def test_diagnostics_are_written_to_metrics_jsonl(tmp_path):
 
 def test_a_resumed_runs_log_history_equals_the_uninterrupted_runs(tmp_path):
     from stoker import Trainer
-    from tests.test_trainer import args, llama, rows
+    from tests.integration.test_trainer import args, llama, rows
 
     def train(resume=None):
         settings = dict(per_device_train_batch_size=2, num_train_epochs=2, logging_steps=2, save_strategy="steps",

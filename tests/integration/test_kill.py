@@ -1,0 +1,93 @@
+"""Real processes killed at random moments (SIGKILL, also mid-save) and preempted (SIGTERM) end where an
+uninterrupted run ends, bit for bit."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from stoker import checkpoint_format as ckpt
+from stoker.errors import PREEMPTED_EXIT_CODE
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "worker.py"
+
+
+def start(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(WORKER), str(out), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def run(out: Path, *extra: str) -> int:
+    return start(out, *extra).wait(timeout=300)
+
+
+def wait_until_training(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        if line.strip() == "TRAINING":
+            return
+    raise AssertionError(f"worker exited with {proc.wait()} before training")
+
+
+def final_params(out: Path) -> dict:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("reference")
+    assert run(out) == 0
+    return final_params(out)
+
+
+def assert_equal_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].equal(b[name]), name
+
+
+def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, reference):
+    assert run(tmp_path, "--kill-in-save", "7") == -signal.SIGKILL
+    assert (tmp_path / ".tmp-checkpoint-7").is_dir()  # the partial save is there, uncommitted
+    assert ckpt.verify(str(tmp_path / "checkpoint-6")) is None and not (tmp_path / "checkpoint-7").exists()
+    assert run(tmp_path) == 0
+    assert_equal_params(reference, final_params(tmp_path))
+
+
+@pytest.mark.slow
+def test_random_sigkills_then_resume_end_bit_for_bit(tmp_path, reference):
+    """Six SIGKILLs, each a random number of steps into a run plus a random fraction of a step, so that
+    they land in forward/backward passes, optimizer steps and checkpoint writes alike."""
+    rng = random.Random(0)
+    for _ in range(6):
+        proc = start(tmp_path)
+        wait_until_training(proc)
+        steps = rng.randint(1, 6)
+        for line in proc.stdout:
+            steps -= line.startswith("STEP")
+            if steps == 0:
+                break
+        time.sleep(rng.uniform(0.0, 0.03))
+        proc.kill()
+        assert proc.wait() == -signal.SIGKILL  # killed before it could finish
+    assert not (tmp_path / "final").exists()
+    assert run(tmp_path) == 0
+    assert_equal_params(reference, final_params(tmp_path))
+
+
+def test_sigterm_from_outside_checkpoints_and_exits_75(tmp_path, reference):
+    proc = start(tmp_path)
+    wait_until_training(proc)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE
+    newest = ckpt.list_checkpoints(str(tmp_path))[-1]
+    assert ckpt.verify(newest) is None and not (tmp_path / "final").exists()
+    assert run(tmp_path) == 0
+    assert_equal_params(reference, final_params(tmp_path))

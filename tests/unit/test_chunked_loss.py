@@ -1,0 +1,212 @@
+"""The chunked cross-entropy (stoker.chunked_loss): same loss and gradients as the full logits, never the full logits,
+and in the Trainer (chunked_loss=True) the same update, exact accumulation, peft and evaluation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stoker import ConfigError, Trainer, TrainerCallback
+from stoker import chunked_loss as chunked
+from stoker.chunked_loss import chunked_causal_lm_loss, chunked_cross_entropy, output_head
+from stoker.data import IGNORE_INDEX, PaddingCollator
+from tests.integration.test_trainer import GradRecorder, Regressor, args, llama, regression_rows, rows
+
+
+def reference_loss(hidden, weight, bias, labels, num_items=None):
+    logits = hidden @ weight.T + (bias if bias is not None else 0)
+    shifted = nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    total = nn.functional.cross_entropy(logits.flatten(0, -2).float(), shifted.flatten(), reduction="sum")
+    return total / (num_items if num_items is not None else (shifted != IGNORE_INDEX).sum())
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
+@pytest.mark.parametrize("with_bias, given_items", [(False, True), (True, False)])
+def test_chunked_cross_entropy_equals_the_full_loss_and_gradients(chunk, with_bias, given_items):
+    g = torch.Generator().manual_seed(chunk)
+    hidden = torch.randn(3, 11, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    bias = torch.randn(50, generator=g, requires_grad=True) if with_bias else None
+    labels = torch.randint(0, 50, (3, 11), generator=g)
+    labels[0, :6] = IGNORE_INDEX
+    labels[2, 3] = IGNORE_INDEX
+    items = 37 if given_items else None  # a window count larger than this micro-batch's targets
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    expected = reference_loss(hidden, weight, bias, labels, items)
+    got = chunked_cross_entropy(hidden, weight, labels, items, bias=bias, chunk_tokens=chunk)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    for a, b in zip(torch.autograd.grad(got, inputs), torch.autograd.grad(expected, inputs), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_chunked_cross_entropy_gradients_match_finite_differences_in_float64():
+    # torch.autograd.gradcheck runs backward several times through one graph, which the in-place scaling of
+    # the stored gradients refuses (test below); so the finite differences are taken here, once per input
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 7, (2, 5), generator=g)
+    labels[1, 2] = IGNORE_INDEX
+    loss = lambda: chunked_cross_entropy(hidden, weight, labels, None, bias=bias, chunk_tokens=3)
+    analytic = torch.autograd.grad(loss() * 3.0, (hidden, weight, bias))  # an incoming gradient of 3
+    eps = 1e-6
+    for tensor, grad in zip((hidden, weight, bias), analytic, strict=True):
+        flat = tensor.detach().view(-1)
+        for k in range(flat.numel()):
+            with torch.no_grad():
+                flat[k] += eps
+                up = loss().item()
+                flat[k] -= 2 * eps
+                down = loss().item()
+                flat[k] += eps
+            assert grad.view(-1)[k].item() == pytest.approx(3.0 * (up - down) / (2 * eps), abs=1e-7)
+
+
+def test_a_second_backward_through_the_same_loss_is_refused():
+    hidden = torch.randn(1, 6, 4, requires_grad=True)
+    loss = chunked_cross_entropy(hidden, torch.randn(9, 4), torch.randint(0, 9, (1, 6)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_no_chunk_holds_more_than_chunk_elements_of_logits(monkeypatch):
+    """The output layer's matmul is only ever asked for chunk x vocab logits, once per chunk: backward
+    recomputes nothing, and without gradients (evaluation) no gradient is computed either."""
+    shapes, linear = [], nn.functional.linear
+    monkeypatch.setattr(chunked.nn.functional, "linear", lambda *a: shapes.append(linear(*a).shape) or linear(*a))
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 50 * 4)
+    hidden = torch.randn(2, 20, 8, requires_grad=True)
+    loss = chunked_cross_entropy(hidden, torch.randn(50, 8), torch.randint(0, 50, (2, 20)))
+    loss.backward()
+    assert shapes and max(s[0] for s in shapes) == 4 and len(shapes) == 10  # 38 targets, 10 chunks, once each
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+    one_hots, arange = [], torch.arange  # the gradient's "- one_hot(target)" indexes rows with an arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: one_hots.append(1) or arange(*a, **k))
+    with torch.no_grad():
+        no_grad = chunked_cross_entropy(hidden, torch.randn(50, 8), torch.randint(0, 50, (2, 20)))
+    assert no_grad.grad_fn is None and len(shapes) == 20 and one_hots == []
+    chunked_cross_entropy(hidden, torch.randn(50, 8), torch.randint(0, 50, (2, 20)))
+    assert len(one_hots) == 10
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_loss_equals_the_models_own_loss_and_gradients(monkeypatch, tied):
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 64 * 7)  # vocab 64: chunks of 7 tokens
+    batch = PaddingCollator()(rows(6, seed=1))
+    own, mine = _llama(tied), _llama(tied)
+    expected = own(**batch, use_cache=False).loss
+    expected.backward()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    got, outputs = chunked_causal_lm_loss(mine, output_head(mine), inputs | {"use_cache": False}, batch["labels"])
+    got.backward()
+    assert outputs.logits.shape[1] == 0  # the model never computed its logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    for (name, p), q in zip(own.named_parameters(), mine.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=tied))
+
+
+class HeadShapes(TrainerCallback):
+    """Records the shape of every lm_head output from the start of training."""
+
+    def __init__(self):
+        self.shapes = []
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        output_head(model).register_forward_hook(lambda m, i, o: self.shapes.append(tuple(o.shape)))
+
+
+def test_trainer_chunked_loss_gives_the_same_update_with_exact_accumulation(tmp_path):
+    data = rows(8)
+    plain = Trainer(llama(), args(tmp_path / "a", per_device_train_batch_size=8, max_steps=2),
+                    train_dataset=data, callbacks=[rec_plain := GradRecorder()])
+    plain.train()
+    shapes = HeadShapes()
+    small = Trainer(llama(), args(tmp_path / "b", per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                                  max_steps=2, chunked_loss=True),
+                    train_dataset=data, callbacks=[rec := GradRecorder(), shapes])
+    small.train()
+    for step in range(2):
+        for name, g in rec_plain.grads[step].items():
+            torch.testing.assert_close(rec.grads[step][name], g, atol=1e-5, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    losses = lambda t: [r["loss"] for r in t.state.log_history if "loss" in r]
+    assert losses(small) == pytest.approx(losses(plain), abs=1e-5)
+    assert len(shapes.shapes) == 8 and all(s[1] == 0 for s in shapes.shapes)  # no logits in training
+
+
+def test_chunked_loss_trains_a_lora_adapter_like_the_full_loss(tmp_path):
+    from peft import LoraConfig
+
+    grads = []
+    for chunk in (False, True):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        t = Trainer(llama(), args(tmp_path / str(chunk), per_device_train_batch_size=4, max_steps=1,
+                                  chunked_loss=chunk),
+                    train_dataset=rows(8, seed=2), peft_config=lora, callbacks=[rec := GradRecorder()])
+        t.train()
+        grads.append(rec.grads[0])
+    assert grads[0].keys() == grads[1].keys() and all("lora_" in n for n in grads[0])
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=0)
+
+
+def test_evaluation_with_chunked_loss_computes_logits_only_for_predictions(tmp_path):
+    data = rows(10, seed=6)
+    reference = Trainer(llama(), args(tmp_path / "ref", per_device_eval_batch_size=4), eval_dataset=data).evaluate()
+    t = Trainer(llama(), args(tmp_path / "c", per_device_eval_batch_size=4, chunked_loss=True), eval_dataset=data,
+                callbacks=[shapes := HeadShapes()])
+    output_head(t.model).register_forward_hook(lambda m, i, o: shapes.shapes.append(tuple(o.shape)))
+    assert t.evaluate()["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
+    assert shapes.shapes and all(s[1] == 0 for s in shapes.shapes)
+    shapes.shapes.clear()
+    pred = t.predict(data)  # predictions are wanted: full logits, same loss
+    assert pred.predictions.shape == (10, 17, 64)
+    assert pred.metrics["test_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
+    assert all(s[1] > 0 for s in shapes.shapes)
+
+
+def test_chunked_loss_under_bf16_autocast_runs_the_head_in_bf16(tmp_path):
+    batch = PaddingCollator()(rows(4, seed=3))
+    model = llama()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(**batch, use_cache=False).loss
+        got, _ = chunked_causal_lm_loss(model, output_head(model), {k: v for k, v in batch.items() if k != "labels"}
+                                        | {"use_cache": False}, batch["labels"])
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(expected.item(), abs=2e-2)  # both bf16 logits; summation order differs
+    t = Trainer(llama(), args(tmp_path, per_device_train_batch_size=4, max_steps=2, bf16=True, chunked_loss=True),
+                train_dataset=rows(8))
+    t.train()
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in t.state.log_history if "loss" in r)
+
+
+def test_chunked_loss_is_refused_where_it_cannot_apply(tmp_path):
+    with pytest.raises(ConfigError, match="chunked_loss=True: Regressor is not a transformers causal LM"):
+        Trainer(Regressor(), args(tmp_path, chunked_loss=True), train_dataset=regression_rows())
+    with pytest.raises(ConfigError, match="chunked_loss=True: replaces the model's own loss"):
+        Trainer(llama(), args(tmp_path, chunked_loss=True), train_dataset=rows(4),
+                compute_loss_func=lambda outputs, labels, num_items_in_batch: outputs.logits.sum())
+    with pytest.raises(ConfigError, match="would ignore label_smoothing_factor=0.1"):
+        Trainer(llama(), args(tmp_path, chunked_loss=True, label_smoothing_factor=0.1), train_dataset=rows(4))
+    from peft import LoraConfig
+
+    with pytest.raises(ConfigError, match="output layer of LlamaForCausalLM is peft.*Linear, not a plain"):
+        Trainer(llama(), args(tmp_path, chunked_loss=True), train_dataset=rows(4),
+                peft_config=LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    capped = llama()
+    capped.config.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):
+        Trainer(capped, args(tmp_path, chunked_loss=True), train_dataset=rows(4))
+
