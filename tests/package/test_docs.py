@@ -125,7 +125,7 @@ def test_the_readme_holds_the_two_commands_that_ci_runs():
 
 def test_the_architecture_page_lists_the_enforced_layers():
     """docs/architecture.md's layer table holds test_architecture.LAYERS, layer by layer, in order."""
-    from tests.test_architecture import LAYERS
+    from tests.package.test_architecture import LAYERS
 
     text = (ROOT / "docs" / "architecture.md").read_text()
     table = text[text.index("| layer | modules |"):].split("\n\n")[0].splitlines()[2:]
