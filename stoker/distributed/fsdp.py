@@ -225,13 +225,21 @@ def gathers_full_model(accelerator) -> bool:
 
 def gather_full_model(model, trainable_only: bool = False) -> dict:
     """The full state dict of a sharded model (FSDP1 or 2) on the main process, in CPU memory ({} on the others;
-    a collective), or only its trainable parameters. torch's API for both versions (Accelerate's FSDP1 gather,
-    like an offload to the CPU of a model already there, crashes FSDP1 on the CPU)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    a collective), or only its trainable parameters. torch's API for both versions.
 
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu,
-                                                                ignore_frozen_params=trainable_only))
+    torch's cpu_offload=True gathers one tensor at a time and keeps it, in CPU memory, on rank 0 only; without it
+    every rank keeps the whole model on its device, which a model sharded because it does not fit one GPU (or
+    offloaded because its shards do not) cannot afford. So it is always used, whether or not the run offloads
+    its parameters (which live in CPU memory then: where they are says nothing about where the run computes),
+    except by FSDP1 computing on the CPU, whose offload_to_cpu crashes on a model already there (Accelerate's
+    FSDP1 gather too) and is not needed there."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel.fsdp_modules(model, root_only=True)
+    to_cpu = not fsdp1 or fsdp1[0].compute_device.type != "cpu"
+    return dcp_state.get_model_state_dict(model, options=dcp_state.StateDictOptions(
+        full_state_dict=True, cpu_offload=to_cpu, ignore_frozen_params=trainable_only))
 
 
 def model_class_name(model) -> str:
