@@ -26,7 +26,8 @@ padding_free, transformers' `DataCollatorWithFlattening`): one row [1, total tok
 
 Whether a model keeps packed sequences apart is decided by running it, never from its class name:
 `separation_problems` runs two sequences in each row of a micro-batch's shape and checks that changing the
-first leaves the second's logits as they were (an encoder's bidirectional attention, or a model that ignores position_ids, fails).
+first leaves the second's logits as they were (an encoder's bidirectional attention, or a model that ignores
+position_ids, fails).
 """
 
 from __future__ import annotations
