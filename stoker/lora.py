@@ -98,6 +98,20 @@ def quantization_config(load_in_4bit: bool = False, load_in_8bit: bool = False, 
                               bnb_4bit_compute_dtype=getattr(torch, compute_dtype))
 
 
+def kbit_device_map() -> dict | None:
+    """from_pretrained's device_map for a k-bit load: this process's GPU, as Accelerate will choose it (LOCAL_RANK
+    modulo the visible GPUs), which becomes the current CUDA device. bitsandbytes quantises the weights where they
+    load, and without a device_map transformers loads them onto torch.cuda.current_device(): GPU 0 in every
+    process, since Accelerate sets the device only after the model is built, so under torchrun every rank would
+    load onto GPU 0 and prepare fail on the others. None without CUDA (bitsandbytes' CPU load, as before)."""
+    if not torch.cuda.is_available():
+        return None
+    local_rank = os.environ.get("LOCAL_RANK")
+    device = int(local_rank) % torch.cuda.device_count() if local_rank is not None else torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    return {"": device}
+
+
 def wrap(model, peft_config, gradient_checkpointing: bool = False):
     """Add the adapter; a k-bit model is first prepared for training (norms in float32, inputs that need
     grad for checkpointing) as peft recommends. peft's and bitsandbytes' notices (a missing optional kernel

@@ -10,7 +10,9 @@ which does, once, before training (`packed_train_set`), what a hand-written loop
 A packed row holds several sequences one after the other, with `position_ids` that restart at 0 at each
 sequence and NO `attention_mask`. From those position_ids transformers' masking utilities
 (`masking_utils.find_packed_sequence_indices`) build a block-diagonal causal mask for sdpa and eager
-attention, and flash-attention derives its cu_seqlens, so no sequence attends to another. The label of
+attention, and flash-attention derives its cu_seqlens, so no sequence attends to another. Flash attention does
+so only in a batch of one row: packing with it needs per_device_train_batch_size=1 or padding_free (refused
+otherwise). The label of
 the first token of every sequence is -100: in a causal LM the last token of one sequence would otherwise be
 trained to predict the first token of the next. With that, a packed batch gives the same per-example losses
 as the rows run one by one, and the same number of target tokens (so accumulation stays exact).
@@ -23,8 +25,9 @@ passes use_cache=False to such models; a hand-written loop must do the same.
 padding_free, transformers' `DataCollatorWithFlattening`): one row [1, total tokens], position_ids, no mask.
 
 Whether a model keeps packed sequences apart is decided by running it, never from its class name:
-`separation_problems` runs two sequences in one row and checks that changing the first leaves the second's
-logits as they were (an encoder's bidirectional attention, or a model that ignores position_ids, fails).
+`separation_problems` runs two sequences in each row of a micro-batch's shape and checks that changing the
+first leaves the second's logits as they were (an encoder's bidirectional attention, or a model that ignores
+position_ids, fails).
 """
 
 from __future__ import annotations
@@ -170,29 +173,41 @@ def _joined(features: list[Mapping]) -> dict[str, list[int]]:
     return row
 
 
-def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting: str) -> list[str]:
+def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting: str, rows: int = 1) -> list[str]:
     """Why `model` cannot train on packed rows (empty if it can): it must take position_ids and keep two
-    sequences of one row apart. Runs the model twice on 7 tokens, in eval mode (no dropout), without gradients."""
+    sequences of one row apart in a batch of `rows` rows, the micro-batch's shape (transformers keeps them apart
+    in some attention implementations only when the batch has one row). Runs the model twice on `rows` rows of 7
+    tokens, in eval mode (no dropout), without gradients."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
-    what = type(base).__name__ + (f" (attn_implementation={config._attn_implementation!r})"
-                                  if getattr(config, "_attn_implementation", None) else "")
+    attention = getattr(config, "_attn_implementation", None)
+    what = type(base).__name__ + (f" (attn_implementation={attention!r})" if attention else "")
     accepted = ("a causal LM whose attention reads position_ids (transformers' Llama, Qwen2, Mistral, Gemma, "
                 f"... with sdpa, eager or flash attention), or turn {setting} off")
     if "position_ids" not in inspect.signature(base.forward).parameters:
         return [f"{setting}=True: {what}.forward takes no position_ids, so the sequences of a packed row would "
                 f"attend to each other; {setting} needs {accepted}"]
+    if rows > 1 and isinstance(attention, str) and "flash" in attention:
+        # transformers' flash attention finds packed sequences from position_ids only in a batch of one row
+        # (modeling_flash_attention_utils._is_packed_sequence) and its mask ignores them, so in [rows, length]
+        # batches every sequence attends to the ones before it in its row. Known without running it (the probe
+        # below would find it too, where flash-attn is installed)
+        return [f"{setting}=True with per_device_train_batch_size={rows}: {what} keeps packed sequences apart "
+                "only in a batch of one row (transformers' flash attention reads their boundaries from "
+                "position_ids only then), so the sequences of each row would attend to each other; use "
+                "per_device_train_batch_size=1 (with a longer packing_length), padding_free=True (one row per "
+                "micro-batch), or attn_implementation='sdpa'"]
     embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     vocab = getattr(embeddings, "num_embeddings", 16)
     first, second = [1 % vocab, 2 % vocab, 3 % vocab, 4 % vocab], [5 % vocab, 6 % vocab, 7 % vocab]
     device = next(model.parameters()).device
-    rows = [torch.tensor([seq + second], device=device) for seq in (first, [(t + 3) % vocab for t in first])]
-    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]], device=device)
+    batches = [torch.tensor([seq + second] * rows, device=device) for seq in (first, [(t + 3) % vocab for t in first])]
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]] * rows, device=device)
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            outs = [model(input_ids=r, position_ids=positions, **forward_kwargs) for r in rows]
+            outs = [model(input_ids=b, position_ids=positions, **forward_kwargs) for b in batches]
         logits = [o["logits"] if isinstance(o, Mapping) else getattr(o, "logits", None) for o in outs]
     except Exception as e:  # a model that needs more than input_ids and position_ids (encoder-decoder, ...)
         return [f"{setting}=True: {what} could not be checked on a packed row ({type(e).__name__}: {e}); "
@@ -202,7 +217,7 @@ def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting
     if not isinstance(logits[0], torch.Tensor):
         return [f"{setting}=True: {what} returns no logits, so whether it keeps packed sequences apart cannot be "
                 f"checked; {setting} needs {accepted}"]
-    a, b = (x[0, len(first):].float() for x in logits)
+    a, b = (x[:, len(first):].float() for x in logits)  # every row's second sequence
     if not torch.allclose(a, b, rtol=1e-3, atol=1e-4 * float(a.abs().max().clamp_min(1))):
         return [f"{setting}=True: {what} lets a packed sequence attend to the one before it (changing the first "
                 f"of two sequences in one row changed the second's logits); {setting} needs {accepted}"]
@@ -225,7 +240,10 @@ def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: in
                         "see each other; pass no data_collator")
     if args.packing and (train_dataset is None or not hasattr(train_dataset, "__len__")):
         problems.append("packing=True: needs a train_dataset with a length (it is packed once, before training)")
-    problems += separation_problems(model, forward_kwargs, setting)
+    # probed at the micro-batch's shape: packing batches per_device_train_batch_size packed rows, padding_free
+    # flattens every micro-batch into one row
+    rows = 1 if args.padding_free else args.per_device_train_batch_size
+    problems += separation_problems(model, forward_kwargs, setting, rows)
     if args.packing and hasattr(train_dataset, "__len__"):
         lengths = [len(r["input_ids"]) for r in train_dataset]
         length = max(args.packing_length or max(lengths, default=2), 2)

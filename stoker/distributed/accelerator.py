@@ -14,7 +14,7 @@ import torch
 
 from ..errors import ConfigError
 from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_problems
-from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs
+from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs, reduce_in_float32
 from .launch import (
     LAUNCHER_VARIABLES,
     accelerate_launch_problems,
@@ -32,7 +32,8 @@ def argument_problems(args) -> list[str]:
     fsdp_on = fsdp_enabled(args.fsdp)
     if fsdp_on and args.deepspeed not in (None, "", {}):
         p.append(f"fsdp={args.fsdp!r} and deepspeed={args.deepspeed!r}: both shard the model; choose one")
-    p += fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing)[1]
+    p += fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing,
+                            mixed_precision=args.mixed_precision)[1]
     if args.deepspeed not in (None, "", {}):
         p += deepspeed_config(args)[1]
     return p
@@ -81,7 +82,8 @@ def accelerator_options(args, model, optimizers=(None, None)) -> AcceleratorOpti
         if not problems:
             plugins["deepspeed_plugin"] = deepspeed_plugin(config)
     if fsdp_enabled(args.fsdp):
-        plugin_kwargs, more = fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing, model)
+        plugin_kwargs, more = fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing, model,
+                                                 args.mixed_precision)
         problems += more
         if not problems:
             plugins["fsdp_plugin"] = fsdp_plugin(plugin_kwargs)
@@ -147,6 +149,8 @@ def build_accelerator(args, model, optimizers=(None, None)):
         step_scheduler_with_optimizer=False,
         **distributed.plugins,
     )
+    if getattr(accelerator.state, "fsdp_plugin", None) is not None and "fsdp_plugin" not in distributed.plugins:
+        reduce_in_float32(accelerator.state.fsdp_plugin, a.mixed_precision)  # accelerate launch's FSDP config
     check_world_size(accelerator.num_processes)
     check_save_on_each_node(a.save_on_each_node, accelerator.num_processes)
     if accelerator.num_processes > 1:

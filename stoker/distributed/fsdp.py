@@ -28,7 +28,7 @@ FSDP_CONFIG_KEYS = ("version", "min_num_params", "transformer_layer_cls_to_wrap"
                     "reshard_after_forward", "cpu_ram_efficient_loading", "activation_checkpointing",
                     "state_dict_type", "backward_prefetch", "forward_prefetch", "use_orig_params",
                     "sync_module_states", "limit_all_gathers", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt",
-                    "xla_fsdp_settings")
+                    "xla_fsdp_settings", "mixed_precision_policy")
 _FSDP1_ONLY_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
                     "limit_all_gathers")
 
@@ -40,10 +40,16 @@ def fsdp_enabled(fsdp) -> bool:
     return bool(fsdp)
 
 
+FSDP_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "float32": "float32", "fp32": "float32"}
+
+
 def fsdp_plugin_kwargs(fsdp, fsdp_config, gradient_checkpointing: bool = False,
-                       model=None) -> tuple[dict, list[str]]:
+                       model=None, mixed_precision: str = "no") -> tuple[dict, list[str]]:
     """FullyShardedDataParallelPlugin keyword arguments for transformers' `fsdp` and `fsdp_config`, with the
-    meanings transformers 5 gives them (FSDP2 by default), and every problem found.
+    meanings transformers 5 gives them (FSDP2 by default), and every problem found. `mixed_precision` is the
+    run's ("bf16", "fp16" or "no"): under half precision gradients are reduced in float32 (see
+    `_mixed_precision_policy`), unless fsdp_config['mixed_precision_policy'] says otherwise.
 
     `fsdp`: True, or options 'full_shard' / 'shard_grad_op' (FSDP2: reshard_after_forward True / False),
     'no_shard' / 'hybrid_shard' / 'hybrid_shard_zero2' (FSDP1 only), 'offload' (cpu_offload), 'auto_wrap' (the
@@ -168,7 +174,59 @@ def fsdp_plugin_kwargs(fsdp, fsdp_config, gradient_checkpointing: bool = False,
         if "limit_all_gathers" in config:
             kwargs["limit_all_gathers"] = as_bool(config["limit_all_gathers"], "fsdp_config['limit_all_gathers']",
                                                    problems)
+    policy = _mixed_precision_policy(config.get("mixed_precision_policy"), mixed_precision, version, problems)
+    if policy:
+        kwargs["mixed_precision_policy"] = policy
     return kwargs, problems
+
+
+def _mixed_precision_policy(given, mixed_precision: str, version: int, problems: list[str]) -> dict | None:
+    """The FSDP mixed precision policy of a half-precision run, as Accelerate's plugin takes it (a dict of
+    dtypes): parameters in the run's half dtype, gradients reduced in float32 (FSDP1 also keeps buffers in the
+    half dtype, as Accelerate does). None in full precision.
+
+    Accelerate's default for bf16 reduces in bf16, and FSDP2 then also accumulates the unsharded gradients of a
+    window's no-sync micro-batches in bf16: the sums lose bits against DDP's float32 gradients, and accumulation
+    is no longer exact. float32 costs twice the reduce-scatter traffic of bf16 and twice the memory of the
+    unsharded gradients held through a window; the sharded gradients stay float32 as the parameters are.
+    fsdp_config['mixed_precision_policy'] ({"param_dtype", "reduce_dtype", "buffer_dtype" (FSDP1)}: "bfloat16",
+    "float16" or "float32") overrides any of them, e.g. {"reduce_dtype": "bfloat16"} for half the traffic."""
+    import torch
+
+    keys = ("param_dtype", "reduce_dtype") + (("buffer_dtype",) if version == 1 else ())
+    half = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision)
+    if given is not None and half is None:
+        problems.append(f"fsdp_config['mixed_precision_policy']={given!r}: needs bf16=True or fp16=True (FSDP's "
+                        "mixed precision is the run's), or remove it")
+        return None
+    if half is None:
+        return None
+    names = {"param_dtype": half, "reduce_dtype": "float32", "buffer_dtype": half}
+    if given is not None and not isinstance(given, dict):
+        problems.append(f"fsdp_config['mixed_precision_policy']={given!r}: must be a dict of {', '.join(keys)}")
+        given = {}
+    for key, value in (given or {}).items():
+        if key not in keys:
+            problems.append(f"fsdp_config['mixed_precision_policy'][{key!r}]: unknown key{suggest(key, keys)}; "
+                            f"accepted with FSDP{version}: {', '.join(keys)}")
+        elif str(value).lower() not in FSDP_DTYPES:
+            problems.append(f"fsdp_config['mixed_precision_policy'][{key!r}]={value!r}: accepted: bfloat16, "
+                            "float16, float32")
+        else:
+            names[key] = FSDP_DTYPES[str(value).lower()]
+    return {k: getattr(torch, names[k]) for k in keys}
+
+
+def reduce_in_float32(plugin, mixed_precision: str) -> None:
+    """Give a plugin that Accelerate built itself (from `accelerate launch`'s FSDP config, which has no mixed
+    precision policy: bf16 reduces then) the policy of `_mixed_precision_policy`. Accelerate reads it when it
+    prepares the model, after this."""
+    policy = _mixed_precision_policy(None, mixed_precision, plugin.fsdp_version, [])
+    if policy:
+        from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+        plugin.mixed_precision_policy = (MixedPrecisionPolicy if plugin.fsdp_version == 2 else MixedPrecision)(
+            **policy)
 
 
 def _layers_to_wrap(model, names) -> tuple[list[str], list[str]]:
@@ -225,13 +283,21 @@ def gathers_full_model(accelerator) -> bool:
 
 def gather_full_model(model, trainable_only: bool = False) -> dict:
     """The full state dict of a sharded model (FSDP1 or 2) on the main process, in CPU memory ({} on the others;
-    a collective), or only its trainable parameters. torch's API for both versions (Accelerate's FSDP1 gather,
-    like an offload to the CPU of a model already there, crashes FSDP1 on the CPU)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    a collective), or only its trainable parameters. torch's API for both versions.
 
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu,
-                                                                ignore_frozen_params=trainable_only))
+    torch's cpu_offload=True gathers one tensor at a time and keeps it, in CPU memory, on rank 0 only; without it
+    every rank keeps the whole model on its device, which a model sharded because it does not fit one GPU (or
+    offloaded because its shards do not) cannot afford. So it is always used, whether or not the run offloads
+    its parameters (which live in CPU memory then: where they are says nothing about where the run computes),
+    except by FSDP1 computing on the CPU, whose offload_to_cpu crashes on a model already there (Accelerate's
+    FSDP1 gather too) and is not needed there."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel.fsdp_modules(model, root_only=True)
+    to_cpu = not fsdp1 or fsdp1[0].compute_device.type != "cpu"
+    return dcp_state.get_model_state_dict(model, options=dcp_state.StateDictOptions(
+        full_state_dict=True, cpu_offload=to_cpu, ignore_frozen_params=trainable_only))
 
 
 def model_class_name(model) -> str:

@@ -12,7 +12,7 @@ import torch
 from ..errors import ConfigError
 from ..gguf import local_model
 from ..log import logger, third_party_output
-from ..lora import lora_config, quantization_config
+from ..lora import kbit_device_map, lora_config, quantization_config
 from ..tasks import char_tokenizer, train_word_tokenizer
 from .args import ModelArguments
 
@@ -34,9 +34,11 @@ def build_causal_lm(m: ModelArguments, seed: int):
             tokenizer.pad_token = tokenizer.eos_token
         quant = quantization_config(m.load_in_4bit, m.load_in_8bit, m.bnb_4bit_quant_type, m.use_bnb_nested_quant,
                                     m.bnb_4bit_compute_dtype)
+        # a k-bit model is placed as it loads: onto this process's GPU, not GPU 0 of every process
+        placement = {"device_map": kbit_device_map()} if quant is not None and torch.cuda.is_available() else {}
         with third_party_output():  # transformers' load report and progress bar
             return tokenizer, AutoModelForCausalLM.from_pretrained(
-                source, quantization_config=quant, **attention(m))
+                source, quantization_config=quant, **placement, **attention(m))
     if m.load_in_4bit or m.load_in_8bit:
         raise ConfigError(["load_in_4bit/load_in_8bit: quantise a pretrained model (set model_name_or_path); a "
                            "model built from scratch has nothing to keep frozen"], "ModelArguments")

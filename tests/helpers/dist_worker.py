@@ -314,12 +314,16 @@ def fsdp_on_cpu(trainer, version: int = 2, **fsdp_config) -> None:
     from stoker.distributed.backends import backend_for
     from stoker.distributed.fsdp import fsdp_plugin, fsdp_plugin_kwargs
 
-    kwargs, problems = fsdp_plugin_kwargs("full_shard", {"version": version, **fsdp_config}, model=trainer.model)
+    precision = trainer.args.mixed_precision
+    kwargs, problems = fsdp_plugin_kwargs("full_shard", {"version": version, **fsdp_config}, model=trainer.model,
+                                          mixed_precision=precision)
     assert not problems, problems
     state = trainer.accelerator.state
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ does
     state.fsdp_plugin = fsdp_plugin(kwargs)
+    if precision != "no":
+        state.fsdp_plugin.set_mixed_precision(precision)  # as AcceleratorState.__init__ does
     if version == 1:  # FullyShardedDataParallel's CPU compute device is "cpu"; Accelerate's gloo device "cpu:0"
         PartialState._shared_state["device"] = state.device = torch.device("cpu")
     assert trainer.accelerator.is_fsdp2 == (version == 2)
@@ -699,6 +703,23 @@ class Stream(torch.utils.data.IterableDataset):
         return iter(self.data)
 
 
+def placement(out: str) -> None:
+    """FSDP2 under bf16 on two ranks: the mixed precision policy fully_shard got, and the full model gathered for
+    saving (its shards are in CPU memory here, as an offloaded GPU run's are): where each rank holds it. The
+    fixture leaves the process's Accelerate state set to FSDP: the launch's last scenario."""
+    r = Report(out, "placement")
+    trainer = Trainer(llama(), fsdp_args(os.path.join(r.folder, "out"), bf16=True, max_steps=1), train_dataset=TRAIN)
+    fsdp_on_cpu(trainer)
+    trainer.train()
+    policy = trainer.model_wrapped._get_fsdp_state()._mp_policy
+    gathered = gathered_state(trainer)
+    r.values.update(param_dtype=str(policy.param_dtype), reduce_dtype=str(policy.reduce_dtype),
+                    gathered_keys=len(gathered), gathered_devices=sorted({v.device.type for v in gathered.values()}),
+                    gathered_numel=sum(v.numel() for v in gathered.values()),
+                    total_numel=sum(p.numel() for p in trainer.model_wrapped.parameters()))
+    r.write()
+
+
 def iterable(out: str) -> None:
     """An IterableDataset for training (max_steps), evaluation and prediction: compared by the test with one
     process reading the same stream in batches of 8."""
@@ -762,7 +783,8 @@ def per_process_tokens(out: str) -> None:
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
     guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
-    zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix)}
+    zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
+    placement)}
 
 
 def main() -> None:
