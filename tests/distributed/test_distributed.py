@@ -68,16 +68,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> Path:
-    """One torchrun launch of 2 ranks running every scenario that needs no outside intervention."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    check(launch(out, "equivalence", "equivalence_accumulation", "equivalence_after_evaluate", "evaluation", "guards",
-                 "rng_resume", "save_failure", "per_process_tokens", "ddp_adamw", "families", "iterable",
-                 "shared_prefix", "fsdp1", "lora_fsdp2", "fsdp2", "fsdp_save_failure"))
-    return out
-
-
 # --- invariant 1 across processes ------------------------------------------------------------------
 
 

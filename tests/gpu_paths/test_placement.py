@@ -1,12 +1,12 @@
 """The GPU-only paths of placement and sharding, decided correctly on this CPU machine: packing under flash
 attention, the GPU a k-bit model loads onto in each process, where FSDP gathers the full model when saving, and
 the dtype FSDP2 reduces gradients in under bf16. Each test checks the decision a GPU run takes (with a patched CUDA
-or LOCAL_RANK where needed); tests/dist_worker.py's `placement` scenario checks the gather on two gloo ranks."""
+or LOCAL_RANK where needed); tests/helpers/dist_worker.py's `placement` scenario checks the gather on two gloo
+ranks."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,8 +16,8 @@ from torch import nn
 
 from stoker import ConfigError, Trainer
 from stoker.packing import PackingCollator, pack_rows, sequence_starts
-from tests.test_packing import sft_rows
-from tests.test_trainer import args, llama
+from tests.integration.test_trainer import args, llama
+from tests.unit.test_packing import sft_rows
 
 # --- packing under flash attention ------------------------------------------------------------------------
 
@@ -277,19 +277,11 @@ def test_a_bad_fsdp_mixed_precision_policy_is_named():
 # --- on two gloo ranks -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def placement(tmp_path_factory) -> Path:
-    from tests.test_distributed import check, torchrun_command
-
-    out = tmp_path_factory.mktemp("placement")
-    check(subprocess.run(torchrun_command(out, "placement"), capture_output=True, text=True, timeout=600))
-    return out
-
-
-def test_fsdp2_gathers_the_saved_model_on_rank_0_only(placement):
+@pytest.mark.distributed
+def test_fsdp2_gathers_the_saved_model_on_rank_0_only(two_ranks):
     """FSDP2 on two gloo ranks, whose shards are in CPU memory as an offloaded run's are: the full model reaches
     rank 0 only (in CPU memory), while rank 1 keeps nothing of it."""
-    found = [json.loads((placement / "placement" / f"rank_{r}.json").read_text()) for r in range(2)]
+    found = [json.loads((two_ranks / "placement" / f"rank_{r}.json").read_text()) for r in range(2)]
     r0, r1 = found
     assert r0["gathered_keys"] > 0 and set(r0["gathered_devices"]) == {"cpu"}
     assert r0["gathered_numel"] == r0["total_numel"]
