@@ -15,16 +15,32 @@ Checks, each a short stoker training run of a Llama built from a config (nothing
     qlora             the model saved to a folder, loaded in 4 bits (transformers BitsAndBytesConfig, nf4) and
                       trained through a peft LoRA adapter
     mfu_100m          a ~110M-parameter Llama in bf16, eager and with torch.compile: tokens/s and MFU
+    checkpoint        synchronous checkpoints: a run resumed from checkpoint-k ends with the parameters of the
+                      run never stopped; each checkpoint verifies (asynchronous checkpoints do not exist yet)
+    fp16_overflow     fp16 with an overflow injected into one step's gradients: that step is skipped (parameters
+                      unchanged), the loss scale drops, the schedule does not advance, and the next step applies
+    chunked_loss      chunked_loss=True gives the loss of chunked_loss=False, with less peak memory
+    packing           packed rows (position_ids restarting) of variable-length sequences, and the MFU the
+                      training log reports for them (attention from each sequence's own length)
+    shared_prefix     rows sharing a 64-token prompt: shared_prefix=True gives the loss of shared_prefix=False
+    ddp_2proc         two processes under torchrun on the one GPU: DDP over gloo (NCCL refuses two ranks on one
+                      device), both ranks' losses equal
 
 Throughput is measured over the steps after the first few (compilation and warm-up excluded), at a fixed
 sequence length without padding. It is a check, not a test: it prints a table; the exit code is 1 if a
-check failed. `--rehearse` runs the checks that can run on a CPU with tiny sizes (for the test suite).
+check failed. The whole script keeps to BUDGET_S: a check starts only while the time left (the total less
+RESERVE_S for the table) covers its MIN_START_S, an in-process check is interrupted by an alarm when the time
+left runs out, and a torchrun child gets the time left as its timeout; the table is printed in every case,
+on SIGTERM too. `--rehearse` runs the checks that can run on a CPU with tiny sizes (for the test suite).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,13 +51,66 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-BUDGET_S = 480  # the whole script, as gpu_check.sh's timeout
+BUDGET_S = 480  # the whole script (gpu_check.sh's hard limit is 20 s longer)
+RESERVE_S = 15  # kept back from every check and child for printing the table
+MIN_START_S = 20  # a check is not started with less time left than this
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=8, vocab_size=32000)  # ~40M parameters with tied embeddings
 M100 = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
             num_key_value_heads=12, vocab_size=32000)  # ~110M parameters with tied embeddings
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             vocab_size=128)
+
+
+class OutOfTime(Exception):
+    """The script's budget ran out during a check."""
+
+
+class Budget:
+    """The script's time: what is left for checks is the total less the reserve less what has run. `clock` is
+    injectable for tests."""
+
+    def __init__(self, total: float = BUDGET_S, reserve: float = RESERVE_S, clock=time.perf_counter):
+        self.total, self.reserve, self.clock, self.started = total, reserve, clock, clock()
+
+    def left(self) -> float:
+        return max(0.0, self.total - self.reserve - (self.clock() - self.started))
+
+    def may_start(self) -> bool:
+        return self.left() >= MIN_START_S
+
+    def child_timeout(self) -> float:
+        """A torchrun child's timeout: the time left, never a fixed figure."""
+        return self.left()
+
+
+BUDGET = Budget()
+
+
+def _alarm(signum, frame):
+    raise OutOfTime(f"out of time budget ({BUDGET.total:.0f}s less {BUDGET.reserve:.0f}s reserve)")
+
+
+def run_within(budget: Budget, fn):
+    """fn() interrupted by OutOfTime when the budget's time left runs out (SIGALRM, main thread, Unix)."""
+    seconds = budget.left()
+    if seconds <= 0:
+        raise OutOfTime("out of time budget")
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def free_memory() -> None:
+    """Between checks: nothing of the last one (Trainers, models, optimizer state) stays allocated."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def llama(sizes: dict, seq_len: int):
@@ -76,21 +145,24 @@ class StepTimer:
 
 
 def train(model, out: str, steps: int, batch: int, seq_len: int, warmup: int, **kw) -> dict:
-    """Train `steps` steps; tokens/s over the steps after `warmup`, peak memory, final loss."""
+    """Train `steps` steps; tokens/s over the steps after `warmup`, peak memory, final loss, and the Trainer
+    (the caller drops it: a kept Trainer holds its model and optimizer state on the device)."""
     from stoker import Trainer, TrainingArguments
 
     timer = StepTimer()
     peft_config = kw.pop("peft_config", None)
+    data = kw.pop("data", None) or rows(batch * steps, seq_len, model.config.vocab_size)
+    callbacks = [timer, *kw.pop("callbacks", [])]
+    resume = kw.pop("resume_from_checkpoint", None)
+    kw.setdefault("logging_steps", steps)
+    kw.setdefault("save_strategy", "no")
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-4,
-                             logging_steps=steps, save_strategy="no", report_to="none", disable_tqdm=True,
+                             report_to="none", disable_tqdm=True,
                              optim=kw.pop("optim", "adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch"),
                              **kw)
-    data = rows(batch * steps, seq_len, model.config.vocab_size)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(model, args, train_dataset=data, callbacks=[timer], peft_config=peft_config)
-    output = trainer.train()
+    free_memory()
+    trainer = Trainer(model, args, train_dataset=data, callbacks=callbacks, peft_config=peft_config)
+    output = trainer.train(resume_from_checkpoint=resume)
     world = trainer.accelerator.num_processes
     timed = timer.ends[warmup:]
     tokens_per_s = (len(timed) - 1) * batch * seq_len * world / (timed[-1] - timed[0]) if len(timed) > 1 else 0.0
@@ -118,22 +190,14 @@ def mfu_of(trainer, tokens_per_s: float, seq_len: int, precision: str) -> float 
 def check_precision(name: str, sizes: dict, steps: int, batch: int, seq_len: int, **kw) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=3, **kw)
+    del r["trainer"]
     return [{"name": name, **r, "note": f"loss {r['loss']:.3f}"}]
 
 
 def check_fsdp2(sizes: dict, steps: int, batch: int, seq_len: int, bf16: bool = True) -> list[dict]:
     """In a torchrun child with one process: Accelerate enables FSDP only under a launcher."""
     if os.environ.get("LOCAL_RANK") is None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-               os.path.abspath(__file__), "--child", "fsdp2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUDGET_S)
-        rows_ = [line[len("ROW "):] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-        if proc.returncode != 0 or not rows_:
-            raise RuntimeError(f"torchrun child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-3000:]}")
-        import json
-
-        return [json.loads(r) for r in rows_]
+        return torchrun_child("fsdp2", 1)
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as out:
@@ -142,6 +206,7 @@ def check_fsdp2(sizes: dict, steps: int, batch: int, seq_len: int, bf16: bool = 
         trainer = r.pop("trainer")
         assert str(trainer.accelerator.distributed_type).endswith("FSDP"), trainer.accelerator.distributed_type
         trainer.save_model(os.path.join(out, "final"))
+        del trainer
         reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
         params = sum(p.numel() for p in reloaded.parameters())
     return [{"name": "fsdp2", **r, "note": f"loss {r['loss']:.3f}; saved and reloaded {params / 1e6:.1f}M params"}]
@@ -162,6 +227,7 @@ def check_qlora(sizes: dict, steps: int, batch: int, seq_len: int, bf16: bool = 
         from stoker import Trainer  # noqa: F401  (imported before training so the failure is clear)
 
         r = train(model, os.path.join(out, "run"), steps, batch, seq_len, warmup=3, bf16=bf16, peft_config=lora)
+        del model, r["trainer"]
     return [{"name": "qlora", **r, "note": f"loss {r['loss']:.3f}; 4-bit nf4 base + LoRA r=16"}]
 
 
@@ -170,20 +236,233 @@ def check_mfu(sizes: dict, steps: int, batch: int, seq_len: int) -> list[dict]:
     for compiled in (False, True):
         with tempfile.TemporaryDirectory() as out:
             r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=5, bf16=True, torch_compile=compiled)
-        params = sum(p.numel() for p in r["trainer"].model.parameters())
-        mfu = mfu_of(r["trainer"], r["tokens_per_s"], seq_len, "bf16")
+        trainer = r.pop("trainer")
+        params = sum(p.numel() for p in trainer.model.parameters())
+        mfu = mfu_of(trainer, r["tokens_per_s"], seq_len, "bf16")
+        del trainer  # before the next run builds its own
         note = f"{params / 1e6:.0f}M params, seq {seq_len}, batch {batch}; MFU " + (f"{mfu:.1%}" if mfu else "n/a")
         out_rows.append({"name": "mfu_100m" + ("_compile" if compiled else "_eager"), **r, "note": note})
     return out_rows
+
+
+def torchrun_child(check: str, processes: int, rehearse: bool = False) -> list[dict]:
+    """Run one check in `processes` torchrun processes (Accelerate enables FSDP and DDP only under a launcher),
+    with the time left in the budget as its timeout; its rows come back on stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+           os.path.abspath(__file__), "--child", check] + (["--rehearse"] if rehearse else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUDGET.child_timeout())
+    except subprocess.TimeoutExpired as e:
+        raise OutOfTime(f"torchrun child {check} ran out of the time left ({e.timeout:.0f}s)") from None
+    rows_ = [line[len("ROW "):] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if proc.returncode != 0 or not rows_:
+        raise RuntimeError(f"torchrun child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads(r) for r in rows_]
+
+
+def parameters(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def check_checkpoint(sizes: dict, steps: int, batch: int, seq_len: int, **kw) -> list[dict]:
+    """A run saving every steps // 2; a second run resumed from the first checkpoint ends where it ended."""
+    from stoker import checkpoint_format
+
+    every = steps // 2
+    with tempfile.TemporaryDirectory() as out:
+        full = train(llama(sizes, seq_len), os.path.join(out, "full"), steps, batch, seq_len, warmup=1,
+                     save_strategy="steps", save_steps=every, **kw)
+        final = parameters(full.pop("trainer").model)
+        folder = os.path.join(out, "full", f"checkpoint-{every}")
+        problem = checkpoint_format.verify(folder)
+        if problem is not None:
+            raise RuntimeError(f"checkpoint-{every} does not verify: {problem}")
+        resumed = train(llama(sizes, seq_len), os.path.join(out, "resumed"), steps, batch, seq_len, warmup=1,
+                        resume_from_checkpoint=folder, **kw)
+        ended = parameters(resumed.pop("trainer").model)
+        diff = max((ended[n] - p).abs().max().item() for n, p in final.items())
+    if diff > 1e-4:
+        raise RuntimeError(f"resumed from checkpoint-{every}: parameters differ by up to {diff:.2e}")
+    return [{"name": "checkpoint", **full, "note": f"sync save every {every}; resumed max |diff| {diff:.1e}; "
+             "async: not in stoker yet"}]
+
+
+def overflow_verdict(steps: list[dict], injected: int) -> str | None:
+    """What is wrong (None: nothing) with the records of an fp16 run whose step `injected` (1-based, > 1) had
+    non-finite gradients: steps[k - 1] = {"scale", "schedule" (the schedule's step count), "params" (a
+    checksum)} after step k."""
+    before, at, after = steps[injected - 2], steps[injected - 1], steps[injected]
+    problems = []
+    if at["params"] != before["params"]:
+        problems.append("the overflowed step changed the parameters")
+    if not at["scale"] < before["scale"]:
+        problems.append(f"the loss scale did not drop ({before['scale']} -> {at['scale']})")
+    if at["schedule"] != before["schedule"]:
+        problems.append(f"the schedule advanced ({before['schedule']} -> {at['schedule']})")
+    if after["params"] == at["params"]:
+        problems.append("the step after the overflow did not apply")
+    if after["schedule"] == at["schedule"]:
+        problems.append("the schedule did not advance after the overflow")
+    return "; ".join(problems) or None
+
+
+def check_fp16_overflow(sizes: dict, steps: int, batch: int, seq_len: int) -> list[dict]:
+    """fp16 with loss scaling; step 3's gradients are made infinite by a hook in backward (before the scaler
+    unscales them), and the run's records around it are judged by overflow_verdict."""
+    from stoker import TrainerCallback
+
+    injected, records = 3, []
+
+    def record(model, trainer_scheduler, scaler):
+        inner = getattr(trainer_scheduler, "scheduler", trainer_scheduler)
+        records.append({"scale": float(scaler.get_scale()) if scaler is not None else None,
+                        "schedule": getattr(inner, "last_epoch", None),
+                        "params": float(sum(p.detach().double().sum() for p in model.parameters()))})
+
+    class Inject(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.armed = False
+            target = next(p for p in model.parameters() if p.requires_grad)
+            target.register_hook(lambda g: g * float("inf") if self.armed else g)
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.armed = state.global_step + 1 == injected
+
+        def on_step_end(self, args, state, control, model=None, lr_scheduler=None, **kw):
+            self.armed = False
+            record(model, lr_scheduler, self.trainer.accelerator.scaler)
+
+    inject = Inject()
+    model = llama(sizes, seq_len)
+    with tempfile.TemporaryDirectory() as out:
+        from stoker import Trainer, TrainingArguments
+
+        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
+                                 learning_rate=1e-3, fp16=True, report_to="none", disable_tqdm=True,
+                                 logging_steps=steps, save_strategy="no", lr_scheduler_type="linear")
+        trainer = Trainer(model, args, train_dataset=rows(batch * steps, seq_len, model.config.vocab_size),
+                          callbacks=[inject])
+        inject.trainer = trainer
+        t0 = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - t0
+        del trainer
+    problem = overflow_verdict(records, injected)
+    if problem:
+        raise RuntimeError(f"fp16 overflow at step {injected}: {problem}")
+    return [{"name": "fp16_overflow", "tokens_per_s": steps * batch * seq_len / seconds, "peak_gb": peak_gb(),
+             "note": f"step {injected} skipped, scale {records[injected - 2]['scale']:.0f} -> "
+                     f"{records[injected - 1]['scale']:.0f}, schedule held, step {injected + 1} applied"}]
+
+
+def peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def check_chunked_loss(sizes: dict, steps: int, batch: int, seq_len: int, **kw) -> list[dict]:
+    out_rows, losses = [], []
+    for chunked in (False, True):
+        with tempfile.TemporaryDirectory() as out:
+            r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=1, chunked_loss=chunked, **kw)
+        del r["trainer"]
+        losses.append(r["loss"])
+        out_rows.append(r)
+    if abs(losses[0] - losses[1]) > 2e-3 * max(1.0, abs(losses[0])):
+        raise RuntimeError(f"chunked_loss=True's loss {losses[1]:.5f} is not chunked_loss=False's {losses[0]:.5f}")
+    return [{"name": "chunked_loss", **out_rows[1], "note": f"loss {losses[1]:.4f} (unchunked {losses[0]:.4f}); "
+             f"peak {out_rows[1]['peak_gb']:.2f} GiB vs {out_rows[0]['peak_gb']:.2f} GiB unchunked"}]
+
+
+def varied_rows(n: int, seq_len: int, vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(seq_len // 8, seq_len // 2, (n,), generator=g).tolist()
+    return [{"input_ids": (ids := torch.randint(1, vocab, (k,), generator=g).tolist()), "labels": ids}
+            for k in lengths]
+
+
+def logged(out: str, key: str) -> list[float]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r[key] for r in map(json.loads, f) if key in r]
+
+
+def check_packing(sizes: dict, steps: int, batch: int, seq_len: int, **kw) -> list[dict]:
+    """Variable-length rows packed into rows of seq_len; on a GPU the training log's MFU of the packed job."""
+    data = varied_rows(4 * batch * steps, seq_len, sizes["vocab_size"])
+    with tempfile.TemporaryDirectory() as out:
+        r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=2, data=data, packing=True,
+                  packing_length=seq_len, logging_steps=max(1, steps // 3), **kw)
+        del r["trainer"]
+        mfu = logged(out, "mfu")
+    if torch.cuda.is_available() and not mfu:
+        raise RuntimeError("the packed job's training log has no mfu")
+    return [{"name": "packing", **r, "note": f"loss {r['loss']:.3f}; logged MFU " +
+             (f"{mfu[-1]:.1%} (attention per sequence)" if mfu else "n/a (CPU)")}]
+
+
+def check_shared_prefix(sizes: dict, steps: int, batch: int, seq_len: int, **kw) -> list[dict]:
+    """Rows that start with the same 64-token prompt (no target in it): shared_prefix=True's loss is the
+    loss without it (float32 weights, no autocast, so the two differ only by summation order)."""
+    from stoker.data import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, sizes["vocab_size"], (64,), generator=g).tolist()
+    data = []
+    for _ in range(batch * steps):
+        tail = torch.randint(1, sizes["vocab_size"], (seq_len - 64,), generator=g).tolist()
+        data.append({"input_ids": prompt + tail, "labels": [IGNORE_INDEX] * 64 + tail})
+    losses, out_rows = [], []
+    for shared in (False, True):
+        with tempfile.TemporaryDirectory() as out:
+            r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=1, data=data, shared_prefix=shared,
+                      **kw)
+        del r["trainer"]
+        losses.append(r["loss"])
+        out_rows.append(r)
+    if abs(losses[0] - losses[1]) > 1e-3 * max(1.0, abs(losses[0])):
+        raise RuntimeError(f"shared_prefix=True's loss {losses[1]:.5f} is not the unshared {losses[0]:.5f}")
+    return [{"name": "shared_prefix", **out_rows[1], "note": f"loss {losses[1]:.4f} (unshared {losses[0]:.4f}); "
+             f"{out_rows[1]['tokens_per_s'] / max(out_rows[0]['tokens_per_s'], 1e-9):.2f}x the unshared tokens/s"}]
+
+
+def check_ddp_2proc(sizes: dict, steps: int, batch: int, seq_len: int, rehearse: bool = False) -> list[dict]:
+    """Two torchrun processes on the one GPU (Accelerate gives both cuda:0): DDP over gloo, since NCCL refuses
+    two ranks on one device. Rank 0 gathers each rank's loss and device; they must agree."""
+    if os.environ.get("LOCAL_RANK") is None:
+        (r,) = torchrun_child("ddp_2proc", 2, rehearse)
+        if r["world"] != 2 or len(set(r["losses"])) != 1:
+            raise RuntimeError(f"{r['world']} processes, losses {r['losses']}: not 2 ranks that agree")
+        return [{"name": "ddp_2proc", "tokens_per_s": r["tokens_per_s"], "peak_gb": r["peak_gb"],
+                 "note": f"2 ranks on {' and '.join(r['devices'])}, {r['backend']}; loss {r['losses'][0]:.4f} "
+                         "on both"}]
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as out:
+        r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=2, ddp_backend="gloo")
+        trainer = r.pop("trainer")
+        world, rank, device = trainer.accelerator.num_processes, trainer.accelerator.process_index, \
+            str(trainer.accelerator.device)
+        del trainer
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (r["loss"], device))
+    # one row, from rank 0 (two ranks printing to the one stdout would interleave their lines)
+    return [{"name": "ddp_2proc", **r, "world": world, "backend": dist.get_backend(),
+             "losses": [loss for loss, _ in gathered], "devices": [d for _, d in gathered]}] if rank == 0 else []
 
 
 def checks(rehearse: bool) -> dict:
     """name -> zero-argument callable. Rehearsal: tiny sizes, only what runs on a CPU."""
     if rehearse:
         s = dict(sizes=TINY, steps=6, batch=2, seq_len=16)
+        long = dict(sizes=TINY, steps=4, batch=4, seq_len=96)  # rows long enough for a 64-token prompt
         return {"bf16": lambda: check_precision("bf16", bf16=True, **s),
-                "qlora": lambda: check_qlora(bf16=False, **s)}
+                "qlora": lambda: check_qlora(bf16=False, **s),
+                "checkpoint": lambda: check_checkpoint(**s),
+                "chunked_loss": lambda: check_chunked_loss(**s),
+                "packing": lambda: check_packing(**s),
+                "shared_prefix": lambda: check_shared_prefix(**long),
+                "ddp_2proc": lambda: check_ddp_2proc(**dict(s, steps=3), rehearse=True)}
     s = dict(sizes=SMALL, steps=30, batch=8, seq_len=512)
+    short = dict(s, steps=10)
     return {
         "bf16": lambda: check_precision("bf16", bf16=True, **s),
         "fp16": lambda: check_precision("fp16", fp16=True, **s),
@@ -193,12 +472,66 @@ def checks(rehearse: bool) -> dict:
         "adamw_8bit": lambda: check_precision("adamw_8bit", bf16=True, optim="adamw_8bit", **s),
         "qlora": lambda: check_qlora(**s),
         "mfu_100m": lambda: check_mfu(M100, steps=25, batch=8, seq_len=1024),
+        "checkpoint": lambda: check_checkpoint(**short, bf16=True),
+        "fp16_overflow": lambda: check_fp16_overflow(**dict(short, steps=6)),
+        "chunked_loss": lambda: check_chunked_loss(**short, bf16=True),
+        "packing": lambda: check_packing(M100, steps=15, batch=8, seq_len=1024, bf16=True),
+        "shared_prefix": lambda: check_shared_prefix(**short),
+        "ddp_2proc": lambda: check_ddp_2proc(**short),
     }
 
 
-def main() -> int:
-    import json
+def print_row(name: str, status: str, row: dict | None = None, note: str = "") -> str:
+    if row is None:
+        line = f"{name:<18} {status:<8} {'':>12} {'':>9}  {note}"
+    else:
+        line = (f"{row['name']:<18} {status:<8} {row['tokens_per_s']:>12,.0f} {row['peak_gb']:>9.2f}  "
+                f"{row['note']}{note}")
+    print(line, flush=True)
+    return line
 
+
+def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
+    """Run the named checks within the budget; returns the failed ones. A check not started for lack of time
+    is SKIPPED, one interrupted by it is TIMEOUT (a failure); the summary table is printed at the end, and on
+    SIGTERM (gpu_check.sh's hard limit) before exiting."""
+    failed, lines = [], []
+
+    def summary(signum=None, frame=None):
+        print("\n" + "\n".join([f"{'check':<18} {'status':<8} {'tokens/s':>12} {'peak GiB':>9}  note", *lines]))
+        print(f"gpu_check: {len(failed)} failed ({', '.join(failed) or 'none'}) in "
+              f"{budget.clock() - budget.started:.0f}s", flush=True)
+        if signum is not None:
+            sys.exit(1)
+
+    previous = signal.signal(signal.SIGTERM, summary)
+    print(f"{'check':<18} {'status':<8} {'tokens/s':>12} {'peak GiB':>9}  note", flush=True)
+    try:
+        for name in names:
+            if not budget.may_start():
+                lines.append(print_row(name, "SKIPPED", note=f"out of time budget ({budget.left():.0f}s left)"))
+                continue
+            t0 = budget.clock()
+            try:
+                for row in run_within(budget, table[name]):
+                    lines.append(print_row(name, "ok", row, f" ({budget.clock() - t0:.0f}s)"))
+            except OutOfTime as e:
+                failed.append(name)
+                lines.append(print_row(name, "TIMEOUT", note=str(e)))
+            except Exception as e:  # one failed check must not hide the others
+                failed.append(name)
+                lines.append(print_row(name, "FAILED", note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                traceback.print_exc(file=sys.stderr)
+            finally:
+                row = None  # no row (nor anything it refers to) outlives its check
+                free_memory()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    summary()
+    return failed
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only these checks")
     parser.add_argument("--list", action="store_true", help="print the checks and exit")
@@ -222,23 +555,11 @@ def main() -> int:
         return 0
     if torch.cuda.is_available():
         print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    started, failed = time.perf_counter(), []
-    print(f"{'check':<18} {'status':<8} {'tokens/s':>12} {'peak GiB':>9}  note", flush=True)
-    for name in a.only or table:
-        if time.perf_counter() - started > BUDGET_S - 30:
-            print(f"{name:<18} {'SKIPPED':<8} {'':>12} {'':>9}  out of time budget", flush=True)
-            continue
-        t0 = time.perf_counter()
-        try:
-            for row in table[name]():
-                print(f"{row['name']:<18} {'ok':<8} {row['tokens_per_s']:>12,.0f} {row['peak_gb']:>9.2f}  "
-                      f"{row['note']} ({time.perf_counter() - t0:.0f}s)", flush=True)
-        except Exception as e:  # one failed check must not hide the others
-            failed.append(name)
-            print(f"{name:<18} {'FAILED':<8} {'':>12} {'':>9}  {type(e).__name__}: {str(e).splitlines()[0][:200]}",
-                  flush=True)
-            traceback.print_exc(file=sys.stderr)
-    print(f"gpu_check: {len(failed)} failed ({', '.join(failed) or 'none'}) in {time.perf_counter() - started:.0f}s")
+    unknown = [n for n in a.only or [] if n not in table]
+    if unknown:
+        print(f"gpu_check: --only {' '.join(unknown)}: no such check; checks: {', '.join(table)}")
+        return 2
+    failed = run_checks(table, a.only or list(table), BUDGET)
     return 1 if failed else 0
 
 

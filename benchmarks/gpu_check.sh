@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU smoke checks of stoker on one CUDA GPU, in at most 8 minutes: bf16 and fp16 training, TF32,
-# torch.compile, FSDP2 in one process, 8-bit AdamW, 4-bit QLoRA, and tokens/s + MFU of a ~110M Llama in bf16
-# with and without torch.compile; tokens/s and peak memory for each (see benchmarks/gpu_check.py).
+# torch.compile, FSDP2 in one process, 8-bit AdamW, 4-bit QLoRA, tokens/s + MFU of a ~110M Llama in bf16
+# with and without torch.compile, checkpoint and resume, an fp16 overflow skipped by the scaler, chunked loss,
+# packing (and its logged MFU), shared prefix, and two DDP processes on the one GPU; tokens/s and peak memory
+# for each (see benchmarks/gpu_check.py).
 # Without a CUDA GPU it says so and exits 0.
 #
 #   bash benchmarks/gpu_check.sh [--only bf16 qlora ...]
@@ -12,5 +14,6 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     echo "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing to check"
     exit 0
 fi
-# the Python script keeps its own budget of 480 s; the hard limit leaves it time to print its table
+# the Python script keeps its own budget of 480 s (each check and torchrun child within what is left);
+# the hard limit is a backstop: on its SIGTERM the script prints its table and exits
 exec timeout --signal=TERM --kill-after=10 500 "$PYTHON" benchmarks/gpu_check.py "$@"

@@ -744,8 +744,13 @@ class TrainingArguments:
         if self.fp16 and not on_cuda:
             p.append("fp16=True: float16 mixed precision needs a CUDA GPU (Accelerate would silently run float32 "
                      "on the CPU); use bf16=True on the CPU")
-        if self.bf16 and on_cuda and not torch.cuda.is_bf16_supported():
-            p.append("bf16=True: this GPU cannot run bfloat16; use fp16=True")
+        # including_emulation=False: by default torch counts a GPU that emulates bfloat16 (V100, T4: no bf16
+        # tensor cores, several times slower than fp16) as supporting it
+        if self.bf16 and on_cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
+            major, minor = torch.cuda.get_device_capability()
+            p.append(f"bf16=True: this GPU ({torch.cuda.get_device_name()}, compute capability {major}.{minor}) "
+                     "has no bfloat16 support (torch would only emulate it, slowly); accepted: fp16=True on this "
+                     "GPU, or bf16=True on an Ampere or newer GPU (compute capability 8.0 or more)")
         if self.tf32 and not (on_cuda and torch.cuda.get_device_capability()[0] >= 8):
             p.append("tf32=True: TF32 needs an NVIDIA Ampere or newer GPU; leave tf32 unset")
         return p

@@ -24,12 +24,18 @@ DATA_WAIT_WARNING = 0.10  # fraction of a window's step time
 # Dense (no sparsity) peak TFLOPS per device by matmul precision, from the vendors' data sheets. Matched in
 # order against torch.cuda.get_device_name(); the first pattern that matches wins (so "H100 PCIe" before
 # "H100"). A device not listed gets no MFU unless TrainingArguments.peak_tflops is set.
+# Names as CUDA reports them: "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200",
+# "NVIDIA H200 NVL", "NVIDIA GH200 480GB" (Grace Hopper: an H100 SXM-class GPU, whose name "GH200" no \bH200\b
+# or \bH100\b matches), "NVIDIA H800" (H100 SXM's compute), "NVIDIA A100-SXM4-80GB".
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"\bB200\b", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1125.0, "fp32": 75.0}),
+    (r"\bGH200\b", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"\bH200\b.*\bNVL\b", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.8, "fp32": 60.0}),
     (r"\bH200\b", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     (r"\bH100\b.*\bPCIe\b", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}),
     (r"\bH100\b.*\bNVL\b", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.8, "fp32": 60.0}),
     (r"\bH100\b", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"\bH800\b", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     (r"\bA100\b", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     (r"\bL40S\b", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6}),
     (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
@@ -57,7 +63,8 @@ def matmul_precision(mixed_precision: str) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
 
 
-def flops_per_token(params: int, trainable: int, layers: int = 0, attention_width: int = 0, seq_len: int = 0) -> float:
+def flops_per_token(params: int, trainable: int, layers: int = 0, attention_width: int = 0,
+                    seq_len: float = 0) -> float:
     """Training FLOPs per token (forward and backward) of a transformer.
 
     Each parameter that a token goes through costs 2 FLOPs in the forward pass (a multiply and an add) and
@@ -65,25 +72,42 @@ def flops_per_token(params: int, trainable: int, layers: int = 0, attention_widt
     gradient: 6 per parameter when all train (PaLM's 6N), 4 for frozen ones (LoRA). Attention adds
     QK^T and attention x V, 2 * 2 * seq_len * width FLOPs per layer forward and twice that backward:
     12 * layers * width * seq_len. `params` excludes the input embedding, a lookup rather than a matmul
-    (unless it is tied to the output layer, which is a matmul).
+    (unless it is tied to the output layer, which is a matmul). With sequences of several lengths (padding,
+    packed rows), `seq_len` is the mean over tokens of their own sequence's length: attention_pairs / tokens.
     """
     return 4 * params + 2 * trainable + 12 * layers * attention_width * seq_len
 
 
+def parameter_count(p: torch.Tensor) -> int:
+    """The number of values a parameter stands for, where its tensor holds fewer: a DeepSpeed ZeRO-3 parameter
+    is an empty placeholder outside its gathering (ds_numel is the full count), and a bitsandbytes 4-bit weight
+    (Params4bit) packs two values a byte (quant_state.shape is the weight's shape)."""
+    if hasattr(p, "ds_numel"):
+        return int(p.ds_numel)
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    if shape is not None:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return n
+    return p.numel()
+
+
 def model_flops_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
     """(matmul parameters, trainable ones, layers, attention width) of a model, for flops_per_token.
+    Parameters count by parameter_count (ZeRO-3 partitions and packed 4-bit weights at their full size).
     A model without a transformers config gets no attention term."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = sum(parameter_count(p) for p in model.parameters())
+    trainable = sum(parameter_count(p) for p in model.parameters() if p.requires_grad)
     get_in, get_out = getattr(base, "get_input_embeddings", None), getattr(base, "get_output_embeddings", None)
     embedding = get_in() if callable(get_in) else None
     head = get_out() if callable(get_out) else None
     if embedding is not None and getattr(embedding, "weight", None) is not None:
         tied = head is not None and getattr(head, "weight", None) is embedding.weight
         if not tied:
-            params -= embedding.weight.numel()
-            trainable -= embedding.weight.numel() if embedding.weight.requires_grad else 0
+            params -= parameter_count(embedding.weight)
+            trainable -= parameter_count(embedding.weight) if embedding.weight.requires_grad else 0
     config = getattr(base, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(config, "num_hidden_layers", 0) or 0
@@ -91,6 +115,38 @@ def model_flops_shape(model: torch.nn.Module) -> tuple[int, int, int, int]:
     hidden = getattr(config, "hidden_size", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
     return params, trainable, layers, heads * head_dim
+
+
+def attention_pairs(batch) -> torch.Tensor | int:
+    """Sum over the batch's sequences of length^2: the (query, key) pairs attention computes, whose count
+    times 12 * layers * width is the attention term of a micro-batch's training FLOPs. A sequence is a
+    segment of `cu_seq_lens_q` (flash-attention's flattened rows), else a run of `position_ids` that counts
+    up by one (packed rows: each restart is a new sequence, as transformers' packed masks read them), else a
+    row's attention_mask sum (padding is no sequence), else a whole row. It is computed on the device
+    without a host sync: sum(n^2) is the sum over tokens of 2k + 1, k the token's place in its sequence."""
+    cu = batch.get("cu_seq_lens_q", batch.get("cu_seq_lens_k"))
+    if isinstance(cu, torch.Tensor) and cu.numel() > 1:
+        lengths = (cu[1:] - cu[:-1]).long()
+        return (lengths * lengths).sum()
+    mask = batch.get("attention_mask")
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() >= 1 and positions.numel():
+        positions = positions.reshape(-1, positions.shape[-1]).long()
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        index = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
+        start_of_own = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+        odd = 2 * (index - start_of_own) + 1
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == positions.shape:
+            odd = odd * (mask != 0)
+        return odd.sum()
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        lengths = (mask != 0).sum(-1)
+        return (lengths * lengths).sum()
+    ids = batch.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return ids.shape[0] * ids.shape[1] ** 2
+    return 0
 
 
 def mfu(tokens_per_second: float, flops_per_token_: float, peak_tflops_per_device: float, devices: int) -> float:

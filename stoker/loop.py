@@ -84,6 +84,9 @@ class RunningLog:
         self.samples_seen, self.samples_at_log, self.tokens_seen = 0, 0, 0
         self.nonfinite_run, self.nonfinite_total = 0, 0
         self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(), False, None
+        # sum of length^2 over the sequences since the last log (diagnostics.attention_pairs): MFU's attention
+        # term; a diagnostic, so not saved with a checkpoint
+        self.attention_pairs = torch.zeros((), dtype=torch.long, device=device)
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -107,6 +110,7 @@ class RunningLog:
         self.tokens += torch.stack([torch.as_tensor(non_padding, device=self.tokens.device),
                                     torch.as_tensor(ids.numel() if ids is not None else non_padding,
                                                     device=self.tokens.device)])
+        self.attention_pairs += torch.as_tensor(diagnostics.attention_pairs(batch), device=self.tokens.device)
         first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         self.samples_seen += first.shape[0] * num_processes if first is not None else 0
 
@@ -171,6 +175,7 @@ class RunningLog:
         if wait > diagnostics.DATA_WAIT_WARNING and not self.warned_data_wait:
             self.warned_data_wait = True
             logger.warning(diagnostics.data_wait_advice(wait, args, on_gpu))
+        pairs, self.attention_pairs = self.attention_pairs, torch.zeros_like(self.attention_pairs)
         if not on_gpu:
             return out
         out["peak_memory_allocated_gb"] = round(torch.cuda.max_memory_allocated(accelerator.device) / 2**30, 3)
@@ -179,7 +184,13 @@ class RunningLog:
         if peak and samples:
             if self.flops_shape is None:  # parameter counts: computed once per run
                 self.flops_shape = diagnostics.model_flops_shape(accelerator.unwrap_model(model))
-            per_token = diagnostics.flops_per_token(*self.flops_shape, seq_len=round(all_tokens / samples))
+            if accelerator.num_processes > 1:  # a collective, on logging steps only
+                pairs = accelerator.reduce(pairs, reduction="sum")
+            # attention per token from each sequence's own length (packed rows hold several, padding none):
+            # sum(length^2) / tokens; a window without counted pairs (the first after a resume) uses the rows
+            pairs = int(pairs)
+            seq_len = pairs / tokens if pairs and tokens else all_tokens / samples
+            per_token = diagnostics.flops_per_token(*self.flops_shape, seq_len=seq_len)
             out["mfu"] = round(diagnostics.mfu(tokens / elapsed, per_token, peak, accelerator.num_processes), 4)
         return out
 

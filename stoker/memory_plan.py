@@ -29,9 +29,16 @@ MLP kind, attention implementation, dropout, rotary or learned positions, tied h
                    being computed); CPU offload, with one process too, moves parameters, gradients and
                    optimizer state to the host
     CUDA context   about 0.5 GiB per process on a GPU that no tensor accounts for
+    headroom       on a GPU only: the caching allocator's fragmentation (ALLOCATOR_HEADROOM of the tensors' peak,
+                   reserved but not allocated) and, with several processes, NCCL's buffers (NCCL_BUFFERS per
+                   process group); a CPU estimate has neither (benchmarks/plan_accuracy.py measures it as is)
 
 The peak comes at the start of backward (activations and logits at their largest) or at the optimizer step
-(every gradient alive); with accumulation the gradients also live through the next micro-batch's forward.
+(every gradient alive); with accumulation the gradients also live through the next micro-batch's forward, and
+under FSDP they live unsharded: its no_sync (FSDP2's set_requires_gradient_sync(False)) skips the
+reduce-scatter and accumulates each parameter's full gradient until the window's last micro-batch. torch's
+AdamW, Adagrad and RMSprop run their foreach implementation on a GPU, whose step allocates one copy of the
+trainable parameters (AdamW's sqrt of exp_avg_sq for all of a group at once; the decay group holds nearly all).
 Given a budget, `propose` keeps the global batch (micro-batch x accumulation x world size) and picks, among
 the micro-batches, chunked loss, gradient checkpointing, sharding and offload settings that fit, the one with
 the lowest rough time cost (`relative_cost`). The estimates are checked against measured peak memory by
@@ -55,6 +62,15 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what a process's CUDA context and loaded kernels take on the device before any tensor (0.3 to 1 GiB
 # depending on the GPU, CUDA and torch versions; lazy module loading keeps it near the lower end)
 CUDA_CONTEXT = 0.5 * GIB
+# the caching allocator reserves more than it allocates (blocks split and rounded, freed blocks of the wrong
+# size): a tenth of the peak is a typical gap between torch.cuda.max_memory_reserved and max_memory_allocated
+# in training, and what a budget must leave for it
+ALLOCATOR_HEADROOM = 0.10
+# NCCL's buffers per process group (communicator) on each GPU: NCCL_BUFFSIZE (4 MiB) per channel and peer for
+# the Simple protocol plus the LL / LL128 ones, send and receive, over up to 32 channels: a few hundred MiB
+NCCL_BUFFERS = 0.25 * GIB
+# optimizers whose torch implementation defaults to foreach on a GPU, allocating a copy of the parameters
+FOREACH_COPY = ("adamw_torch", "adagrad", "rmsprop")
 CHUNK_ELEMENTS = 2**23  # stoker.chunked_loss.CHUNK_ELEMENTS, repeated so that planning imports no torch
 
 
@@ -192,11 +208,18 @@ class Estimate:
     host: float = 0.0
     buckets: float = 0.0        # DDP's gradient buckets
     context: float = 0.0        # the CUDA context and kernels, which no allocator statistic shows
+    unsharded_gradients: float = 0.0  # FSDP's full gradients through an accumulation window (no_sync)
+    optimizer_copy: float = 0.0  # the foreach optimizer step's copy of the trainable parameters
+    allocator: float = 0.0      # the caching allocator's reserved-but-unallocated memory (ALLOCATOR_HEADROOM)
+    nccl: float = 0.0           # NCCL's buffers (NCCL_BUFFERS per process group)
 
     def table(self) -> str:
         rows = [("weights", self.weights), ("gradients", self.gradients), ("optimizer state", self.optimizer),
                 ("activations", self.activations), ("logits and loss", self.logits)]
-        rows += [(name, v) for name, v in (("DDP buckets", self.buckets), ("CUDA context", self.context)) if v]
+        rows += [(name, v) for name, v in (("FSDP no_sync grads", self.unsharded_gradients),
+                                           ("optimizer step copy", self.optimizer_copy),
+                                           ("DDP buckets", self.buckets), ("CUDA context", self.context),
+                                           ("allocator headroom", self.allocator), ("NCCL buffers", self.nccl)) if v]
         lines = [f"  {name:<18}{value / GIB:>9.3f} GiB" for name, value in rows]
         lines.append(f"  {'peak (estimated)':<18}{self.peak / GIB:>9.3f} GiB per device")
         if self.host:
@@ -285,6 +308,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
 
     host = 0.0
     buckets = 0.0
+    unsharded = gradients  # every trainable parameter's gradient, on each process, before any sharding
     if setup.world_size > 1 and not setup.fsdp:
         buckets = gradients  # DDP all-reduces from buckets that hold a second copy of every gradient
     if setup.fsdp:  # with one process too: FSDP then shards nothing, but offload still moves state to the host
@@ -304,15 +328,28 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     # loss's buffers are gone, gradients have been arriving), and the optimizer step (every gradient and
     # the step's temporaries, the size of the largest parameter)
     grad_head = (shape.vocab * shape.hidden * grad_bytes) if not setup.lora_r else 0
-    earlier = gradients if setup.accumulation > 1 else 0  # accumulated over the previous micro-batches
+    # accumulated over the previous micro-batches; under FSDP unsharded (no_sync keeps full gradients until the
+    # last micro-batch reduce-scatters them), with CPU offload too: they are accumulated on the device
+    earlier = (unsharded if setup.fsdp else gradients) if setup.accumulation > 1 else 0
+    arriving = max(gradients, earlier)
     backward_start = earlier + kept + logits + grad_head + (0 if recomputed else workspace)
-    backward_recompute = gradients + kept + recomputed + workspace if recomputed else 0
-    optimizer_step = gradients + 2 * max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden) * grad_bytes
+    backward_recompute = arriving + kept + recomputed + workspace if recomputed else 0
+    # the step's temporaries: the for-loop implementation's, the size of the largest parameter; the foreach
+    # one's (a GPU's default for these optimizers), a copy of every trainable parameter (of this shard)
+    per_parameter = 2 * max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden) * grad_bytes
+    on_device = not (setup.fsdp and "offload" in setup.fsdp)  # offloaded, the step runs on the host
+    copy = (trainable * grad_bytes / (setup.world_size if setup.fsdp else 1)
+            if setup.device == "cuda" and setup.optim in FOREACH_COPY and on_device else 0.0)
+    optimizer_step = gradients + max(per_parameter, copy)
     live = max(backward_start, backward_recompute, optimizer_step)
     context = CUDA_CONTEXT if setup.device == "cuda" else 0.0
+    tensors = weights + optimizer + buckets + live
+    allocator = ALLOCATOR_HEADROOM * tensors if setup.device == "cuda" else 0.0
+    nccl = NCCL_BUFFERS if setup.device == "cuda" and setup.world_size > 1 else 0.0
     return Estimate(weights=weights, gradients=gradients, optimizer=optimizer, activations=kept + recomputed,
-                    logits=logits, peak=weights + optimizer + buckets + live + context, host=host, buckets=buckets,
-                    context=context)
+                    logits=logits, peak=tensors + context + allocator + nccl, host=host, buckets=buckets,
+                    context=context, unsharded_gradients=earlier if setup.fsdp and setup.world_size > 1 else 0.0,
+                    optimizer_copy=copy, allocator=allocator, nccl=nccl)
 
 
 def relative_cost(setup: Setup) -> float:

@@ -329,7 +329,7 @@ def fast_bf16(device: torch.device) -> tuple[bool, str]:
     with AVX512-BF16 or AMX instructions (measured on one: a LoRA step of SmolLM2-135M takes half the time of
     float32's); without them a CPU emulates bf16 and is slower than float32."""
     if device.type == "cuda":
-        ok = torch.cuda.is_bf16_supported()
+        ok = torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slower than fp32
         return ok, "this GPU supports bf16" if ok else "this GPU lacks bf16 support"
     if device.type != "cpu":
         return False, f"no measured bf16 speed-up on {device.type}"

@@ -23,9 +23,128 @@ def test_without_a_gpu_it_says_so_and_exits_0():
 def test_the_checks_are_listed_and_the_qlora_path_runs_on_the_cpu():
     script = str(ROOT / "benchmarks" / "gpu_check.py")
     listed = subprocess.run([sys.executable, script, "--list"], capture_output=True, text=True, timeout=120)
-    assert listed.stdout.split() == ["bf16", "fp16", "tf32", "compile", "fsdp2", "adamw_8bit", "qlora", "mfu_100m"]
+    assert listed.stdout.split() == ["bf16", "fp16", "tf32", "compile", "fsdp2", "adamw_8bit", "qlora", "mfu_100m",
+                                     "checkpoint", "fp16_overflow", "chunked_loss", "packing", "shared_prefix",
+                                     "ddp_2proc"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, script, "--rehearse", "--only", "qlora"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "qlora              ok" in proc.stdout and "0 failed" in proc.stdout
+
+
+def gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_budget_is_what_is_left_of_the_total_less_the_reserve():
+    g = gpu_check()
+    clock = Clock()
+    budget = g.Budget(total=480, reserve=15, clock=clock)
+    assert budget.left() == 465 and budget.may_start() and budget.child_timeout() == 465
+    clock.now += 400
+    assert budget.left() == budget.child_timeout() == 65  # a child gets what is left, not a fixed 480 s
+    clock.now += 60
+    assert budget.left() == 5 and not budget.may_start()
+    clock.now += 100
+    assert budget.left() == 0 == budget.child_timeout()
+
+
+def test_checks_past_the_budget_are_skipped_an_overrunning_one_is_interrupted_and_the_table_is_printed(capsys):
+    import time
+
+    g = gpu_check()
+    clock = Clock()
+    budget = g.Budget(total=100, reserve=10, clock=clock)
+
+    def quick():
+        clock.now += 75  # leaves 15 s, under MIN_START_S
+        return [{"name": "quick", "tokens_per_s": 1.0, "peak_gb": 0.5, "note": "fine"}]
+
+    table = {"quick": quick, "late": lambda: [], "broken": lambda: 1 / 0}
+    assert g.run_checks(table, ["quick", "late", "broken"], budget) == []
+    out = capsys.readouterr().out
+    table_part = out[out.rindex("check "):]
+    assert "quick              ok" in table_part and "late               SKIPPED" in table_part
+    assert "broken             SKIPPED" in table_part and "0 failed" in out
+
+    def forever():
+        while True:
+            time.sleep(0.01)
+
+    real = g.Budget(total=g.MIN_START_S + 0.5, reserve=0.0)  # half a second more than a start needs
+    started = time.perf_counter()
+    assert g.run_checks({"forever": forever, "broken": lambda: 1 / 0}, ["forever", "broken"], real) == ["forever"]
+    assert time.perf_counter() - started < g.MIN_START_S + 5  # interrupted when the time left ran out
+    out = capsys.readouterr().out
+    assert "forever            TIMEOUT" in out and "broken             SKIPPED" in out and "1 failed (forever)" in out
+
+
+def test_a_torchrun_child_gets_the_time_left_as_its_timeout(monkeypatch):
+    import subprocess as sp
+
+    g = gpu_check()
+    clock = Clock()
+    monkeypatch.setattr(g, "BUDGET", g.Budget(total=480, reserve=15, clock=clock))
+    clock.now += 423
+    seen = {}
+
+    def run(cmd, **kw):
+        seen.update(cmd=cmd, timeout=kw["timeout"])
+        return sp.CompletedProcess(cmd, 0, stdout='ROW {"name": "fsdp2"}\n', stderr="")
+
+    monkeypatch.setattr(g.subprocess, "run", run)
+    assert g.torchrun_child("fsdp2", 1) == [{"name": "fsdp2"}]
+    assert seen["timeout"] == 42 and seen["cmd"][-2:] == ["--child", "fsdp2"]
+
+    def slow(cmd, **kw):
+        raise sp.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(g.subprocess, "run", slow)
+    import pytest
+
+    with pytest.raises(g.OutOfTime, match="ran out of the time left"):
+        g.torchrun_child("ddp_2proc", 2)
+
+
+def test_the_fp16_overflow_verdict():
+    g = gpu_check()
+    good = [{"scale": 65536.0, "schedule": 1, "params": 1.0}, {"scale": 65536.0, "schedule": 2, "params": 2.0},
+            {"scale": 32768.0, "schedule": 2, "params": 2.0}, {"scale": 32768.0, "schedule": 3, "params": 3.0}]
+    assert g.overflow_verdict(good, injected=3) is None
+    applied = [dict(r) for r in good]
+    applied[2].update(params=2.5, schedule=3, scale=65536.0)  # the overflowed step applied as if nothing happened
+    applied[3].update(schedule=4)
+    assert g.overflow_verdict(applied, injected=3) == (
+        "the overflowed step changed the parameters; the loss scale did not drop (65536.0 -> 65536.0); "
+        "the schedule advanced (2 -> 3)")
+    stuck = [dict(r) for r in good]
+    stuck[3].update(params=2.0, schedule=2)
+    assert g.overflow_verdict(stuck, injected=3) == ("the step after the overflow did not apply; the schedule did "
+                                                    "not advance after the overflow")
+
+
+def test_the_cpu_capable_checks_run_checkpoint_chunked_loss_packing_shared_prefix_and_two_processes():
+    script = str(ROOT / "benchmarks" / "gpu_check.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    names = ["checkpoint", "chunked_loss", "packing", "shared_prefix", "ddp_2proc"]
+    proc = subprocess.run([sys.executable, script, "--rehearse", "--only", *names], env=env, capture_output=True,
+                          text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    table = proc.stdout[proc.stdout.rindex("check "):]
+    for name in names:
+        assert f"{name:<18} ok" in table
+    assert "resumed max |diff| 0.0e+00" in table and "2 ranks on cpu:0 and cpu:0, gloo" in table and "0 failed" in table

@@ -165,7 +165,7 @@ def test_eager_attention_keeps_its_probabilities_and_sdpa_does_not():
 def test_ddp_buckets_offload_with_one_process_and_mixed_precision_casts():
     one, two = estimate(SHAPE, Setup(world_size=1)), estimate(SHAPE, Setup(world_size=2))
     assert two.buckets == two.gradients == 4 * SHAPE.params and one.buckets == 0
-    assert two.peak - one.peak == two.buckets
+    assert (two.peak - two.allocator - two.nccl) - (one.peak - one.allocator) == two.buckets  # before headroom
     offloaded = estimate(SHAPE, Setup(world_size=1, fsdp="full_shard offload"))
     assert offloaded.host == 16 * SHAPE.params and offloaded.optimizer == offloaded.gradients == 0
     assert offloaded.weights < SHAPE.params  # two gathered layers in float32 are all that stay on the device
