@@ -19,8 +19,8 @@ import torch
 from stoker import ConfigError, TrainingArguments
 from stoker import diagnostics as d
 from stoker.memory_plan import ALLOCATOR_HEADROOM, NCCL_BUFFERS, Setup, estimate
-from tests.test_plan import SHAPE
-from tests.test_trainer import llama
+from tests.unit.test_memory_plan import SHAPE
+from tests.integration.test_trainer import llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ import deepspeed.comm.torch
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # the gloo group needs no shared-memory op
 import deepspeed
 from stoker.diagnostics import model_flops_shape
-from tests.test_trainer import llama
+from tests.integration.test_trainer import llama
 deepspeed.init_distributed(dist_backend="gloo")
 with deepspeed.zero.Init(config_dict_or_path={{"zero_optimization": {{"stage": 3}},
                                               "train_micro_batch_size_per_gpu": 1}}):
