@@ -19,8 +19,8 @@ import torch
 from stoker import ConfigError, TrainingArguments
 from stoker import diagnostics as d
 from stoker.memory_plan import ALLOCATOR_HEADROOM, NCCL_BUFFERS, Setup, estimate
-from tests.unit.test_memory_plan import SHAPE
 from tests.integration.test_trainer import llama
+from tests.unit.test_memory_plan import SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
 
