@@ -117,7 +117,13 @@ def local_model(source: str) -> str:
 def _convert(path: str, out: str) -> None:
     """Dequantise the GGUF at `path` with transformers and save it (weights, tokenizer, generation config) to `out`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils.quantization_config import GgufConfig
+
+    try:  # transformers >= 5.17 keeps a GGUF quantizer unless asked to dequantise; older ones always dequantise
+        from transformers.utils.quantization_config import GgufConfig
+
+        dequantised = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:
+        dequantised = {}
 
     folder, name = os.path.split(os.path.abspath(path))
     # transformers' GGUF reader draws a progress bar of its own, which no logging setting turns off
@@ -126,9 +132,8 @@ def _convert(path: str, out: str) -> None:
     try:
         with third_party_output(), progress:
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            # without dequantize the model keeps a GGUF quantizer, which can be neither trained nor saved
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                         quantization_config=GgufConfig(dequantize=True))
+            # a model that keeps a GGUF quantizer can be neither trained nor saved
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **dequantised)
             model.save_pretrained(out)
             tokenizer.save_pretrained(out)
     except Exception as e:  # noqa: BLE001 - transformers' reader raises many kinds; all mean the file is unusable
