@@ -406,10 +406,13 @@ class Trainer(TrainerAPI):
         self.optimizer, self.lr_scheduler = self._given_optimizers  # what create_optimizer builds on
         self.current_flos = 0
         self._seed()
+        # every run prepares against a clean Accelerator: it would keep the last run's model, optimizer and loaders
+        # in its lists, and with fp16 unscale_gradients() unscales every optimizer listed (the gradients divided by
+        # the scale once per run, or an error for the same optimizer given twice). The cost: a garbage collection
+        acc.free_memory()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
             model = self._set_up_model(self.call_model_init(trial))
             self._enable_gradient_checkpointing(model)
-            acc.free_memory()  # drop Accelerate's references to the previous model
             self.model = self.model_wrapped = model
         if a.use_liger_kernel:
             self._apply_liger_kernel()
@@ -580,15 +583,16 @@ class Trainer(TrainerAPI):
                                 run.signals.received)  # the step's one host sync
         if run.nonfinite.allows(verdict, run.log, window_loss, grad_norm, s.global_step + 1, acc.process_index):
             self._fire("on_pre_optimizer_step")
-            self.optimizer.step()
+            applied = self._backend.optimizer_step(self.optimizer)  # False: fp16 loss scaling skipped it (inf)
             self._fire("on_optimizer_step")
-            # logged with the rate this step used; fp16 loss scaling skips steps with inf gradients, and a
-            # plateau schedule steps after evaluation instead
+            # logged with the rate this step used; a plateau schedule steps after evaluation instead
             run.log.add_step(window_loss, grad_norm, self._learning_rate())
-            if not acc.optimizer_step_was_skipped and not self._steps_on_metric():
+            if applied and not self._steps_on_metric():
                 self.lr_scheduler.step()
-        elif not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
-            run.log.add_step(window_loss)
+        else:
+            self._backend.step_skipped()  # the fp16 scaler, which unscaled this step's gradients, sees it end
+            if not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
+                run.log.add_step(window_loss)
         self.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
         s.epoch = pos.epoch + (pos.batches / len(run.train_dataloader) if run.steps_per_epoch else 0)

@@ -8,6 +8,7 @@ differ, so that neither the loop nor the checkpointing branches on the kind of r
     wraps_in_place                           whether prepare changed the model for good (train() runs once)
     micro_batch(model, last), backward(loss) one micro-batch of an accumulation window
     scaler_handles_inf(), update_applied_despite_nonfinite()   what the non-finite guard may decide
+    optimizer_step(optimizer), step_skipped()   a step applied (or skipped by fp16 loss scaling), or skipped
     state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
     save_rank_parts, save_optimizer          the optimizer state (and shards) in a checkpoint
     load_weights, load_training_state        what a checkpoint gives back
@@ -103,6 +104,7 @@ class Backend:
         self.accelerator, self.args = accelerator, args
         self.runs = 0  # prepare calls so far: one per train()
         self._placed_for_evaluation = None  # the model evaluate() placed before a train() call, if it did
+        self._initial_scaler_state = None  # the fp16 scaler as the first run found it
 
     # -- a run -------------------------------------------------------------------------------------------
 
@@ -118,7 +120,19 @@ class Backend:
         """The model prepared for training (DDP-, FSDP- or DeepSpeed-wrapped), with the optimizer and schedule
         for `max_steps` steps from `source`."""
         self.runs += 1
+        self._restart_loss_scale()
         return self._prepare(self._unplaced(model), source, max_steps)
+
+    def _restart_loss_scale(self) -> None:
+        """Every run starts from the fp16 scaler's initial scale, as a fresh Trainer's does (a resumed run then
+        loads its checkpoint's)."""
+        scaler = self.accelerator.scaler
+        if scaler is None:
+            return
+        if self._initial_scaler_state is None:
+            self._initial_scaler_state = scaler.state_dict()
+        else:
+            scaler.load_state_dict(self._initial_scaler_state)
 
     def place_for_evaluation(self, model):
         """The model as evaluate() and predict() run it before any train() call: Accelerate's evaluation-only
@@ -158,6 +172,27 @@ class Backend:
         """Whether fp16 loss scaling owns inf gradients (it skips their step and lowers the scale), so that the
         non-finite guard looks at the loss only."""
         return self.accelerator.scaler is not None
+
+    def optimizer_step(self, optimizer) -> bool:
+        """optimizer.step(); whether the update was applied. Under fp16 the scaler skips a step whose gradients
+        hold inf or NaN and lowers its scale (its update(), inside Accelerate's step): Accelerate reports the skip
+        (optimizer_step_was_skipped) only where the scaler did not call optimizer.step, never for a fused optimizer
+        (torch's fused AdamW, the default), whose kernel skips the update itself. So the scale is compared as well,
+        as transformers does: it drops exactly when the scaler found inf. The cost, fp16 only: reading the scale
+        after the step is a host sync (the one before it is free, right after agree_on_step's)."""
+        scaler = self.accelerator.scaler
+        before = scaler.get_scale() if scaler is not None else None
+        optimizer.step()
+        if self.accelerator.optimizer_step_was_skipped:
+            return False
+        return before is None or scaler.get_scale() >= before
+
+    def step_skipped(self) -> None:
+        """A step the non-finite guard skipped after clip_grad_norm_ unscaled its gradients: the fp16 scaler ends it
+        as it ends a step it skips itself (update(): the scale backs off after inf gradients); otherwise the next
+        step's unscale_ raises "unscale_() has already been called on this optimizer since the last update()"."""
+        if self.accelerator.scaler is not None:
+            self.accelerator.scaler.update()
 
     def update_applied_despite_nonfinite(self) -> bool:
         """Whether a step found non-finite has already been applied, so that it cannot be skipped."""
