@@ -444,8 +444,9 @@ class Trainer(TrainerAPI):
             if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
                 logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
             checkpointer.open_output_dir()
+        halver = MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend)
         return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader,
-                   steps_per_epoch=per_epoch, halver=MicroBatchHalver(a.auto_find_batch_size, pos, s),
+                   steps_per_epoch=per_epoch, halver=halver,
                    nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
                    resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval)
 
@@ -572,7 +573,8 @@ class Trainer(TrainerAPI):
         a, s, acc, pos = self.args, self.state, self.accelerator, run.position
         self._fire("on_step_begin")
         # forward and backward of every micro-batch; out of memory reruns the same samples at half the micro-batch
-        window, window_loss = run.halver.accumulate(window, lambda w: self._accumulate(model, w), self.optimizer)
+        window, window_loss = run.halver.accumulate(
+            window, lambda w: self._accumulate(model, w, run.halver.before_gradient_sync), self.optimizer)
         for batch in window:
             run.log.count(batch, acc.num_processes)
             self.current_flos += float(self.floating_point_ops(batch))
@@ -605,10 +607,11 @@ class Trainer(TrainerAPI):
         self._maybe_log_save_evaluate(run)
         return preempted
 
-    def _accumulate(self, model, window: list[dict]) -> torch.Tensor:
+    def _accumulate(self, model, window: list[dict], before_sync=None) -> torch.Tensor:
         """Forward and backward of every micro-batch of the window; returns the window's loss (detached). Every
         micro-batch's loss is normalised over the target items of the whole window, on every process, so that
-        the accumulated gradient is exactly that of one batch of the window's rows."""
+        the accumulated gradient is exactly that of one batch of the window's rows. `before_sync` runs before the
+        last backward (where the processes agree on out-of-memory errors)."""
         acc = self.accelerator
         if not self._convention.settled:  # once, on the first window
             self._convention.decide(model, window[0], acc)
@@ -616,7 +619,7 @@ class Trainer(TrainerAPI):
         window_loss = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             last = i == len(window) - 1
-            with self._backend.micro_batch(model, last):  # gradients sync on the last one only
+            with self._backend.micro_batch(model, last, before_sync):  # gradients sync on the last one only
                 window_loss += self.training_step(model, batch, num_items)
             if not last:
                 self._fire("on_substep_end")

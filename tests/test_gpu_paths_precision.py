@@ -5,10 +5,15 @@ and 2 gloo ranks under torchrun stand in for 2 GPUs."""
 from __future__ import annotations
 
 import functools
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import stoker.trainer as trainer_module
 from stoker import Trainer, TrainerCallback
@@ -159,3 +164,29 @@ def test_evaluate_before_a_second_train_still_trains_the_prepared_model(tmp_path
     t.train()
     assert changed(before, {n: p.detach() for n, p in t.model.named_parameters()})
     assert len(t.accelerator._optimizers) == 1 and len(t.accelerator._models) == 1
+
+
+# --- auto_find_batch_size on several processes -----------------------------------------------------------
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def test_out_of_memory_on_one_rank_halves_every_rank_and_one_in_the_last_backward_fails_on_every_rank(tmp_path):
+    """2 gloo ranks under torchrun (tests/dist_worker.py): rank 1 alone runs out of memory in a forward and then in
+    on_step_end; both halve together and update as the run without errors. Then rank 1 runs out of memory inside
+    the backward where rank 0 waits in DDP's all-reduce: the launch fails (never hangs), rank 1 saying why."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+               str(tmp_path), "oom_on_one_rank", "oom_in_the_last_backward"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=400)
+    output = proc.stdout + proc.stderr
+    found = [json.loads((tmp_path / "oom_on_one_rank" / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert [f["train_batch_size"] for f in found] == [1, 1], output[-4000:]  # 4 -> 2 (forward) -> 1 (on_step_end)
+    assert found[0]["global_step"] == found[1]["global_step"] == 3
+    assert [loss for _, loss in found[0]["losses"]] == pytest.approx(
+        [loss for _, loss in found[0]["reference_losses"]], abs=1e-5)
+    final = load_file(tmp_path / "oom_on_one_rank" / "final.safetensors")
+    reference = load_file(tmp_path / "oom_on_one_rank" / "reference.safetensors")
+    for name, p in reference.items():
+        torch.testing.assert_close(final[name], p, atol=1e-6, rtol=0, msg=name)
+    assert proc.returncode != 0
+    assert "out of memory on process 1 of 2, in the backward of the window's last micro-batch" in output

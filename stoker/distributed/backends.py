@@ -25,6 +25,8 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from torch.nn.parallel import DistributedDataParallel
+
 from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError
 from ..optim import create_scheduler, parameter_groups
@@ -99,12 +101,17 @@ class Backend:
 
     kind = PLAIN_KIND  # as checkpoint messages name this kind of run
     wraps_in_place = False  # prepare leaves the model usable by another train() call
+    # whether the processes can agree on an out-of-memory error before a window's gradient all-reduce (DDP's
+    # forward holds no collective that a process could be left waiting in)
+    agrees_on_out_of_memory = True
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         self.runs = 0  # prepare calls so far: one per train()
         self._placed_for_evaluation = None  # the model evaluate() placed before a train() call, if it did
         self._initial_scaler_state = None  # the fp16 scaler as the first run found it
+        self._before_sync = None  # called by backward before the gradients of a window are synchronised
+        self._window_model = None  # the model of the last micro-batch run (DDP-wrapped on several processes)
 
     # -- a run -------------------------------------------------------------------------------------------
 
@@ -158,15 +165,36 @@ class Backend:
         return Prepared(*self.accelerator.prepare(model, optimizer), scheduler)
 
     @contextlib.contextmanager
-    def micro_batch(self, model, last: bool):
+    def micro_batch(self, model, last: bool, before_sync: Callable[[], None] | None = None):
         """The context of one micro-batch of an accumulation window: gradients are synchronised across
-        processes only on the window's last micro-batch (`last`)."""
-        with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
-            yield
+        processes only on the window's last micro-batch (`last`), whose backward first calls `before_sync` (where
+        every process agrees on out-of-memory errors, stoker.loop.MicroBatchHalver)."""
+        self._before_sync, self._window_model = (before_sync if last else None), model
+        try:
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                yield
+        finally:
+            self._before_sync = None
+
+    def _synchronising(self) -> None:
+        before, self._before_sync = self._before_sync, None
+        if before is not None:
+            before()
 
     def backward(self, loss) -> None:
         """Backward of a micro-batch's loss, as normalised by the loop (Accelerate scales it for fp16)."""
+        self._synchronising()
         self.accelerator.backward(loss)
+
+    def abandon_window(self) -> None:
+        """Every process, after a window that all of them dropped (out of memory on one, before its gradient
+        all-reduce): DDP starts the next window as after a finished one. Its reducer, which a forward of the last
+        micro-batch readied for a backward that never ran, is reset (else the next no_sync backward would
+        all-reduce on this process alone: a hang), and every process broadcasts buffers in its next forward."""
+        model = self._window_model
+        if isinstance(model, DistributedDataParallel):
+            model.reducer._reset_state()  # torch's own reset, "so that forward can run despite a failed backward"
+            model.require_forward_param_sync = True
 
     def scaler_handles_inf(self) -> bool:
         """Whether fp16 loss scaling owns inf gradients (it skips their step and lowers the scale), so that the
@@ -251,6 +279,7 @@ class FSDPBackend(Backend):
     state_dict_type FULL_STATE_DICT (the default), or for a peft adapter."""
 
     kind = FSDP_KIND
+    agrees_on_out_of_memory = False  # FSDP's forward gathers the parameters: a collective of every layer
 
     def state_dict_for_saving(self, model) -> dict | None:
         """The full state dict, gathered across shards on the main process ({} on the others), or only the
@@ -316,6 +345,7 @@ class DeepSpeedBackend(Backend):
 
     kind = DEEPSPEED_KIND
     wraps_in_place = True
+    agrees_on_out_of_memory = False  # auto_find_batch_size is refused with DeepSpeed (it fixes the micro-batch)
 
     def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """Fill the config's "auto" values known only now (the schedule's steps), then one engine of the model,
@@ -344,13 +374,13 @@ class DeepSpeedBackend(Backend):
         return Prepared(*acc.prepare(model, optimizer, scheduler))
 
     @contextlib.contextmanager
-    def micro_batch(self, model, last: bool):
+    def micro_batch(self, model, last: bool, before_sync: Callable[[], None] | None = None):
         """As the plain backend's, and DeepSpeed steps (inside backward) on the window's last micro-batch only:
         Accelerate's sync_gradients says which; it is True again afterwards, since Accelerate's optimizer
         ignores step and zero_grad until it is."""
         self.accelerator.sync_gradients = last
         try:
-            with super().micro_batch(model, last):
+            with super().micro_batch(model, last, before_sync):
                 yield
         finally:
             self.accelerator.sync_gradients = True
@@ -358,6 +388,7 @@ class DeepSpeedBackend(Backend):
     def backward(self, loss) -> None:
         """The loop normalises the loss over the whole window, so DeepSpeed must not divide it by the
         accumulation steps again."""
+        self._synchronising()
         self.accelerator.backward(loss, scale_wrt_gas=False)
 
     def scaler_handles_inf(self) -> bool:
