@@ -311,38 +311,114 @@ class NonFinitePolicy:
         return False
 
 
+class OutOfMemoryElsewhere(RuntimeError):
+    """Another process ran out of memory in this window: every process drops the window and halves together."""
+
+
 class MicroBatchHalver:
     """auto_find_batch_size, in one place. An out-of-memory error in a window reruns the same samples as twice as
     many micro-batches of half the size (`accumulate`); one in a callback after the update (`after_update`) halves
     the windows from the next on. Either way the update is unchanged (the loss is normalised over the window's
     target tokens, not over micro-batches), `position` and the state's train_batch_size follow, and the loop
-    rebuilds its loader at the same sample. Any other error, or any without auto_find_batch_size, is raised."""
+    rebuilds its loader at the same sample. Any other error, or any without auto_find_batch_size, is raised.
 
-    def __init__(self, enabled: bool, position: LoopPosition, state):
+    On several processes every process halves, or none: halving alone would leave one process rerunning the
+    window's collectives while the others wait in the next ones (a hang). A process that runs out of memory in a
+    window says so at the point every process reaches before the window's gradient all-reduce
+    (`before_gradient_sync`, which the backend's backward of the window's last micro-batch calls): all of them
+    then drop the window and rerun it halved. That covers an error in any forward (the last micro-batch's
+    included) and in the backward of every micro-batch but the last; one inside the last backward, where the other
+    processes wait in DDP's all-reduce, and one under FSDP (whose forward and backward hold collectives) cannot be
+    agreed on: it is raised, with a message saying so, and the process's exit ends the others' collectives. The
+    cost, on several processes only: a one-number all-reduce and host sync before the last backward of every
+    window, and after on_step_end."""
+
+    def __init__(self, enabled: bool, position: LoopPosition, state, accelerator=None, backend=None):
         self.enabled, self.position, self.state = enabled, position, state
+        self.accelerator, self.backend = accelerator, backend
+        self.processes = accelerator.num_processes if accelerator is not None else 1
+        self.together = enabled and self.processes > 1  # halving is decided with the other processes
+        # ... where they can agree on it (DDP): before the window's gradient all-reduce
+        self.agreeing = self.together and backend.agrees_on_out_of_memory
+        self._synced = False  # this attempt at the window has passed before_gradient_sync
 
     def accumulate(self, window: list[dict], run_window: Callable[[list[dict]], torch.Tensor],
                    optimizer) -> tuple[list[dict], torch.Tensor]:
         """(the window as it ran, run_window's result), retried at half the micro-batch after an out-of-memory
         error (the partial gradients are dropped first)."""
         while True:
+            self._synced = False
             try:
-                return window, run_window(window)
+                result = run_window(window)
             except Exception as e:
                 optimizer.zero_grad(set_to_none=True)
-                self._halve(e)
+                self._halve(self._agreed(e) if self.together else e)
                 window = [part for batch in window for part in split_batch(batch, self.position.micro_batch)]
+                continue
+            if self.agreeing and not self._synced:
+                raise RuntimeError(
+                    f"auto_find_batch_size on {self.processes} processes: the window's last backward did not go "
+                    "through the Trainer's backend (a training_step override that calls accelerator.backward "
+                    "itself?), where the processes agree on out-of-memory errors; call super().training_step, or "
+                    "self._backend.backward(loss), or set auto_find_batch_size=False")
+            return window, result
+
+    def before_gradient_sync(self) -> None:
+        """Every process, before the backward of a window's last micro-batch (whose gradients DDP all-reduces):
+        raises OutOfMemoryElsewhere if another process ran out of memory in this window."""
+        if not self.agreeing:
+            return
+        self._synced = True
+        if self._exchange(False):
+            raise OutOfMemoryElsewhere("out of memory on another process in this window")
 
     @contextlib.contextmanager
     def after_update(self) -> Iterator[None]:
+        error = None
         try:
             yield
         except Exception as e:
-            self._halve(e)
+            if not self.together:
+                self._halve(e)
+                return
+            if not (self.enabled and should_reduce_batch_size(e)):
+                raise
+            error = e
+        if self.together and self._exchange(error is not None):  # every process reaches this point, every step
+            self._halve(error or OutOfMemoryElsewhere("out of memory on another process after the update"))
+
+    def _agreed(self, error: Exception) -> Exception:
+        """On several processes, the error of a window once every process knows of it (they all halve), or raised
+        where the processes cannot agree on it."""
+        if isinstance(error, OutOfMemoryElsewhere):  # told at before_gradient_sync
+            self.backend.abandon_window()
+            return error
+        if not should_reduce_batch_size(error):
+            raise error
+        where = f"out of memory on process {self.accelerator.process_index} of {self.processes}"
+        if not self.agreeing:
+            raise RuntimeError(
+                f"{where}: auto_find_batch_size halves the micro-batch of several processes under DDP only; "
+                f"{self.backend.kind} run's forward and backward hold collectives that the other processes are "
+                f"waiting in. Lower per_device_train_batch_size (now {self.position.micro_batch})") from error
+        if self._synced:
+            raise RuntimeError(
+                f"{where}, in the backward of the window's last micro-batch, while DDP all-reduces the gradients "
+                "with the other processes: auto_find_batch_size cannot halve there on several processes (the others "
+                "are waiting inside that all-reduce). Lower per_device_train_batch_size (now "
+                f"{self.position.micro_batch}) or raise gradient_accumulation_steps") from error
+        self._exchange(True)
+        self.backend.abandon_window()
+        return error
+
+    def _exchange(self, out_of_memory_here: bool) -> bool:
+        """Whether any process ran out of memory: a one-number all-reduce and a host sync."""
+        flag = torch.tensor(float(out_of_memory_here), device=self.accelerator.device)
+        return self.accelerator.reduce(flag, reduction="sum").item() > 0
 
     def _halve(self, error: Exception) -> None:
         pos = self.position
-        if not (self.enabled and should_reduce_batch_size(error)):
+        if not (self.enabled and should_reduce_batch_size(error) or isinstance(error, OutOfMemoryElsewhere)):
             raise error
         if pos.micro_batch % 2:
             raise RuntimeError(f"out of memory with a micro-batch of {pos.micro_batch}: auto_find_batch_size "

@@ -406,10 +406,13 @@ class Trainer(TrainerAPI):
         self.optimizer, self.lr_scheduler = self._given_optimizers  # what create_optimizer builds on
         self.current_flos = 0
         self._seed()
+        # every run prepares against a clean Accelerator: it would keep the last run's model, optimizer and loaders
+        # in its lists, and with fp16 unscale_gradients() unscales every optimizer listed (the gradients divided by
+        # the scale once per run, or an error for the same optimizer given twice). The cost: a garbage collection
+        acc.free_memory()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
             model = self._set_up_model(self.call_model_init(trial))
             self._enable_gradient_checkpointing(model)
-            acc.free_memory()  # drop Accelerate's references to the previous model
             self.model = self.model_wrapped = model
         if a.use_liger_kernel:
             self._apply_liger_kernel()
@@ -441,8 +444,9 @@ class Trainer(TrainerAPI):
             if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
                 logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
             checkpointer.open_output_dir()
+        halver = MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend)
         return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader,
-                   steps_per_epoch=per_epoch, halver=MicroBatchHalver(a.auto_find_batch_size, pos, s),
+                   steps_per_epoch=per_epoch, halver=halver,
                    nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
                    resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval)
 
@@ -569,7 +573,8 @@ class Trainer(TrainerAPI):
         a, s, acc, pos = self.args, self.state, self.accelerator, run.position
         self._fire("on_step_begin")
         # forward and backward of every micro-batch; out of memory reruns the same samples at half the micro-batch
-        window, window_loss = run.halver.accumulate(window, lambda w: self._accumulate(model, w), self.optimizer)
+        window, window_loss = run.halver.accumulate(
+            window, lambda w: self._accumulate(model, w, run.halver.before_gradient_sync), self.optimizer)
         for batch in window:
             run.log.count(batch, acc.num_processes)
             self.current_flos += float(self.floating_point_ops(batch))
@@ -580,15 +585,16 @@ class Trainer(TrainerAPI):
                                 run.signals.received)  # the step's one host sync
         if run.nonfinite.allows(verdict, run.log, window_loss, grad_norm, s.global_step + 1, acc.process_index):
             self._fire("on_pre_optimizer_step")
-            self.optimizer.step()
+            applied = self._backend.optimizer_step(self.optimizer)  # False: fp16 loss scaling skipped it (inf)
             self._fire("on_optimizer_step")
-            # logged with the rate this step used; fp16 loss scaling skips steps with inf gradients, and a
-            # plateau schedule steps after evaluation instead
+            # logged with the rate this step used; a plateau schedule steps after evaluation instead
             run.log.add_step(window_loss, grad_norm, self._learning_rate())
-            if not acc.optimizer_step_was_skipped and not self._steps_on_metric():
+            if applied and not self._steps_on_metric():
                 self.lr_scheduler.step()
-        elif not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
-            run.log.add_step(window_loss)
+        else:
+            self._backend.step_skipped()  # the fp16 scaler, which unscaled this step's gradients, sees it end
+            if not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
+                run.log.add_step(window_loss)
         self.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
         s.epoch = pos.epoch + (pos.batches / len(run.train_dataloader) if run.steps_per_epoch else 0)
@@ -601,10 +607,11 @@ class Trainer(TrainerAPI):
         self._maybe_log_save_evaluate(run)
         return preempted
 
-    def _accumulate(self, model, window: list[dict]) -> torch.Tensor:
+    def _accumulate(self, model, window: list[dict], before_sync=None) -> torch.Tensor:
         """Forward and backward of every micro-batch of the window; returns the window's loss (detached). Every
         micro-batch's loss is normalised over the target items of the whole window, on every process, so that
-        the accumulated gradient is exactly that of one batch of the window's rows."""
+        the accumulated gradient is exactly that of one batch of the window's rows. `before_sync` runs before the
+        last backward (where the processes agree on out-of-memory errors)."""
         acc = self.accelerator
         if not self._convention.settled:  # once, on the first window
             self._convention.decide(model, window[0], acc)
@@ -612,7 +619,7 @@ class Trainer(TrainerAPI):
         window_loss = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             last = i == len(window) - 1
-            with self._backend.micro_batch(model, last):  # gradients sync on the last one only
+            with self._backend.micro_batch(model, last, before_sync):  # gradients sync on the last one only
                 window_loss += self.training_step(model, batch, num_items)
             if not last:
                 self._fire("on_substep_end")

@@ -8,6 +8,7 @@ differ, so that neither the loop nor the checkpointing branches on the kind of r
     wraps_in_place                           whether prepare changed the model for good (train() runs once)
     micro_batch(model, last), backward(loss) one micro-batch of an accumulation window
     scaler_handles_inf(), update_applied_despite_nonfinite()   what the non-finite guard may decide
+    optimizer_step(optimizer), step_skipped()   a step applied (or skipped by fp16 loss scaling), or skipped
     state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
     save_rank_parts, save_optimizer          the optimizer state (and shards) in a checkpoint
     load_weights, load_training_state        what a checkpoint gives back
@@ -23,6 +24,8 @@ import copy
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError
@@ -98,11 +101,17 @@ class Backend:
 
     kind = PLAIN_KIND  # as checkpoint messages name this kind of run
     wraps_in_place = False  # prepare leaves the model usable by another train() call
+    # whether the processes can agree on an out-of-memory error before a window's gradient all-reduce (DDP's
+    # forward holds no collective that a process could be left waiting in)
+    agrees_on_out_of_memory = True
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
         self.runs = 0  # prepare calls so far: one per train()
         self._placed_for_evaluation = None  # the model evaluate() placed before a train() call, if it did
+        self._initial_scaler_state = None  # the fp16 scaler as the first run found it
+        self._before_sync = None  # called by backward before the gradients of a window are synchronised
+        self._window_model = None  # the model of the last micro-batch run (DDP-wrapped on several processes)
 
     # -- a run -------------------------------------------------------------------------------------------
 
@@ -118,7 +127,19 @@ class Backend:
         """The model prepared for training (DDP-, FSDP- or DeepSpeed-wrapped), with the optimizer and schedule
         for `max_steps` steps from `source`."""
         self.runs += 1
+        self._restart_loss_scale()
         return self._prepare(self._unplaced(model), source, max_steps)
+
+    def _restart_loss_scale(self) -> None:
+        """Every run starts from the fp16 scaler's initial scale, as a fresh Trainer's does (a resumed run then
+        loads its checkpoint's)."""
+        scaler = self.accelerator.scaler
+        if scaler is None:
+            return
+        if self._initial_scaler_state is None:
+            self._initial_scaler_state = scaler.state_dict()
+        else:
+            scaler.load_state_dict(self._initial_scaler_state)
 
     def place_for_evaluation(self, model):
         """The model as evaluate() and predict() run it before any train() call: Accelerate's evaluation-only
@@ -144,20 +165,62 @@ class Backend:
         return Prepared(*self.accelerator.prepare(model, optimizer), scheduler)
 
     @contextlib.contextmanager
-    def micro_batch(self, model, last: bool):
+    def micro_batch(self, model, last: bool, before_sync: Callable[[], None] | None = None):
         """The context of one micro-batch of an accumulation window: gradients are synchronised across
-        processes only on the window's last micro-batch (`last`)."""
-        with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
-            yield
+        processes only on the window's last micro-batch (`last`), whose backward first calls `before_sync` (where
+        every process agrees on out-of-memory errors, stoker.loop.MicroBatchHalver)."""
+        self._before_sync, self._window_model = (before_sync if last else None), model
+        try:
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                yield
+        finally:
+            self._before_sync = None
+
+    def _synchronising(self) -> None:
+        before, self._before_sync = self._before_sync, None
+        if before is not None:
+            before()
 
     def backward(self, loss) -> None:
         """Backward of a micro-batch's loss, as normalised by the loop (Accelerate scales it for fp16)."""
+        self._synchronising()
         self.accelerator.backward(loss)
+
+    def abandon_window(self) -> None:
+        """Every process, after a window that all of them dropped (out of memory on one, before its gradient
+        all-reduce): DDP starts the next window as after a finished one. Its reducer, which a forward of the last
+        micro-batch readied for a backward that never ran, is reset (else the next no_sync backward would
+        all-reduce on this process alone: a hang), and every process broadcasts buffers in its next forward."""
+        model = self._window_model
+        if isinstance(model, DistributedDataParallel):
+            model.reducer._reset_state()  # torch's own reset, "so that forward can run despite a failed backward"
+            model.require_forward_param_sync = True
 
     def scaler_handles_inf(self) -> bool:
         """Whether fp16 loss scaling owns inf gradients (it skips their step and lowers the scale), so that the
         non-finite guard looks at the loss only."""
         return self.accelerator.scaler is not None
+
+    def optimizer_step(self, optimizer) -> bool:
+        """optimizer.step(); whether the update was applied. Under fp16 the scaler skips a step whose gradients
+        hold inf or NaN and lowers its scale (its update(), inside Accelerate's step): Accelerate reports the skip
+        (optimizer_step_was_skipped) only where the scaler did not call optimizer.step, never for a fused optimizer
+        (torch's fused AdamW, the default), whose kernel skips the update itself. So the scale is compared as well,
+        as transformers does: it drops exactly when the scaler found inf. The cost, fp16 only: reading the scale
+        after the step is a host sync (the one before it is free, right after agree_on_step's)."""
+        scaler = self.accelerator.scaler
+        before = scaler.get_scale() if scaler is not None else None
+        optimizer.step()
+        if self.accelerator.optimizer_step_was_skipped:
+            return False
+        return before is None or scaler.get_scale() >= before
+
+    def step_skipped(self) -> None:
+        """A step the non-finite guard skipped after clip_grad_norm_ unscaled its gradients: the fp16 scaler ends it
+        as it ends a step it skips itself (update(): the scale backs off after inf gradients); otherwise the next
+        step's unscale_ raises "unscale_() has already been called on this optimizer since the last update()"."""
+        if self.accelerator.scaler is not None:
+            self.accelerator.scaler.update()
 
     def update_applied_despite_nonfinite(self) -> bool:
         """Whether a step found non-finite has already been applied, so that it cannot be skipped."""
@@ -216,6 +279,7 @@ class FSDPBackend(Backend):
     state_dict_type FULL_STATE_DICT (the default), or for a peft adapter."""
 
     kind = FSDP_KIND
+    agrees_on_out_of_memory = False  # FSDP's forward gathers the parameters: a collective of every layer
 
     def state_dict_for_saving(self, model) -> dict | None:
         """The full state dict, gathered across shards on the main process ({} on the others), or only the
@@ -281,6 +345,7 @@ class DeepSpeedBackend(Backend):
 
     kind = DEEPSPEED_KIND
     wraps_in_place = True
+    agrees_on_out_of_memory = False  # auto_find_batch_size is refused with DeepSpeed (it fixes the micro-batch)
 
     def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """Fill the config's "auto" values known only now (the schedule's steps), then one engine of the model,
@@ -309,13 +374,13 @@ class DeepSpeedBackend(Backend):
         return Prepared(*acc.prepare(model, optimizer, scheduler))
 
     @contextlib.contextmanager
-    def micro_batch(self, model, last: bool):
+    def micro_batch(self, model, last: bool, before_sync: Callable[[], None] | None = None):
         """As the plain backend's, and DeepSpeed steps (inside backward) on the window's last micro-batch only:
         Accelerate's sync_gradients says which; it is True again afterwards, since Accelerate's optimizer
         ignores step and zero_grad until it is."""
         self.accelerator.sync_gradients = last
         try:
-            with super().micro_batch(model, last):
+            with super().micro_batch(model, last, before_sync):
                 yield
         finally:
             self.accelerator.sync_gradients = True
@@ -323,6 +388,7 @@ class DeepSpeedBackend(Backend):
     def backward(self, loss) -> None:
         """The loop normalises the loss over the whole window, so DeepSpeed must not divide it by the
         accumulation steps again."""
+        self._synchronising()
         self.accelerator.backward(loss, scale_wrt_gas=False)
 
     def scaler_handles_inf(self) -> bool:

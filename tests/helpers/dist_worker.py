@@ -11,6 +11,7 @@ are computed by the test itself with the same settings (see `training_args` and 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -780,11 +781,81 @@ def per_process_tokens(out: str) -> None:
     r.write()
 
 
+def oom_on_rank_one(model, trainer_of, forward_at: int | None = None, backward_at: int | None = None):
+    """Rank 1 alone runs out of memory (a CUDA-style error, as in tests/test_faults.py): at step `forward_at` in the
+    forward of every micro-batch of more than 2 rows, at step `backward_at` in the backward of the embeddings'
+    gradient (the last one computed, while DDP all-reduces the others)."""
+    def step() -> int:
+        return trainer_of().state.global_step + 1
+
+    if int(os.environ["RANK"]) != 1:
+        return model
+    forward = model.forward
+
+    @functools.wraps(forward)  # keeps the signature, from which unused columns are dropped
+    def guarded(*a, **kw):
+        if step() == forward_at and kw["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*a, **kw)
+
+    def in_backward(grad):
+        if step() == backward_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return grad
+
+    model.forward = guarded
+    model.get_input_embeddings().weight.register_hook(in_backward)
+    return model
+
+
+class OomAfterStepOnRankOne(TrainerCallback):
+    """Rank 1 alone runs out of memory in on_step_end of one step."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step and int(os.environ["RANK"]) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def oom_on_one_rank(out: str) -> None:
+    """auto_find_batch_size with 2 x batch 4, where only rank 1 runs out of memory: in step 1's forward (the
+    window's only micro-batch, so rank 0 has run its forward for the gradient all-reduce), then in step 1's
+    on_step_end. Both ranks must halve together (4 -> 2 -> 1) and update as the run without errors (24 rows: no
+    micro-batch size pads the data)."""
+    r = Report(out, "oom_on_one_rank")
+    kw = dict(per_device_train_batch_size=4, num_train_epochs=1, auto_find_batch_size=True)
+    reference = Trainer(llama(), training_args(os.path.join(r.folder, "reference"), **kw), train_dataset=TRAIN)
+    reference.train()
+    trainer = None
+    model = oom_on_rank_one(llama(), lambda: trainer, forward_at=1)
+    trainer = Trainer(model, training_args(os.path.join(r.folder, "out"), **kw), train_dataset=TRAIN,
+                      callbacks=[OomAfterStepOnRankOne(1)])
+    trainer.train()
+    r.values.update(train_batch_size=trainer.state.train_batch_size, global_step=trainer.state.global_step,
+                    losses=losses(trainer), reference_losses=losses(reference))
+    r.save_tensors("final", final_params(trainer))
+    r.save_tensors("reference", final_params(reference))
+    r.write()
+
+
+def oom_in_the_last_backward(out: str) -> None:
+    """Rank 1 alone runs out of memory inside the backward of a window's last micro-batch, where rank 0 waits in
+    DDP's all-reduce: the run must fail on every rank, with rank 1 saying why, never hang. Ends the launch."""
+    r = Report(out, "oom_in_the_last_backward")
+    trainer = None
+    model = oom_on_rank_one(llama(), lambda: trainer, backward_at=2)
+    trainer = Trainer(model, training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4,
+                                           num_train_epochs=1, auto_find_batch_size=True), train_dataset=TRAIN)
+    trainer.train()
+
+
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
     guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
     zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
-    placement)}
+    placement, oom_on_one_rank, oom_in_the_last_backward)}
 
 
 def main() -> None:
