@@ -173,9 +173,9 @@ WORKER = Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py"
 
 @pytest.mark.distributed
 def test_out_of_memory_on_one_rank_halves_every_rank_and_one_in_the_last_backward_fails_on_every_rank(tmp_path):
-    """2 gloo ranks under torchrun (tests/helpers/dist_worker.py): rank 1 alone runs out of memory in a forward and then in
-    on_step_end; both halve together and update as the run without errors. Then rank 1 runs out of memory inside
-    the backward where rank 0 waits in DDP's all-reduce: the launch fails (never hangs), rank 1 saying why."""
+    """2 gloo ranks under torchrun (tests/helpers/dist_worker.py): rank 1 alone runs out of memory in a forward and
+    then in on_step_end; both halve together and update as the run without errors. Then rank 1 runs out of memory
+    inside the backward where rank 0 waits in DDP's all-reduce: the launch fails (never hangs), rank 1 saying why."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
                str(tmp_path), "oom_on_one_rank", "oom_in_the_last_backward"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=400)

@@ -782,9 +782,9 @@ def per_process_tokens(out: str) -> None:
 
 
 def oom_on_rank_one(model, trainer_of, forward_at: int | None = None, backward_at: int | None = None):
-    """Rank 1 alone runs out of memory (a CUDA-style error, as in tests/test_faults.py): at step `forward_at` in the
-    forward of every micro-batch of more than 2 rows, at step `backward_at` in the backward of the embeddings'
-    gradient (the last one computed, while DDP all-reduces the others)."""
+    """Rank 1 alone runs out of memory (a CUDA-style error, as in tests/integration/test_faults.py): at step
+    `forward_at` in the forward of every micro-batch of more than 2 rows, at step `backward_at` in the backward of
+    the embeddings' gradient (the last one computed, while DDP all-reduces the others)."""
     def step() -> int:
         return trainer_of().state.global_step + 1
 
