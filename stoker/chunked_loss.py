@@ -164,25 +164,53 @@ class _Captured:
     dtype: torch.dtype | None = None
 
 
+class _HeadBypass:
+    """lm_head's forward pre-hook, registered once (`head_bypass`) and kept: while `active`, it records its input
+    and hands lm_head an empty slice of it; otherwise it does nothing.
+
+    Kept rather than registered for each call because torch.compile does not guard on a module's hooks
+    (torch._dynamo.config.skip_nnmodule_hook_guards): a graph compiled while no hook was registered (predict(),
+    which needs the logits) would be run again with one registered, which then never runs. A hook that is
+    always there is traced into every graph and its `active` flag is guarded, so each state gets its own graph.
+    """
+
+    def __init__(self):
+        self.active, self.hidden, self.dtype = False, None, None
+
+    def __call__(self, module, args):
+        if not self.active:
+            return None
+        hidden = args[0]
+        self.hidden = hidden
+        device = hidden.device.type
+        self.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return (hidden.narrow(-2, 0, 0), *args[1:])
+
+
+def head_bypass(lm_head: nn.Module) -> _HeadBypass:
+    """lm_head's bypass hook, registered on the first call (before the model is compiled: the Trainer does
+    this when it sets the model up)."""
+    found = next((h for h in lm_head._forward_pre_hooks.values() if isinstance(h, _HeadBypass)), None)
+    if found is None:
+        found = _HeadBypass()
+        lm_head.register_forward_pre_hook(found)
+    return found
+
+
 @contextlib.contextmanager
 def lm_head_bypassed(lm_head: nn.Module):
     """While active, lm_head records its input (the final hidden states, still in the autograd graph) and
     the autocast dtype it runs under, and is handed an empty slice of it, so the model's logits come out as
-    [batch, 0, vocab]: no logits are computed, and every wrapper around the model still runs its forward."""
-    captured = _Captured()
-
-    def hook(module, args):
-        hidden = args[0]
-        captured.hidden = hidden
-        device = hidden.device.type
-        captured.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        return (hidden.narrow(-2, 0, 0), *args[1:])
-
-    handle = lm_head.register_forward_pre_hook(hook)
+    [batch, 0, vocab]: no logits are computed, and every wrapper around the model still runs its forward.
+    What it recorded is in the yielded object once the block is left."""
+    bypass, captured = head_bypass(lm_head), _Captured()
+    bypass.active, bypass.hidden, bypass.dtype = True, None, None
     try:
         yield captured
     finally:
-        handle.remove()
+        # handed on and dropped here: the hook must not keep the hidden states (and their graph) alive
+        captured.hidden, captured.dtype = bypass.hidden, bypass.dtype
+        bypass.active, bypass.hidden, bypass.dtype = False, None, None
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
