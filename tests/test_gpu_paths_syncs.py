@@ -206,6 +206,19 @@ def test_a_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path
         assert len(count) == (2 if kind == "chunked_loss" else 0), count
 
 
+def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path):
+    """A plain module with one label per row: the window's item count (rows, known on the host) is made on the
+    device without a copy from the host."""
+    from stoker import Trainer
+    from tests.test_trainer import Regressor, args, regression_rows
+
+    counter = StepSyncs()
+    Trainer(Regressor(), args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                              logging_steps=1000), train_dataset=regression_rows(12), callbacks=[counter]).train()
+    for events in counter.steps[1:]:
+        assert [e[0] for e in events] == ["read"] and " agree_on_step" in events[0][2], events
+
+
 @pytest.mark.parametrize("lengths", ["padded", "equal"])
 def test_with_sdpa_only_transformers_kernel_choice_reads_the_mask(tmp_path, lengths):
     """sdpa reads the padding mask once per forward to pick its causal kernel (transformers' own); nothing else
