@@ -304,6 +304,25 @@ def test_a_compiled_model_evaluates_with_the_chunked_loss_after_predicting(tmp_p
     assert trainer.evaluate()["eval_loss"] == pytest.approx(plain, abs=1e-6)
 
 
+def test_a_compiled_model_trains_with_the_chunked_loss_as_the_uncompiled_one(tmp_path, compiled_graphs):
+    """The bypass hook traced into the compiled graph hands the hidden states on with their gradients."""
+    from stoker import Trainer
+    from tests.test_trainer import GradRecorder, args, llama, rows
+
+    grads = []
+    for compiled in (False, True):
+        extra = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
+        trainer = Trainer(llama(), args(tmp_path / str(compiled), per_device_train_batch_size=4, max_steps=2,
+                                        chunked_loss=True, **extra),
+                          train_dataset=rows(16, lo=16, hi=16), callbacks=[rec := GradRecorder()])
+        trainer.train()
+        grads.append(rec.grads)
+    assert compiled_graphs and len(grads[1]) == len(grads[0]) == 2
+    for plain, compiled in zip(*grads, strict=True):
+        for name, g in plain.items():
+            torch.testing.assert_close(compiled[name], g, atol=1e-6, rtol=1e-5)
+
+
 def test_the_loss_probe_compiles_no_graph_that_training_cannot_reuse(tmp_path, compiled_graphs):
     """The loss convention's probe (2 rows) runs the module under the compiled one: training at batch 8 compiles
     its forward once, for 8 rows, and the probe's verdicts are those of the uncompiled run."""
