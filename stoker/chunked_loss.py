@@ -7,7 +7,12 @@ model's step. Here each chunk's logits (CHUNK_ELEMENTS floats, 32 MiB) are compu
 chunk's loss and, when gradients are wanted, straight into the gradients of the hidden states and of the
 weight, and dropped: the same three matmuls as the full loss, and none of its [tokens, vocab] tensors.
 Only target tokens (labels != -100 after the causal shift) are computed at all, so prompt tokens and
-padding cost nothing here.
+padding cost nothing here. How many there are is a shape, so the host must know it: the Trainer's path counts
+them before the model's forward and reads the count once that forward is queued (`TargetCount`), so that on a
+GPU the host waits for a copy queued before the forward, never for the forward itself (the GPU's queue never
+drains, as with a plain `.item()` or a boolean-mask selection: three such syncs per micro-batch). Computing
+every position instead (masking the loss) would need no count, at the cost of the output layer's matmuls over
+prompt and padding positions: for chat rows whose answer is a tenth of the tokens, ten times that work.
 
 Written by hand because the fused linear-cross-entropy kernels that exist (Liger's, Apple's
 cut-cross-entropy) are Triton, GPU-only; this is plain torch and runs wherever the model does.
@@ -90,22 +95,58 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (*scaled, None, None, None)
 
 
+def _shifted(labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """The labels the positions are scored against, flattened (token t + 1's label at t when `shift`)."""
+    if shift:
+        labels = nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    return labels.reshape(-1)
+
+
+class TargetCount:
+    """How many target tokens `labels` holds, started before the model's forward and read after it is queued.
+
+    On a GPU the count is copied into pinned host memory without waiting, behind an event: `wait()` then waits
+    for that copy only, which the stream reaches before the forward queued after it, so the GPU keeps working
+    while the host reads. Elsewhere it is read as it is (on the CPU a read costs nothing)."""
+
+    def __init__(self, labels: torch.Tensor, shift: bool = True):
+        count = (_shifted(labels, shift) != IGNORE_INDEX).sum()
+        self._ready = None
+        if count.device.type == "cuda":
+            self._count = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self._count.copy_(count, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._count = count
+
+    def wait(self) -> int:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return int(self._count)  # a host tensor on a GPU run
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           num_items_in_batch=None, bias: torch.Tensor | None = None, shift: bool = True,
-                          chunk_tokens: int | None = None, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          chunk_tokens: int | None = None, compute_dtype: torch.dtype | None = None,
+                          num_targets: int | None = None) -> torch.Tensor:
     """Causal-LM cross-entropy of `hidden @ weight.T + bias` against labels, without materialising logits.
 
     hidden [..., T, H], labels [..., T] with -100 for ignored positions; shift=True predicts token t+1 from
     position t (as transformers' ForCausalLMLoss). Returns sum of token losses / num_items_in_batch, or the
     mean over target tokens when num_items_in_batch is None, like transformers. compute_dtype is the
-    precision of the lm_head matmul (an autocast dtype); the reduction is always float32.
+    precision of the lm_head matmul (an autocast dtype); the reduction is always float32. `num_targets`, the
+    labels' target count (TargetCount), saves reading it here: on a GPU a read that waits for everything queued.
     """
-    if shift:
-        labels = nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-    labels = labels.reshape(-1).to(hidden.device)
+    labels = _shifted(labels, shift).to(hidden.device)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     keep = labels != IGNORE_INDEX
-    hidden, targets = hidden[keep], labels[keep]  # only target tokens are worth a row of logits
+    if num_targets is None:
+        num_targets = int(keep.sum())
+    # only target tokens are worth a row of logits; with their number known, selecting them has a shape known
+    # on the host (a boolean-mask selection would read it from the device, and its backward again)
+    rows = torch.nonzero_static(keep, size=num_targets).squeeze(1)
+    hidden, targets = hidden.index_select(0, rows), labels.index_select(0, rows)
     if compute_dtype is not None:
         hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
         bias = bias.to(compute_dtype) if bias is not None else None
@@ -123,25 +164,53 @@ class _Captured:
     dtype: torch.dtype | None = None
 
 
+class _HeadBypass:
+    """lm_head's forward pre-hook, registered once (`head_bypass`) and kept: while `active`, it records its input
+    and hands lm_head an empty slice of it; otherwise it does nothing.
+
+    Kept rather than registered for each call because torch.compile does not guard on a module's hooks
+    (torch._dynamo.config.skip_nnmodule_hook_guards): a graph compiled while no hook was registered (predict(),
+    which needs the logits) would be run again with one registered, which then never runs. A hook that is
+    always there is traced into every graph and its `active` flag is guarded, so each state gets its own graph.
+    """
+
+    def __init__(self):
+        self.active, self.hidden, self.dtype = False, None, None
+
+    def __call__(self, module, args):
+        if not self.active:
+            return None
+        hidden = args[0]
+        self.hidden = hidden
+        device = hidden.device.type
+        self.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return (hidden.narrow(-2, 0, 0), *args[1:])
+
+
+def head_bypass(lm_head: nn.Module) -> _HeadBypass:
+    """lm_head's bypass hook, registered on the first call (before the model is compiled: the Trainer does
+    this when it sets the model up)."""
+    found = next((h for h in lm_head._forward_pre_hooks.values() if isinstance(h, _HeadBypass)), None)
+    if found is None:
+        found = _HeadBypass()
+        lm_head.register_forward_pre_hook(found)
+    return found
+
+
 @contextlib.contextmanager
 def lm_head_bypassed(lm_head: nn.Module):
     """While active, lm_head records its input (the final hidden states, still in the autograd graph) and
     the autocast dtype it runs under, and is handed an empty slice of it, so the model's logits come out as
-    [batch, 0, vocab]: no logits are computed, and every wrapper around the model still runs its forward."""
-    captured = _Captured()
-
-    def hook(module, args):
-        hidden = args[0]
-        captured.hidden = hidden
-        device = hidden.device.type
-        captured.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        return (hidden.narrow(-2, 0, 0), *args[1:])
-
-    handle = lm_head.register_forward_pre_hook(hook)
+    [batch, 0, vocab]: no logits are computed, and every wrapper around the model still runs its forward.
+    What it recorded is in the yielded object once the block is left."""
+    bypass, captured = head_bypass(lm_head), _Captured()
+    bypass.active, bypass.hidden, bypass.dtype = True, None, None
     try:
         yield captured
     finally:
-        handle.remove()
+        # handed on and dropped here: the hook must not keep the hidden states (and their graph) alive
+        captured.hidden, captured.dtype = bypass.hidden, bypass.dtype
+        bypass.active, bypass.hidden, bypass.dtype = False, None, None
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
@@ -179,10 +248,11 @@ def chunked_causal_lm_loss(model: nn.Module, lm_head: nn.Linear, inputs: dict, l
                            num_items_in_batch=None):
     """Run `model(**inputs)` (labels removed) with lm_head bypassed, then the chunked loss on its input.
     Returns (loss, the model's outputs, whose logits are empty)."""
+    count = TargetCount(labels)  # before the forward, read after it is queued
     with lm_head_bypassed(lm_head) as captured:
         outputs = model(**inputs)
     if captured.hidden is None:
         raise RuntimeError(f"chunked_loss: {type(lm_head).__name__} was never called during the forward pass")
     loss = chunked_cross_entropy(captured.hidden, lm_head.weight, labels, num_items_in_batch, bias=lm_head.bias,
-                                 compute_dtype=captured.dtype)
+                                 compute_dtype=captured.dtype, num_targets=count.wait())
     return loss, outputs

@@ -29,11 +29,15 @@ def _as_tensor(key: str, value):
 
 class PaddingCollator:
     """Stacks rows into a batch, padding 1-D sequences to the longest row (input_ids with pad_token_id,
-    attention_mask with 0, labels with -100). Rows without attention_mask get one when padding is needed."""
+    attention_mask with 0, labels with -100). Rows without attention_mask get one when padding is needed, and
+    with `always_mask` (a transformers model) always: given no mask, transformers reads its position ids on the
+    host on every forward to detect packed rows (masking_utils.find_packed_sequence_indices), a GPU sync; an
+    all-ones mask skips that check and means the same. Packed rows (with position_ids) never get one."""
 
-    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None):
+    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None, always_mask: bool = False):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.always_mask = always_mask
 
     def __call__(self, features: list[Mapping]) -> dict[str, torch.Tensor]:
         if not isinstance(features[0], Mapping):
@@ -49,8 +53,8 @@ class PaddingCollator:
         # packed rows (stoker.packing) carry position_ids and must stay mask-free: with an attention_mask,
         # transformers stops deriving the block-diagonal mask from position_ids and sequences see each other
         # (their padding gets position 0, a one-token sequence of its own)
-        if "input_ids" in batch and "attention_mask" not in batch and "position_ids" not in batch and any(
-                len(f["input_ids"]) != batch["input_ids"].shape[1] for f in features):
+        if "input_ids" in batch and "attention_mask" not in batch and "position_ids" not in batch and (
+                self.always_mask or any(len(f["input_ids"]) != batch["input_ids"].shape[1] for f in features)):
             batch["attention_mask"] = self._pad("attention_mask", [torch.ones(len(f["input_ids"]), dtype=torch.long)
                                                                    for f in features])
         return batch
@@ -124,6 +128,11 @@ def _lengths(dataset, column: str) -> list[int]:
     return [len(row["input_ids"]) for row in dataset]
 
 
+def pins_memory(args) -> bool:
+    """Whether the loaders pin their batches: dataloader_pin_memory, on a GPU (the CPU has nothing to pin for)."""
+    return args.dataloader_pin_memory and torch.cuda.is_available() and not args.use_cpu
+
+
 def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> DataLoader:
     """A DataLoader honouring every dataloader_* field. Training data is shuffled by a RandomSampler that
     Accelerate replaces with its seedable sampler (order = f(data_seed, epoch)) when it prepares the loader.
@@ -144,7 +153,7 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
         sampler=sampler,
         collate_fn=collator,
         num_workers=workers,
-        pin_memory=args.dataloader_pin_memory and torch.cuda.is_available() and not args.use_cpu,
+        pin_memory=pins_memory(args),
         persistent_workers=args.dataloader_persistent_workers and workers > 0,
         prefetch_factor=args.dataloader_prefetch_factor if workers > 0 else None,
         drop_last=args.dataloader_drop_last,  # evaluation too, as transformers.Trainer applies it

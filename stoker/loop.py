@@ -107,10 +107,12 @@ class RunningLog:
         """Add a micro-batch's input tokens (on the device) and samples (over every process)."""
         non_padding = count_input_tokens(batch)
         ids = batch.get("input_ids")
-        self.tokens += torch.stack([torch.as_tensor(non_padding, device=self.tokens.device),
-                                    torch.as_tensor(ids.numel() if ids is not None else non_padding,
-                                                    device=self.tokens.device)])
-        self.attention_pairs += torch.as_tensor(diagnostics.attention_pairs(batch), device=self.tokens.device)
+        # added in place, a count on the device as a tensor and one known on the host as a kernel argument: a
+        # tensor made from a Python int would be a copy from the host that waits for the GPU
+        for i, n in enumerate((non_padding, ids.numel() if ids is not None else non_padding)):
+            self.tokens.select(0, i).add_(n.to(self.tokens.device) if isinstance(n, torch.Tensor) else n)
+        pairs = diagnostics.attention_pairs(batch)
+        self.attention_pairs.add_(pairs.to(self.tokens.device) if isinstance(pairs, torch.Tensor) else pairs)
         first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         self.samples_seen += first.shape[0] * num_processes if first is not None else 0
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .chunked_loss import chunked_causal_lm_loss
+from .chunked_loss import chunked_causal_lm_loss, head_bypass
 from .evaluation import logits_of
 from .loss_normalization import LossConvention, loss_of, smoothed_label_loss
 from .prefix import shared_prefix_length, with_shared_prefix
@@ -99,6 +99,7 @@ class ChunkedLoss(ModelLoss):
     def __init__(self, head: torch.nn.Linear, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.head = head
+        head_bypass(head)  # registered now, before the model is prepared (and maybe compiled)
 
     def compute(self, model, inputs: dict, accelerator, num_items, return_outputs: bool) -> tuple[Any, Any]:
         labels = inputs.get(self.label_name)

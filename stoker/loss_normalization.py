@@ -80,7 +80,14 @@ class LossConvention:
     def window_items(self, window: list[dict], accelerator, across_devices: bool) -> torch.Tensor:
         """Target items in a whole accumulation window, summed over every process (over this process only
         unless across_devices): what every micro-batch's loss is normalised by."""
-        total = sum(torch.as_tensor(self.targets(b), device=accelerator.device) for b in window)
+        counts = [self.targets(b) for b in window]
+        # counts known on the host (rows) start the sum as a fill on the device: a tensor made from a Python int
+        # would be a copy from the host that waits for the GPU
+        total = torch.full((), sum(c for c in counts if not isinstance(c, torch.Tensor)), dtype=torch.long,
+                           device=accelerator.device)
+        for c in counts:
+            if isinstance(c, torch.Tensor):
+                total = total + c.to(accelerator.device)
         if accelerator.num_processes > 1 and across_devices:
             total = accelerator.reduce(total, reduction="sum")
         return total.clamp_min(1)  # an all-padding window contributes zero loss, not NaN
@@ -176,6 +183,9 @@ def _probe_forwards(model, device):
     reproducible and resumable. The model stays in training mode: an eval-mode forward repacks bitsandbytes'
     4-bit CPU weights for inference only."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # a compiled model is probed through the module it wraps: the probes' two rows without gradients would
+    # compile a graph that training never reuses, and make the batch size dynamic in the graph it compiles next
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
 
     def forward(**inputs):
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

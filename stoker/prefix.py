@@ -40,13 +40,16 @@ def shared_prefix_length(inputs: dict, label_name: str) -> int:
     if (ids is None or labels is None or ids.dim() != 2 or ids.shape[0] < 2 or labels.shape != ids.shape
             or set(inputs) - SHAREABLE_INPUTS - {label_name}):
         return 0
+    if (ids.shape[1] - 1) * (ids.shape[0] - 1) < MIN_SAVED_TOKENS:  # too short to be worth it: nothing to read
+        return 0
     same = (ids == ids[:1]).all(0)
     if mask is not None:
         same &= (mask != 0).all(0)
-    # the hidden state at t predicts the label at t + 1: the prefix ends where the first target's predictor is
-    targets = (labels[:, 1:] != IGNORE_INDEX).any(0)
-    same[:-1] &= ~targets
-    same[-1] = False
+    # the hidden state at t predicts the label at t + 1: the prefix ends where the first target's predictor is;
+    # the last token is never shared
+    same = same[:-1] & ~(labels[:, 1:] != IGNORE_INDEX).any(0)
+    # the one host sync of a shared prefix, by design: the slices that follow need its length on the host (a
+    # shape), and the batch is on the device by now
     length = int(same.to(torch.int8).cumprod(0).sum())
     return length if length * (ids.shape[0] - 1) >= MIN_SAVED_TOKENS else 0
 

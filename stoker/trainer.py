@@ -244,7 +244,8 @@ class Trainer(TrainerAPI):
         return model
 
     def _set_collator(self, base) -> None:
-        self.data_collator = self._given_collator or PaddingCollator(self._pad_token_id())
+        self.data_collator = self._given_collator or PaddingCollator(
+            self._pad_token_id(), always_mask=hasattr(base, "config") and "attention_mask" in forward_columns(base))
         if self.args.remove_unused_columns and hasattr(base, "config"):
             self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
 

@@ -12,7 +12,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..data import pins_memory
 from ..errors import ConfigError
+from ..log import logger
 from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_problems
 from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs, reduce_in_float32
 from .launch import (
@@ -133,6 +135,13 @@ def build_accelerator(args, model, optimizers=(None, None)):
     if a.ddp_broadcast_buffers is not None:
         ddp["broadcast_buffers"] = a.ddp_broadcast_buffers
     config = a.accelerator_config.dataloader_options()  # an AcceleratorConfig once the arguments are read
+    # a copy from pinned memory need not make the host wait (torch's pinned allocator keeps the buffer until the
+    # copy is done), so pinned batches are always copied without waiting; a blocking copy would stall every
+    # micro-batch. As transformers, non_blocking asked for without pinned memory warns
+    if config["non_blocking"] and not a.dataloader_pin_memory:
+        logger.warning("accelerator_config non_blocking=True without dataloader_pin_memory: a copy from memory that "
+                       "is not pinned waits anyway; set dataloader_pin_memory=True as well")
+    config["non_blocking"] = config["non_blocking"] or pins_memory(a)
     # no plugin (DDP or one process), an FSDP or a DeepSpeed plugin; refuses what cannot run here
     distributed = accelerator_options(a, model, optimizers)
     accelerator = Accelerator(

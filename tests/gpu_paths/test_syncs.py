@@ -1,0 +1,344 @@
+"""Host syncs and torch.compile on the GPU paths, caught on the CPU: one optimizer step reads nothing of the
+device's values on the host but the one designed check (agree_on_step), and makes no tensor from Python numbers
+on the device, with the model's own loss, the chunked loss and a shared prefix; batches are copied without
+waiting where they are pinned; a compiled model serves predict() then evaluate() with the chunked loss, and the
+loss-convention probe compiles nothing that training cannot reuse."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from stoker import TrainerCallback
+
+aten = torch.ops.aten
+
+# ops whose result needs a value of the device's memory on the host: a scalar read, or an output size that depends
+# on the data (how many True values a mask has)
+SCALAR_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                aten.unique_consecutive.default, aten._unique2.default, aten.unique_dim.default,
+                aten.repeat_interleave.Tensor, aten.bincount.default}
+# ops that hand the dispatcher a tensor built on the host from Python values (torch.tensor / torch.as_tensor of
+# numbers or lists, a number assigned into a tensor's element). Not aten.scalar_tensor: composite ops (eager
+# masks, CPU attention) make 0-d tensors with it, which on a GPU is a fill on the device, not a copy
+FROM_PYTHON = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+# Tensor methods that hand the host a copy of a tensor's memory without going through the dispatcher on a CPU
+# tensor (on a GPU one each is a device-to-host copy that waits)
+HOST_COPIES = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+def _where() -> str:
+    """The innermost frames outside torch, innermost last: where a sync was asked for."""
+    frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename and __file__ != f.filename]
+    return " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+
+
+def _has_bool_index(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Records every op that would make the host wait for a GPU, counted on the CPU.
+
+    - A scalar read (`.item()`, `bool()`, `int()`, `float()` of a tensor: aten._local_scalar_dense), an op whose
+      output size depends on the data (nonzero, masked_select, unique, bincount, repeat_interleave without
+      output_size; indexing or index_put with a boolean mask, which is a nonzero underneath): the GPU's queue
+      must drain before the host can go on.
+    - `.tolist()`, `.cpu()`, `.numpy()` of a tensor (seen by a TorchFunctionMode, since on a CPU tensor they
+      never reach the dispatcher): a device-to-host copy on a GPU.
+    - A tensor made from Python values (torch.tensor / torch.as_tensor of numbers or lists, a number assigned into
+      an element: aten.lift_fresh, lift_fresh_copy), unless empty. On a GPU such a tensor for the device is
+      built on the host and copied from pageable memory, which waits; on this CPU run the device is the CPU,
+      so every such tensor counts, even one a GPU run would keep on the host (conservative: the step should
+      make none). Python numbers handed to an op (`x + 1`, `torch.full`, `torch.zeros`, aten.scalar_tensor
+      inside composite ops) are kernel arguments or fills on the device, not copies, and do not count.
+
+    Torch's optimizers are left out (`paused()` around optimizer.step: their step counters live on the host
+    unless fused or capturable, so their `.item()` costs a GPU nothing). Each event is (kind, op, where).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str, str]] = []
+        self.paused = 0
+        self._functions = _HostCopies(self)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused:
+            kind = None
+            if func in SCALAR_READS or func is aten.repeat_interleave.self_Tensor and kwargs.get(
+                    "output_size") is None:
+                kind = "read"
+            elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                          aten._index_put_impl_.default) and _has_bool_index(args[1]):
+                kind = "read"
+            elif func in FROM_PYTHON and args[0].numel():
+                kind = "to_device"
+            if kind:
+                self.events.append((kind, str(func), _where()))
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self._functions.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._functions.__exit__(*exc)
+        return out
+
+    def unexpected(self, designed: str = "agree_on_step") -> list[tuple[str, str, str]]:
+        """The events not asked for from a function named `designed`."""
+        return [e for e in self.events if f" {designed}" not in e[2]]
+
+
+class _HostCopies(TorchFunctionMode):
+    def __init__(self, counter: HostSyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_COPIES and not self.counter.paused:
+            self.counter.events.append(("read", func.__name__, _where()))
+        return func(*args, **(kwargs or {}))
+
+
+class StepSyncs(TrainerCallback):
+    """Counts host syncs inside every optimizer step (on_step_begin to on_step_end: the window's forwards and
+    backwards, the clipping, the agreed check and the update; the logging after it is outside), torch's
+    optimizer step left out. `steps[i]` holds step i + 1's events."""
+
+    def __init__(self):
+        self.steps, self.counter = [], None
+        self._hooks = []
+
+    def on_train_begin(self, args, state, control, **kw):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        def pause(*a):
+            if self.counter is not None:
+                self.counter.paused += 1
+
+        def resume(*a):
+            if self.counter is not None:
+                self.counter.paused -= 1
+
+        self._hooks = [register_optimizer_step_pre_hook(pause), register_optimizer_step_post_hook(resume)]
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.counter = HostSyncCounter()
+        self.counter.__enter__()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.counter.__exit__(None, None, None)
+        self.steps.append(self.counter.events)
+        self.counter = None
+
+    def on_train_end(self, args, state, control, **kw):
+        for h in self._hooks:
+            h.remove()
+
+
+# --- one optimizer step: nothing read on the host but the designed check ----------------------------------
+
+def _llama(attention: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        attn_implementation=attention))
+
+
+def _data(kind: str, lengths: str) -> list[dict]:
+    from tests.test_prefix import prompt_rows
+    from tests.test_trainer import rows
+
+    if kind == "shared_prefix":
+        data = prompt_rows(16)
+        if lengths == "equal":  # every row cut to the shortest: no padding, so no attention mask from the rows
+            n = min(len(r["input_ids"]) for r in data)
+            data = [{k: v[:n] for k, v in r.items()} for r in data]
+        return data
+    return rows(16) if lengths == "padded" else rows(16, lo=16, hi=16)
+
+
+def _step_syncs(tmp_path, attention: str, kind: str, lengths: str) -> list[list[tuple[str, str, str]]]:
+    from stoker import Trainer
+    from tests.test_trainer import args
+
+    counter = StepSyncs()
+    extra = {} if kind == "model_loss" else {kind: True}
+    trainer = Trainer(_llama(attention), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                               max_steps=3, logging_steps=1000, **extra),
+                      train_dataset=_data(kind, lengths), callbacks=[counter])
+    trainer.train()
+    return counter.steps
+
+
+# transformers' own reads that pick the attention kernel from the padding mask (sdpa's is_causal shortcut): one
+# per forward whatever stoker hands it, since an all-ones mask is read as well as a padded one
+KERNEL_CHOICE = ("_ignore_causal_mask_sdpa",)
+
+
+@pytest.mark.parametrize("lengths", ["padded", "equal"])
+@pytest.mark.parametrize("kind", ["model_loss", "chunked_loss", "shared_prefix"])
+def test_a_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path, kind, lengths):
+    """Tiny Llama, accumulation 2, eager attention (whose mask needs no read of its own): steps 2 and 3 (step 1
+    holds the loss convention's probes, once per run) read the device once, in agree_on_step; with a shared
+    prefix also once per micro-batch, for the prefix's length (the slice it makes needs it on the host); with the
+    chunked loss once per micro-batch, its target count, counted before the forward and read once the forward is
+    queued (TargetCount.wait: on a GPU a wait for a copy ahead of the forward, which leaves the queue full)."""
+    for step, events in enumerate(_step_syncs(tmp_path, "eager", kind, lengths)[1:], start=2):
+        designed = [e for e in events if " agree_on_step" in e[2]]
+        prefix = [e for e in events if " shared_prefix_length" in e[2]]
+        count = [e for e in events if e[2].startswith("chunked_loss.py") and e[2].split(" <- ")[0].endswith(" wait")]
+        others = [e for e in events if e not in designed and e not in prefix and e not in count]
+        assert others == [], f"step {step}: {len(others)} host syncs beyond the designed ones:\n" + "\n".join(
+            map(str, others))
+        assert [e[0] for e in designed] == ["read"]
+        assert len(prefix) == (2 if kind == "shared_prefix" else 0), prefix
+        assert len(count) == (2 if kind == "chunked_loss" else 0), count
+
+
+def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path):
+    """A plain module with one label per row: the window's item count (rows, known on the host) is made on the
+    device without a copy from the host."""
+    from stoker import Trainer
+    from tests.test_trainer import Regressor, args, regression_rows
+
+    counter = StepSyncs()
+    Trainer(Regressor(), args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                              logging_steps=1000), train_dataset=regression_rows(12), callbacks=[counter]).train()
+    for events in counter.steps[1:]:
+        assert [e[0] for e in events] == ["read"] and " agree_on_step" in events[0][2], events
+
+
+@pytest.mark.parametrize("lengths", ["padded", "equal"])
+def test_with_sdpa_only_transformers_kernel_choice_reads_the_mask(tmp_path, lengths):
+    """sdpa reads the padding mask once per forward to pick its causal kernel (transformers' own); nothing else
+    is read, the packed-rows check of mask-free rows (find_packed_sequence_indices) included."""
+    for events in _step_syncs(tmp_path, "sdpa", "model_loss", lengths)[1:]:
+        kernel = [e for e in events if any(f" {name}" in e[2] for name in KERNEL_CHOICE)]
+        others = [e for e in events if e not in kernel and " agree_on_step" not in e[2]]
+        assert others == [], "\n".join(map(str, others))
+        assert len(kernel) <= 4  # two micro-batches, at most two reads each (padded: whole mask, then its start)
+
+
+def test_the_counter_sees_each_kind_of_host_sync():
+    """The helper itself: every kind it promises to count is counted, and kernel arguments are not."""
+    x = torch.arange(6.0)
+    with HostSyncCounter() as counter:
+        x.sum().item(), bool(x.sum()), int(x.max()), x.tolist(), x.cpu(), x.numpy()
+        x[x > 2], x.nonzero(), torch.as_tensor(3, device=x.device), torch.tensor([1.0, 2.0])
+    kinds = [e[0] for e in counter.events]
+    assert kinds.count("read") == 8 and kinds.count("to_device") == 2, counter.events
+    with HostSyncCounter() as quiet:
+        y = x + 1
+        y.mul_(2.5).clamp_min_(0)
+        torch.zeros(3), torch.full((2,), 7), torch.tensor([]), x[torch.tensor([0, 2])]
+    assert quiet.events[:1] == [("to_device", "aten.lift_fresh.default",
+                                 quiet.events[0][2])] and len(quiet.events) == 1  # the index list only
+
+
+def test_pinned_batches_are_copied_to_the_device_without_waiting(tmp_path, monkeypatch):
+    """Where the loader pins its batches (dataloader_pin_memory on a GPU), Accelerate copies them with
+    non_blocking=True: a copy from pinned memory never needs the host to wait. Where nothing is pinned the copy
+    stays blocking unless accelerator_config asks (as transformers: non_blocking without pinned memory warns)."""
+    from stoker import Trainer
+    from stoker.distributed import accelerator as accelerator_module
+    from tests.test_trainer import args, llama, rows
+
+    def loader_copies(**kw):
+        trainer = Trainer(llama(), args(tmp_path, per_device_train_batch_size=4, **kw), train_dataset=rows(8))
+        loader = trainer.get_train_dataloader()  # prepared by Accelerate, which copies each batch to the device
+        assert loader._non_blocking is trainer.accelerator.dataloader_config.non_blocking
+        return loader._non_blocking
+
+    assert loader_copies() is False  # the CPU pins nothing
+    assert loader_copies(accelerator_config={"non_blocking": True}) is True
+    monkeypatch.setattr(accelerator_module, "pins_memory", lambda a: a.dataloader_pin_memory)
+    assert loader_copies() is True  # as on a GPU with dataloader_pin_memory=True (the default)
+    assert loader_copies(dataloader_pin_memory=False) is False
+
+
+# --- torch.compile -------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """Every graph that torch.compile(backend="eager") builds from here on, as the (shape, dtype) of its tensor
+    inputs."""
+    import torch._dynamo
+    from torch._dynamo.backends import registry
+
+    eager, graphs = registry.lookup_backend("eager"), []
+
+    def counting(gm, example_inputs, **kw):
+        graphs.append([(tuple(x.shape), x.dtype) for x in example_inputs if isinstance(x, torch.Tensor)])
+        return eager(gm, example_inputs, **kw)
+
+    monkeypatch.setitem(registry._COMPILER_FNS, "eager", counting)
+    torch._dynamo.reset()
+    yield graphs
+    torch._dynamo.reset()
+
+
+def test_a_compiled_model_evaluates_with_the_chunked_loss_after_predicting(tmp_path, compiled_graphs):
+    """predict() on rows without labels compiles the forward without the chunked loss's lm_head hook; the
+    loss-only evaluate() after it must not reuse that graph (Dynamo does not guard on a module's hooks)."""
+    from stoker import Trainer
+    from tests.test_trainer import args, llama, rows
+
+    data = rows(8, lo=16, hi=16)
+    plain = Trainer(llama(), args(tmp_path / "plain", per_device_eval_batch_size=4, chunked_loss=True),
+                    eval_dataset=data).evaluate()["eval_loss"]
+    trainer = Trainer(llama(), args(tmp_path / "compiled", per_device_eval_batch_size=4, chunked_loss=True,
+                                    torch_compile=True, torch_compile_backend="eager"), eval_dataset=data)
+    trainer.predict([{"input_ids": r["input_ids"]} for r in data])
+    assert compiled_graphs  # predict ran the compiled model
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(plain, abs=1e-6)
+
+
+def test_a_compiled_model_trains_with_the_chunked_loss_as_the_uncompiled_one(tmp_path, compiled_graphs):
+    """The bypass hook traced into the compiled graph hands the hidden states on with their gradients."""
+    from stoker import Trainer
+    from tests.test_trainer import GradRecorder, args, llama, rows
+
+    grads = []
+    for compiled in (False, True):
+        extra = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
+        trainer = Trainer(llama(), args(tmp_path / str(compiled), per_device_train_batch_size=4, max_steps=2,
+                                        chunked_loss=True, **extra),
+                          train_dataset=rows(16, lo=16, hi=16), callbacks=[rec := GradRecorder()])
+        trainer.train()
+        grads.append(rec.grads)
+    assert compiled_graphs and len(grads[1]) == len(grads[0]) == 2
+    for plain, compiled in zip(*grads, strict=True):
+        for name, g in plain.items():
+            torch.testing.assert_close(compiled[name], g, atol=1e-6, rtol=1e-5)
+
+
+def test_the_loss_probe_compiles_no_graph_that_training_cannot_reuse(tmp_path, compiled_graphs):
+    """The loss convention's probe (2 rows) runs the module under the compiled one: training at batch 8 compiles
+    its forward once, for 8 rows, and the probe's verdicts are those of the uncompiled run."""
+    from stoker import Trainer
+    from tests.test_trainer import args, llama, rows
+
+    def run(**kw):
+        trainer = Trainer(llama(), args(tmp_path / str(len(kw)), per_device_train_batch_size=8, max_steps=3,
+                                        logging_steps=1000, **kw), train_dataset=rows(32, lo=16, hi=16))
+        trainer.train()
+        return trainer._convention
+
+    compiled = run(torch_compile=True, torch_compile_backend="eager")
+    # the batch's [rows, tokens] inputs (input ids, attention mask, labels) are its integer tensors
+    rows_in = [{shape[0] for shape, dtype in graph if len(shape) == 2 and not dtype.is_floating_point}
+               for graph in compiled_graphs]
+    assert rows_in == [{8}], compiled_graphs
+    plain = run()
+    assert (compiled.causal, compiled.honours_num_items) == (plain.causal, plain.honours_num_items) == (True, True)
