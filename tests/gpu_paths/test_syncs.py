@@ -157,7 +157,8 @@ def _llama(attention: str):
 
 def _data(kind: str, lengths: str) -> list[dict]:
     from tests.test_prefix import prompt_rows
-    from tests.test_trainer import rows
+
+    from tests.integration.test_trainer import rows
 
     if kind == "shared_prefix":
         data = prompt_rows(16)
@@ -170,7 +171,7 @@ def _data(kind: str, lengths: str) -> list[dict]:
 
 def _step_syncs(tmp_path, attention: str, kind: str, lengths: str) -> list[list[tuple[str, str, str]]]:
     from stoker import Trainer
-    from tests.test_trainer import args
+    from tests.integration.test_trainer import args
 
     counter = StepSyncs()
     extra = {} if kind == "model_loss" else {kind: True}
@@ -210,7 +211,7 @@ def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_
     """A plain module with one label per row: the window's item count (rows, known on the host) is made on the
     device without a copy from the host."""
     from stoker import Trainer
-    from tests.test_trainer import Regressor, args, regression_rows
+    from tests.integration.test_trainer import Regressor, args, regression_rows
 
     counter = StepSyncs()
     Trainer(Regressor(), args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
@@ -252,7 +253,7 @@ def test_pinned_batches_are_copied_to_the_device_without_waiting(tmp_path, monke
     stays blocking unless accelerator_config asks (as transformers: non_blocking without pinned memory warns)."""
     from stoker import Trainer
     from stoker.distributed import accelerator as accelerator_module
-    from tests.test_trainer import args, llama, rows
+    from tests.integration.test_trainer import args, llama, rows
 
     def loader_copies(**kw):
         trainer = Trainer(llama(), args(tmp_path, per_device_train_batch_size=4, **kw), train_dataset=rows(8))
@@ -292,7 +293,7 @@ def test_a_compiled_model_evaluates_with_the_chunked_loss_after_predicting(tmp_p
     """predict() on rows without labels compiles the forward without the chunked loss's lm_head hook; the
     loss-only evaluate() after it must not reuse that graph (Dynamo does not guard on a module's hooks)."""
     from stoker import Trainer
-    from tests.test_trainer import args, llama, rows
+    from tests.integration.test_trainer import args, llama, rows
 
     data = rows(8, lo=16, hi=16)
     plain = Trainer(llama(), args(tmp_path / "plain", per_device_eval_batch_size=4, chunked_loss=True),
@@ -307,7 +308,7 @@ def test_a_compiled_model_evaluates_with_the_chunked_loss_after_predicting(tmp_p
 def test_a_compiled_model_trains_with_the_chunked_loss_as_the_uncompiled_one(tmp_path, compiled_graphs):
     """The bypass hook traced into the compiled graph hands the hidden states on with their gradients."""
     from stoker import Trainer
-    from tests.test_trainer import GradRecorder, args, llama, rows
+    from tests.integration.test_trainer import GradRecorder, args, llama, rows
 
     grads = []
     for compiled in (False, True):
@@ -327,7 +328,7 @@ def test_the_loss_probe_compiles_no_graph_that_training_cannot_reuse(tmp_path, c
     """The loss convention's probe (2 rows) runs the module under the compiled one: training at batch 8 compiles
     its forward once, for 8 rows, and the probe's verdicts are those of the uncompiled run."""
     from stoker import Trainer
-    from tests.test_trainer import args, llama, rows
+    from tests.integration.test_trainer import args, llama, rows
 
     def run(**kw):
         trainer = Trainer(llama(), args(tmp_path / str(len(kw)), per_device_train_batch_size=8, max_steps=3,
