@@ -156,9 +156,8 @@ def _llama(attention: str):
 
 
 def _data(kind: str, lengths: str) -> list[dict]:
-    from tests.test_prefix import prompt_rows
-
     from tests.integration.test_trainer import rows
+    from tests.unit.test_prefix import prompt_rows
 
     if kind == "shared_prefix":
         data = prompt_rows(16)
