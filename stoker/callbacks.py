@@ -29,6 +29,9 @@ line::
 Callbacks receive `(args, state, control, **kwargs)` as in transformers (kwargs: model, optimizer,
 lr_scheduler, train_dataloader, eval_dataloader, metrics, logs, ...), so an existing Hugging Face callback
 keeps working. They observe and steer through `TrainerControl`; they never reach into the loop's locals.
+The Trainer fires every event through `CallbackHandler.fire`; a Trainer subclass may fire one itself through the
+handler's method of that name (`self.callback_handler.on_evaluate(args, state, control, metrics)`), as with
+transformers' handler: the same callbacks, kwargs and cleared flags.
 """
 
 from __future__ import annotations
@@ -225,15 +228,38 @@ class TrainerCallback:
         """At the end of predict(), with its `metrics` (prefixed test_ by default); not fired by evaluate()."""
 
 
-class CallbackHandler:
-    """Calls every callback for an event, in order; a callback may return a new TrainerControl."""
+# The flags transformers' CallbackHandler clears before it calls the callbacks of an event: what the event is
+# about to act on, or a new run / epoch / step. The loop and a subclass calling an on_<event> method get the same.
+CLEARED_BY = {
+    "on_train_begin": ("should_training_stop",),
+    "on_epoch_begin": ("should_epoch_stop",),
+    "on_step_begin": ("should_log", "should_evaluate", "should_save"),
+    "on_log": ("should_log",),
+    "on_evaluate": ("should_evaluate",),
+    "on_save": ("should_save",),
+}
 
-    def __init__(self, callbacks):
+
+class CallbackHandler:
+    """Calls every callback for an event, in order; a callback may return a new TrainerControl.
+
+    The surface of transformers' CallbackHandler, which Trainer subclasses call (transformers' question-answering
+    example fires `self.callback_handler.on_evaluate(args, state, control, metrics)` from its own evaluate()):
+    one on_<event> method per event, each the same `fire` the loop uses, returning the control; `callbacks`,
+    `callback_list`, add_callback / pop_callback / remove_callback; and the objects every callback receives as
+    kwargs: `model`, `processing_class`, `optimizer`, `lr_scheduler`, `train_dataloader`, `eval_dataloader`
+    (the Trainer sets them: at construction, when train() has prepared the run, when an evaluation starts).
+    """
+
+    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None):
         self.callbacks: list = []
         for cb in callbacks:
-            self.add(cb)
+            self.add_callback(cb)
+        self.model, self.processing_class = model, processing_class
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.train_dataloader = self.eval_dataloader = None
 
-    def add(self, callback):
+    def add_callback(self, callback):
         cb = callback() if isinstance(callback, type) else callback
         hooks = [m for m in dir(cb) if m.startswith("on_") and callable(getattr(cb, m))]
         unknown = [m for m in hooks if m not in EVENTS + FOREIGN_EVENTS]
@@ -246,14 +272,34 @@ class CallbackHandler:
             logger.warning(f"a {type(cb).__name__} is already registered; adding another")
         self.callbacks.append(cb)
 
-    def pop(self, callback):
+    def pop_callback(self, callback):
+        """Unregister and return the callback (the instance, or the first of a class); None if not registered."""
         for cb in self.callbacks:
-            if cb is callback or (isinstance(callback, type) and type(cb) is callback):
+            if cb is callback or (isinstance(callback, type) and isinstance(cb, callback)):
                 self.callbacks.remove(cb)
                 return cb
         return None
 
+    def remove_callback(self, callback) -> None:
+        """Unregister the callback (the instance, or the first of a class), as transformers: an instance that is
+        not registered raises ValueError."""
+        if self.pop_callback(callback) is None and not isinstance(callback, type):
+            raise ValueError(f"{callback!r} is not a registered callback")
+
+    @property
+    def callback_list(self) -> str:
+        """The class names of the callbacks, one a line (what transformers' warnings print)."""
+        return "\n".join(type(cb).__name__ for cb in self.callbacks)
+
     def fire(self, event: str, args, state: TrainerState, control: TrainerControl, **kwargs) -> TrainerControl:
+        """Call `event` on every callback that has it, with the handler's objects and `kwargs`; returns the
+        control (the last one a callback returned, else the one given, with the CLEARED_BY flags of the event
+        cleared first)."""
+        for flag in CLEARED_BY.get(event, ()):
+            setattr(control, flag, False)
+        kwargs = {"model": self.model, "processing_class": self.processing_class, "optimizer": self.optimizer,
+                  "lr_scheduler": self.lr_scheduler, "train_dataloader": self.train_dataloader,
+                  "eval_dataloader": self.eval_dataloader, **kwargs}
         for cb in self.callbacks:
             method = getattr(cb, event, None)
             if method is None:
@@ -262,6 +308,56 @@ class CallbackHandler:
             if result is not None:
                 control = result
         return control
+
+    # transformers' one method per event: each is fire(event), with the arguments transformers names
+    def on_init_end(self, args, state, control, **kwargs):
+        return self.fire("on_init_end", args, state, control, **kwargs)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        return self.fire("on_train_begin", args, state, control, **kwargs)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        return self.fire("on_epoch_begin", args, state, control, **kwargs)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        return self.fire("on_step_begin", args, state, control, **kwargs)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        return self.fire("on_substep_end", args, state, control, **kwargs)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        return self.fire("on_pre_optimizer_step", args, state, control, **kwargs)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        return self.fire("on_optimizer_step", args, state, control, **kwargs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        return self.fire("on_step_end", args, state, control, **kwargs)
+
+    def on_log(self, args, state, control, logs, **kwargs):
+        return self.fire("on_log", args, state, control, logs=logs, **kwargs)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        return self.fire("on_prediction_step", args, state, control, **kwargs)
+
+    def on_evaluate(self, args, state, control, metrics, **kwargs):
+        return self.fire("on_evaluate", args, state, control, metrics=metrics, **kwargs)
+
+    def on_save(self, args, state, control, **kwargs):
+        return self.fire("on_save", args, state, control, **kwargs)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        return self.fire("on_epoch_end", args, state, control, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        return self.fire("on_train_end", args, state, control, **kwargs)
+
+    def on_predict(self, args, state, control, metrics, **kwargs):
+        return self.fire("on_predict", args, state, control, metrics=metrics, **kwargs)
+
+    def on_push_begin(self, args, state, control, **kwargs):
+        """transformers' event before a push to the Hub; stoker never pushes, so only a subclass fires it."""
+        return self.fire("on_push_begin", args, state, control, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------

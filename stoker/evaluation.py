@@ -4,11 +4,26 @@ that compute_metrics receives, as transformers.Trainer builds them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from .outputs import EvalPrediction
+
+
+@contextlib.contextmanager
+def evaluating(model) -> Iterator[None]:
+    """The model in eval mode (dropout off) without gradients; a model that was training trains again after."""
+    was_training = model.training
+    if was_training:
+        model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        if was_training:
+            model.train()
 
 
 def split_batch(batch: dict, rows: int) -> list[dict]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .arguments import TrainingArguments, _help
+from .evaluation import evaluating
 from .trainer import Trainer
 
 
@@ -127,7 +128,7 @@ class Seq2SeqTrainer(Trainer):
                                                                                "decoder_attention_mask")}
         generation_inputs.pop("labels", None)
         generator = self.accelerator.unwrap_model(model)
-        with torch.no_grad():
+        with evaluating(generator):  # a direct call in training mode generates without dropout too
             generated = generator.generate(**generation_inputs, **gen_kwargs)
         config = generator.generation_config
         # as transformers: the config keeps its own values, with the defaults filled in where it has None

@@ -51,7 +51,7 @@ from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
 from .distributed.fsdp import full_tensor
 from .errors import ConfigError, TrainingPreempted, exit_with_code_after_preemption
-from .evaluation import Collected, eval_prediction, genuine_rows, labels_of, predictions_of, split_batch
+from .evaluation import Collected, eval_prediction, evaluating, genuine_rows, labels_of, predictions_of, split_batch
 from .log import logger, set_log_levels, transformers_logger
 from .loop import (
     LoopPosition,
@@ -196,8 +196,9 @@ class Trainer(TrainerAPI):
         defaults = [*DEFAULT_CALLBACKS, JsonlLoggerCallback(), *integration_callbacks(self.args.report_to)]
         if self.args.training_report:
             defaults.append(ReportCallback())
-        self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
-        self.callback_handler.add(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
+        self.callback_handler = CallbackHandler(defaults + list(callbacks or []), self.model, self.processing_class,
+                                                self.optimizer, self.lr_scheduler)
+        self.callback_handler.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
         self._fire("on_init_end")
         if memory is not None:
             memory.stop_and_update_metrics()
@@ -267,20 +268,21 @@ class Trainer(TrainerAPI):
 
     def add_callback(self, callback) -> None:
         """Register a callback (an instance, or a class to instantiate); its events fire from now on."""
-        self.callback_handler.add(callback)
+        self.callback_handler.add_callback(callback)
 
     def remove_callback(self, callback) -> None:
-        """Unregister a callback (the instance, or every callback of a class)."""
-        self.callback_handler.pop(callback)
+        """Unregister a callback (the instance, or the first callback of a class), as transformers: an instance that
+        is not registered raises ValueError."""
+        self.callback_handler.remove_callback(callback)
 
     def pop_callback(self, callback):
         """Unregister a callback and return it (None if it was not registered)."""
-        return self.callback_handler.pop(callback)
+        return self.callback_handler.pop_callback(callback)
 
     def _fire(self, event: str, **kwargs) -> None:
-        self.control = self.callback_handler.fire(
-            event, self.args, self.state, self.control, model=self.model, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, processing_class=self.processing_class, **kwargs)
+        """Fire `event` through the handler, which hands every callback its model, optimizer, schedule and loaders
+        (a subclass calling self.callback_handler.on_<event> fires the same)."""
+        self.control = self.callback_handler.fire(event, self.args, self.state, self.control, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # loss
@@ -367,7 +369,7 @@ class Trainer(TrainerAPI):
         a = self.args
         run = self._start_run(resolve_resume(resume_from_checkpoint, a), trial, ignore_keys_for_eval)
         s = self.state
-        self._fire("on_train_begin", train_dataloader=run.train_dataloader)
+        self._fire("on_train_begin")
         if a.eval_on_start and not run.resumed:
             self._evaluate_and_track(run)
 
@@ -428,6 +430,8 @@ class Trainer(TrainerAPI):
             self.model, OptimizerSource(*self._given_optimizers, self._build_optimizer_and_scheduler,
                                         self.create_optimizer), max_steps)
 
+        handler = self.callback_handler  # what callbacks receive from now on (as transformers updates them here)
+        handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.compute_steps(a, max_steps)
@@ -455,7 +459,8 @@ class Trainer(TrainerAPI):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
         _train_batch_size, as transformers')."""
         self._train_batch_size = micro_batch
-        return self._prepared(self.get_train_dataloader())
+        self.callback_handler.train_dataloader = self._prepared(self.get_train_dataloader())
+        return self.callback_handler.train_dataloader
 
     def _build_optimizer_and_scheduler(self, model, steps: int) -> tuple:
         """What a backend calls when it needs the run's optimizer and schedule built (transformers' hooks, which a
@@ -698,9 +703,11 @@ class Trainer(TrainerAPI):
         start_time (time.time()), train_runtime and train_tokens_per_second of this train() call. The loop logs
         through this method, so a subclass that overrides it sees (and may change) every record. `diagnostics`,
         stoker's wall-clock figures of the record (which differ between two identical runs, so they stay out of
-        log_history), go to on_log beside it (metrics.jsonl writes them)."""
+        log_history), go to on_log beside it (metrics.jsonl writes them). As in transformers, `logs` itself gets the
+        epoch (and the token figures): the metrics evaluate() and train() return carry it, and the on_log
+        callbacks receive this dict, so PrinterCallback's removal of total_flos shows in them too."""
         s = self.state
-        logs = {**logs, "epoch": s.epoch}
+        logs["epoch"] = s.epoch
         if self.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = s.num_input_tokens_seen
             if start_time is not None:
@@ -800,47 +807,37 @@ class Trainer(TrainerAPI):
 
     def _run_evaluation(self, loader_of: Callable, dataset, description: str, prediction_loss_only, ignore_keys,
                         prefix: str):
-        """evaluation_loop over loader_of(dataset) (get_eval_dataloader or get_test_dataloader), without gradients,
-        plus the speed metrics. With auto_find_batch_size, an out-of-memory error halves the evaluation batch (never
-        the training batch) and starts over."""
-        if self.model_wrapped is self.model:  # evaluate() before train(): place the model once
-            self.model_wrapped = self._backend.place_for_evaluation(self.model)
-        if not self.is_in_train and (self.args.bf16_full_eval or self.args.fp16_full_eval):
-            self.model_wrapped.to(torch.bfloat16 if self.args.bf16_full_eval else torch.float16)
-        model = self.model_wrapped
-        was_training = model.training
-        model.eval()
-        try:
-            while True:
-                started = time.time()  # wall-clock, as transformers' speed_metrics measures from
-                try:
-                    dataloader = loader_of(dataset)
-                    output = self.evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, prefix)
-                    break
-                except Exception as e:
-                    if not (self.args.auto_find_batch_size and should_reduce_batch_size(e)
-                            and self._eval_batch_size > 1):
-                        raise
-                    clear_device_cache(garbage_collection=True)
-                    self._eval_batch_size //= 2
-                    self._eval_dataloaders.clear()  # built for the old batch size
-                    logger.warning(f"out of memory in evaluation; eval batch now {self._eval_batch_size}")
-        finally:
-            if was_training:
-                model.train()
+        """evaluation_loop over loader_of(dataset) (get_eval_dataloader or get_test_dataloader), plus the speed
+        metrics. With auto_find_batch_size, an out-of-memory error halves the evaluation batch (never the training
+        batch) and starts over."""
+        while True:
+            started = time.time()  # wall-clock, as transformers' speed_metrics measures from
+            try:
+                dataloader = loader_of(dataset)
+                output = self.evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, prefix)
+                break
+            except Exception as e:
+                if not (self.args.auto_find_batch_size and should_reduce_batch_size(e) and self._eval_batch_size > 1):
+                    raise
+                clear_device_cache(garbage_collection=True)
+                self._eval_batch_size //= 2
+                self._eval_dataloaders.clear()  # built for the old batch size
+                logger.warning(f"out of memory in evaluation; eval batch now {self._eval_batch_size}")
         output.metrics.update(speed_metrics(prefix, started, num_samples=output.num_samples,
                                             num_steps=math.ceil(output.num_samples / self._eval_batch_size)))
         return output
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
-        """(loss, logits, labels) of one evaluation batch, without gradients. The loss is the batch's mean over its
+        """(loss, logits, labels) of one evaluation batch, in eval mode (a model in training mode is put back in it
+        afterwards) and without gradients, so that a direct call is as deterministic as evaluate(). The loss is the
+        batch's mean over its
         target tokens (a plain module given no labels: the mean it returns, if any; else None); logits are the
         predictions transformers.Trainer would take (a tuple for several outputs), labels one tensor or a tuple
         with one per label_names entry; logits and labels are None with prediction_loss_only."""
         inputs = dict(inputs)  # a transformers collator's BatchEncoding
         label = labels_of(inputs, self.label_names)
         loss = None
-        with torch.no_grad():
+        with evaluating(model):
             if label is None and (self._is_transformers or self.compute_loss_func):
                 outputs = model(**inputs, **self._forward_kwargs)  # no labels, so no loss: predictions only
             elif label is None:  # a plain module: its own loss, if it returns one (a mean over its rows)
@@ -871,8 +868,19 @@ class Trainer(TrainerAPI):
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
         """prediction_step over every batch: the exact mean loss over the target tokens of the dataset, the
-        predictions and labels gathered from every process, and compute_metrics of them."""
+        predictions and labels gathered from every process, and compute_metrics of them.
+
+        As in transformers, this (not evaluate() or predict()) prepares the model for evaluation and puts it in eval
+        mode, where it stays until training_step puts it back in training mode, so that a subclass calling it
+        directly (transformers' question-answering example does) evaluates deterministically; the batches run
+        without gradients."""
+        if self.model_wrapped is self.model:  # evaluation before train(): place the model once
+            self.model_wrapped = self._backend.place_for_evaluation(self.model)
+        if not self.is_in_train and (self.args.bf16_full_eval or self.args.fp16_full_eval):
+            self.model_wrapped.to(torch.bfloat16 if self.args.bf16_full_eval else torch.float16)
         a, acc, model, prefix = self.args, self.accelerator, self.model_wrapped, metric_key_prefix
+        model.eval()
+        self.callback_handler.eval_dataloader = dataloader
         if prediction_loss_only is None:
             prediction_loss_only = a.prediction_loss_only
         # each batch's loss is normalised over its own items (target tokens; rows for a plain module without
@@ -889,7 +897,8 @@ class Trainer(TrainerAPI):
         batch_metrics, rows_seen = None, 0  # an IterableDataset has no length to count its samples by
         for n, batch in enumerate(dataloader, 1):
             batch = dict(batch)  # a transformers collator's BatchEncoding
-            loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
+            with torch.no_grad():  # also around a subclass's own prediction_step
+                loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
             rows = count_targets(batch, None, False)
             rows_seen += rows
             if loss is not None:

@@ -149,3 +149,118 @@ def test_use_liger_kernel_evaluates_loss_only_without_the_package_as_transformer
                              train_dataset=rows("llama", 6, 1), data_collator=PaddingCollator())
     with pytest.raises(stoker.ConfigError, match="use_liger_kernel=True: training needs the liger-kernel package"):
         trainer.train()  # transformers raises ImportError there too
+
+
+# ---------------------------------------------------------------------------------------------------
+# evaluation in eval mode, and the model's mode afterwards, with a model that has dropout
+
+
+def dropout_model():
+    """bert_sequence with dropout 0.3 everywhere: an evaluation in training mode would differ from call to call."""
+    from transformers import BertForSequenceClassification
+
+    from tests.parity.families import _bert_config
+
+    torch.manual_seed(0)
+    config = _bert_config(num_labels=3)
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = config.classifier_dropout = 0.3
+    return BertForSequenceClassification(config)
+
+
+def eval_loss_by_hand(model, data) -> float:
+    """The mean cross-entropy over the rows, in eval mode, from the logits (batches of 2 rows, as quiet_args)."""
+    collate = PaddingCollator()
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(data), 2):
+            batch = collate(data[i:i + 2])
+            labels = batch.pop("labels")
+            total += torch.nn.functional.cross_entropy(model(**batch).logits, labels, reduction="sum").item()
+    model.train(was_training)
+    return total / len(data)
+
+
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_evaluation_loop_called_directly_runs_in_eval_mode(tmp_path, name):
+    """A subclass calling evaluation_loop itself (transformers' question-answering example does) gets the eval-mode
+    loss, the same at every call, although the model is in training mode when it calls; the model is left in eval
+    mode as transformers leaves it."""
+    module = FRAMEWORKS[name]
+    data = rows("bert_sequence", 6, 2)
+    trainer = module.Trainer(dropout_model(), quiet_args(module, tmp_path), eval_dataset=data,
+                             data_collator=PaddingCollator())
+    expected = eval_loss_by_hand(trainer.model, data)
+    losses = []
+    for _ in range(2):
+        trainer.model.train()
+        output = trainer.evaluation_loop(trainer.get_eval_dataloader(), "Evaluation", prediction_loss_only=True)
+        losses.append(output.metrics["eval_loss"])
+    assert losses == [pytest.approx(expected, rel=1e-5)] * 2
+    assert trainer.model.training is False
+
+
+def test_evaluate_is_deterministic_and_leaves_the_mode_as_transformers(tmp_path):
+    """evaluate() twice gives the same loss (the eval-mode one, as transformers), and the model is in the mode
+    transformers leaves it in: eval after evaluate() (and after a train() that ends with an evaluation), training
+    after a train() without one."""
+    data = rows("bert_sequence", 6, 2)
+    seen = {}
+    for name, module in FRAMEWORKS.items():
+        for eval_strategy in ("no", "steps"):
+            trainer = module.Trainer(dropout_model(), quiet_args(module, tmp_path / name, max_steps=2,
+                                     per_device_train_batch_size=4, eval_strategy=eval_strategy, eval_steps=2),
+                                     train_dataset=rows("bert_sequence", 8, 1), eval_dataset=data,
+                                     data_collator=PaddingCollator())
+            trainer.model.train()
+            first, second = trainer.evaluate()["eval_loss"], trainer.evaluate()["eval_loss"]
+            after_evaluate = trainer.model.training
+            trainer.train()
+            seen[name, eval_strategy] = (first, second, after_evaluate, trainer.model.training)
+        expected = eval_loss_by_hand(dropout_model(), data)
+        assert seen[name, "no"][:2] == (pytest.approx(expected, rel=1e-5),) * 2, name
+    assert [v[2:] for v in seen.values()] == [(False, True), (False, False)] * 2
+    assert seen["stoker", "no"][0] == pytest.approx(seen["hf", "no"][0], rel=1e-6)
+
+
+def test_prediction_step_called_directly_runs_in_eval_mode(tmp_path):
+    """stoker's documented difference: prediction_step called with a model in training mode computes in eval mode
+    (transformers' keeps dropout on) and puts the model back in training mode (as transformers leaves it)."""
+    data = rows("bert_sequence", 2, 2)
+    trainer = stoker.Trainer(dropout_model(), quiet_args(stoker, tmp_path), data_collator=PaddingCollator())
+    expected = eval_loss_by_hand(trainer.model, data)
+    trainer.model.train()
+    batch = PaddingCollator()(data)
+    losses = [trainer.prediction_step(trainer.model, batch, prediction_loss_only=True)[0].item() for _ in range(2)]
+    assert losses == [pytest.approx(expected, rel=1e-5)] * 2
+    assert trainer.model.training is True
+    loss, logits, _ = trainer.prediction_step(trainer.model, batch, prediction_loss_only=False)
+    assert not loss.requires_grad and not logits.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# metrics carry `epoch` where transformers' log() adds it
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False], ids=["printer", "progress"])
+def test_returned_metrics_carry_epoch_as_transformers(tmp_path, disable_tqdm):
+    """transformers' log() adds `epoch` to the dict it is given, so train()'s metrics and evaluate()'s carry it
+    (all_results.json and eval_results.json have it) and predict()'s, never logged, do not; PrinterCallback's
+    removal of total_flos from the logs it is handed shows in train()'s metrics too."""
+    keys, epochs = {}, {}
+    for name, module in FRAMEWORKS.items():
+        trainer = module.Trainer(FAMILIES["bert_sequence"](0), quiet_args(module, tmp_path / name, max_steps=3,
+                                 per_device_train_batch_size=4, disable_tqdm=disable_tqdm),
+                                 train_dataset=rows("bert_sequence", 8, 1), eval_dataset=rows("bert_sequence", 4, 2),
+                                 data_collator=PaddingCollator())
+        before = trainer.evaluate()
+        trained = trainer.train().metrics
+        after = trainer.evaluate()
+        predicted = trainer.predict(rows("bert_sequence", 4, 2)).metrics
+        keys[name] = [sorted(k for k in m if not k.endswith("_model_preparation_time"))
+                      for m in (before, trained, after, predicted)]
+        epochs[name] = [m.get("epoch") for m in (before, trained, after, predicted)]
+    assert keys["stoker"] == keys["hf"]
+    assert epochs["stoker"] == epochs["hf"] == [0, 1.5, 1.5, None]  # 3 steps of 4 rows over 8 rows
+    assert ("total_flos" in keys["stoker"][1]) is (not disable_tqdm)

@@ -434,3 +434,69 @@ def test_transformers_printer_and_early_stopping_callbacks(tiny_llama, clm_rows,
     assert out.global_step == 3 and hf_early.early_stopping_patience_counter == 2  # as stoker's own callback
     printed = capsys.readouterr().out
     assert printed.count("'eval_loss'") == 3 and "'train_loss'" in printed  # PrinterCallback prints every log
+
+
+# ---------------------------------------------------------------------------------------------------
+# the CallbackHandler's surface, which Trainer subclasses call as transformers' does
+
+
+def test_handler_has_transformers_handler_methods_and_attributes():
+    from transformers.trainer_callback import CallbackHandler as HFHandler
+
+    from stoker.callbacks import FOREIGN_EVENTS, CallbackHandler
+
+    theirs = {m for m in vars(HFHandler) if m.startswith("on_")}
+    ours = {m for m in vars(CallbackHandler) if m.startswith("on_")}
+    assert ours == theirs == set(EVENTS) | set(FOREIGN_EVENTS)
+    for name in ("add_callback", "pop_callback", "remove_callback", "callback_list", "callbacks"):
+        assert hasattr(CallbackHandler([]), name)
+
+
+@pytest.mark.parametrize("event", EVENTS)
+def test_handler_event_clears_the_flags_and_passes_the_kwargs_transformers_does(event):
+    """Each on_<event> of the handler clears the flags transformers' clears, hands every callback the handler's
+    objects, and returns the control a callback returned."""
+    from transformers.trainer_callback import CallbackHandler as HFHandler
+    from transformers.trainer_callback import TrainerCallback as HFCallback
+    from transformers.trainer_callback import TrainerControl as HFControl
+
+    from stoker.callbacks import CallbackHandler
+
+    outcome = {}
+    for name, handler_cls, callback_cls, control_cls in (("hf", HFHandler, HFCallback, HFControl),
+                                                         ("stoker", CallbackHandler, TrainerCallback, TrainerControl)):
+        seen = {}
+
+        def hook(self, args, state, control, seen=seen, **kwargs):
+            seen.update(flags=dict(vars(control)), kwargs=sorted(kwargs), model=kwargs["model"])
+
+        handler = handler_cls([type("Seeing", (callback_cls,), {event: hook})()], "the model", "the tokenizer",
+                              "the optimizer", "the schedule")
+        control = control_cls(**{f: True for f in vars(control_cls())})
+        extra = {"logs": {}} if event == "on_log" else {"metrics": {}} if event in ("on_evaluate", "on_predict") else {}
+        returned = getattr(handler, event)(None, TrainerState(), control, **extra)
+        outcome[name] = (seen["flags"], seen["kwargs"], seen["model"], returned is control)
+    assert outcome["stoker"] == outcome["hf"]
+
+
+def test_a_subclass_firing_through_the_handler_reaches_the_callbacks_with_the_trainers_objects(
+        tiny_llama, clm_rows, make_args):
+    rec, got = Recorder(), {}
+
+    class Seeing(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            got.update(kwargs)
+
+    trainer = Trainer(tiny_llama(), make_args(max_steps=1), train_dataset=clm_rows(4), callbacks=[rec, Seeing()])
+    trainer.train()
+    handler = trainer.callback_handler
+    control = handler.on_evaluate(trainer.args, trainer.state, trainer.control, {"eval_x": 1.0})
+    assert control is trainer.control
+    assert rec.metrics == [{"eval_x": 1.0}]
+    assert got["model"] is trainer.model and got["optimizer"] is trainer.optimizer
+    assert got["lr_scheduler"] is trainer.lr_scheduler and got["train_dataloader"] is not None
+    assert "Recorder" in handler.callback_list.splitlines()
+    with pytest.raises(ValueError):
+        handler.remove_callback(Recorder())  # not registered: transformers' list.remove raises too
+    handler.remove_callback(Recorder)
+    assert rec not in handler.callbacks
