@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -225,13 +226,29 @@ class TrainerCallback:
         """At the end of predict(), with its `metrics` (prefixed test_ by default); not fired by evaluate()."""
 
 
-class CallbackHandler:
-    """Calls every callback for an event, in order; a callback may return a new TrainerControl."""
+# transformers' own logger names, on which its warnings about callbacks are emitted: a script (or a test) that
+# watches them sees the same records from stoker. logging.getLogger is the logger transformers' get_logger
+# returns, without importing transformers.
+hf_callback_logger = logging.getLogger("transformers.trainer_callback")
 
-    def __init__(self, callbacks):
+
+class CallbackHandler:
+    """Calls every callback for an event, in order; a callback may return a new TrainerControl.
+
+    `callbacks` is the list a script sees and edits (as transformers'); `writers` are stoker's own record
+    writers (metrics.jsonl), fired before it on every event but kept out of it, so that the list is
+    transformers' list and removing or popping a callback by class never removes them."""
+
+    def __init__(self, callbacks, writers=()):
         self.callbacks: list = []
+        self.writers: list = list(writers)
         for cb in callbacks:
             self.add(cb)
+
+    @property
+    def callback_list(self) -> str:
+        """The callbacks' class names, one a line (transformers' property, used in its warnings)."""
+        return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
     def add(self, callback):
         cb = callback() if isinstance(callback, type) else callback
@@ -242,8 +259,12 @@ class CallbackHandler:
             raise ValueError(f"callback {type(cb).__name__} defines unknown event(s) "
                              + ", ".join(f"{m}{suggest(m, EVENTS)}" for m in unknown)
                              + f"; events are: {', '.join(EVENTS)}")
-        if any(type(c) is type(cb) for c in self.callbacks):
-            logger.warning(f"a {type(cb).__name__} is already registered; adding another")
+        cb_class = callback if isinstance(callback, type) else type(callback)
+        if cb_class in [type(c) for c in self.callbacks]:
+            # transformers' words (its missing spaces included), on its logger
+            hf_callback_logger.warning(
+                f"You are adding a {cb_class} to the callbacks of this Trainer, but there is already one. The current"
+                + "list of callbacks is\n:" + self.callback_list)
         self.callbacks.append(cb)
 
     def pop(self, callback):
@@ -254,7 +275,7 @@ class CallbackHandler:
         return None
 
     def fire(self, event: str, args, state: TrainerState, control: TrainerControl, **kwargs) -> TrainerControl:
-        for cb in self.callbacks:
+        for cb in [*self.writers, *self.callbacks]:
             method = getattr(cb, event, None)
             if method is None:
                 continue

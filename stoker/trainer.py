@@ -191,12 +191,13 @@ class Trainer(TrainerAPI):
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
-        # as transformers: its defaults and the trackers (stoker's metrics.jsonl among them), the callbacks given,
-        # then the progress display
-        defaults = [*DEFAULT_CALLBACKS, JsonlLoggerCallback(), *integration_callbacks(self.args.report_to)]
+        # as transformers: its defaults and the trackers, the callbacks given, then the progress display;
+        # metrics.jsonl is written by a writer the handler keeps outside that list (the list a script sees,
+        # edits and compares is transformers')
+        defaults = [*DEFAULT_CALLBACKS, *integration_callbacks(self.args.report_to)]
         if self.args.training_report:
             defaults.append(ReportCallback())
-        self.callback_handler = CallbackHandler(defaults + list(callbacks or []))
+        self.callback_handler = CallbackHandler(defaults + list(callbacks or []), writers=[JsonlLoggerCallback()])
         self.callback_handler.add(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
         self._fire("on_init_end")
         if memory is not None:
