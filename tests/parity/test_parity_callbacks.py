@@ -70,7 +70,7 @@ def test_printer_callback_prints_the_logs_transformers_prints(tmp_path, capsys):
 def captured(logger_name):
     """What is logged on `logger_name` (transformers' loggers do not propagate to the root, where caplog
     listens: as transformers' own CaptureLogger, a handler on the logger itself)."""
-    stream, handler = io.StringIO(), None
+    stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logger = logging.getLogger(logger_name)
     logger.addHandler(handler)
