@@ -227,6 +227,14 @@ class Trainer(TrainerAPI):
                           f"{type(base).__name__} (problem_type='multi_label_classification')", UserWarning,
                           stacklevel=3)
             label_smoothing = 0.0
+        # transformers' attribute, for scripts and subclasses that read it (an override of compute_loss calls it
+        # as transformers' does); stoker's own loss smooths exactly over the window (stoker.loss_computation).
+        # Imported only when smoothing is on: transformers.trainer_pt_utils costs seconds to import
+        self.label_smoother = None
+        if label_smoothing:
+            from transformers.trainer_pt_utils import LabelSmoother
+
+            self.label_smoother = LabelSmoother(epsilon=label_smoothing)
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]

@@ -86,6 +86,21 @@ def test_label_smoothing_with_multi_label_classification_is_refused_as_transform
     assert losses["stoker", 0.2] == pytest.approx(losses["hf", 0.2], rel=1e-5)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("multi_label", [False, True], ids=["causal_lm", "multi_label"])
+def test_label_smoother_is_transformers_attribute(tmp_path, smoothing, multi_label):
+    seen = {}
+    for name, module in FRAMEWORKS.items():
+        model = multi_label_model() if multi_label else FAMILIES["llama"](0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = module.Trainer(model, quiet_args(module, tmp_path / name, label_smoothing_factor=smoothing))
+        smoother = trainer.label_smoother
+        seen[name] = None if smoother is None else (type(smoother), smoother.epsilon, smoother.ignore_index)
+    assert seen["stoker"] == seen["hf"]
+    assert (seen["hf"] is None) == (multi_label or not smoothing)
+
+
 def test_model_init_builds_transformers_model_for_the_seed(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
