@@ -848,13 +848,15 @@ class Trainer(TrainerAPI):
                 outputs = model(**inputs)
                 loss = loss_or_none(outputs)
             else:
-                if not self._convention.settled:
-                    self._convention.decide(model, inputs, self.accelerator)
-                items = self._convention.targets(inputs)
-                # as transformers: a model patched by Liger then skips the logits; others ignore the flag
+                # as transformers: a model patched by Liger then skips the logits; others ignore the flag. Every
+                # forward of a loss-only evaluation gets it, the loss convention's one-off probes (which need
+                # only losses) included
                 skip = {"skip_logits": True} if (self.args.use_liger_kernel and prediction_loss_only
                                                  and self._is_transformers) else {}
                 inputs = {**inputs, **skip}
+                if not self._convention.settled:
+                    self._convention.decide(model, inputs, self.accelerator)
+                items = self._convention.targets(inputs)
                 if prediction_loss_only:  # the loss alone: chunked_loss then computes no logits
                     loss, outputs = self.compute_loss(model, inputs, num_items_in_batch=max(items, 1)), None
                 else:

@@ -164,3 +164,23 @@ def test_use_liger_kernel_evaluates_loss_only_without_the_package_as_transformer
                              train_dataset=rows("llama", 6, 1), data_collator=PaddingCollator())
     with pytest.raises(stoker.ConfigError, match="use_liger_kernel=True: training needs the liger-kernel package"):
         trainer.train()  # transformers raises ImportError there too
+
+
+@pytest.mark.parametrize("loss_only", [True, False], ids=["loss_only", "with_predictions"])
+def test_liger_loss_only_evaluation_asks_every_forward_to_skip_logits_as_transformers(tmp_path, loss_only):
+    seen = {}
+    for name, module in FRAMEWORKS.items():
+        model, flags = FAMILIES["llama"](0), []
+
+        def record(_, positional, kwargs, flags=flags):  # the flag, taken out: the plain model has no such argument
+            flags.append(kwargs.pop("skip_logits", None))
+            return positional, kwargs
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
+        trainer = module.Trainer(model, quiet_args(module, tmp_path / name, use_liger_kernel=True),
+                                 eval_dataset=rows("llama", 4, 2), data_collator=PaddingCollator(),
+                                 compute_metrics=None if loss_only else (lambda p: {}))
+        trainer.evaluate()
+        seen[name] = set(flags)
+    assert seen["hf"] == ({True} if loss_only else {None})
+    assert seen["stoker"] == seen["hf"]
