@@ -643,6 +643,12 @@ class Trainer(TrainerAPI):
                 loader.set_epoch(pos.epoch)
             if getattr(loader, "generator", None) is not None:  # worker seeds = f(data_seed, epoch), not the
                 loader.generator.manual_seed(self.args.data_seed + pos.epoch)  # global RNG: resumable
+                if not pos.batches:
+                    # transformers' loader, without a generator, draws its base seed from the global RNG as each
+                    # epoch's iterator starts; one draw here keeps dropout (and any global draw after it) on
+                    # transformers' stream for the same seed. Only at an epoch's start: a resumed epoch's draw
+                    # was taken before its checkpoint saved the RNG state
+                    torch.empty((), dtype=torch.int64).random_()
             if pos.batches:
                 loader = self.accelerator.skip_first_batches(loader, pos.batches)
             window = []

@@ -120,6 +120,29 @@ def test_model_init_builds_transformers_model_for_the_seed(tmp_path):
     assert not torch.equal(made["stoker", 5][0], made["stoker", 6][0])
 
 
+def test_model_init_with_dropout_trains_transformers_weights_for_the_seed(tmp_path):
+    # dropout draws from the global RNG, which transformers' loader also draws from once per epoch: two epochs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model_init():
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.3))
+
+    made = {}
+    for name, module in FRAMEWORKS.items():
+        torch.manual_seed(123)
+        args = quiet_args(module, tmp_path / name, seed=7, num_train_epochs=2, per_device_train_batch_size=4,
+                          learning_rate=0.05)
+        trainer = module.Trainer(model_init=model_init, args=args, train_dataset=rows("llama", 8, 1),
+                                 data_collator=PaddingCollator())
+        initial = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        made[name] = initial, [p.detach().clone() for p in trainer.model.parameters()]
+    for ours, theirs in zip(made["stoker"], made["hf"], strict=True):
+        for mine, their in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(mine, their, rtol=0, atol=0)
+
+
 def test_model_and_model_init_together_are_refused_as_transformers(tmp_path):
     for module in FRAMEWORKS.values():
         with pytest.raises(ValueError, match="requires either a `model` or `model_init` argument, but not both"):
