@@ -74,7 +74,7 @@ from .packing import packed_train_set
 from .prefix import prefix_body
 from .report import ReportCallback
 from .trainer_api import TrainerAPI
-from .trainer_checks import trainer_input_problems
+from .trainer_checks import train_rows_problems, trainer_input_problems
 
 
 def set_seed(seed: int) -> None:
@@ -398,6 +398,14 @@ class Trainer(TrainerAPI):
         """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
         the checkpoint resumed from; returns the run."""
         a, acc = self.args, self.accelerator
+        # the train rows against the model, before any work of the run (the constructor probes the eval sets)
+        overridden = [m for m in ("get_train_dataloader", "compute_loss")
+                      if getattr(type(self), m) is not getattr(Trainer, m)]
+        problems = train_rows_problems(self.model, self.train_dataset,
+                                       self.data_collator, self.compute_loss_func, self.label_names,
+                                       self._convention.family, overridden)
+        if problems:
+            raise ConfigError(problems, "Trainer inputs")
         self._backend.check_new_run()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
                            accumulation=a.gradient_accumulation_steps)
