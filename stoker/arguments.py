@@ -631,10 +631,13 @@ class TrainingArguments:
 
     def _read_accelerator_config(self) -> list[str]:
         """accelerator_config as transformers reads it: None, a dict (its missing keys take the defaults), a JSON
-        file's path or transformers' AcceleratorConfig all become an AcceleratorConfig. Returns the problems."""
+        file's path (a str or a pathlib.Path) or transformers' AcceleratorConfig all become an AcceleratorConfig.
+        Returns the problems."""
         value = self.accelerator_config
         if isinstance(value, AcceleratorConfig):
             return []
+        if isinstance(value, os.PathLike):  # transformers opens any path it is given, a pathlib.Path as well
+            value = os.fspath(value)
         if value is None:
             value = {}
         elif hasattr(value, "to_dict") and type(value).__name__ == "AcceleratorConfig":  # transformers' own

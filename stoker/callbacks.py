@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -240,6 +241,12 @@ CLEARED_BY = {
 }
 
 
+# transformers' own logger names, on which its warnings about callbacks are emitted: a script (or a test) that
+# watches them sees the same records from stoker. logging.getLogger is the logger transformers' get_logger
+# returns, without importing transformers.
+hf_callback_logger = logging.getLogger("transformers.trainer_callback")
+
+
 class CallbackHandler:
     """Calls every callback for an event, in order; a callback may return a new TrainerControl.
 
@@ -249,10 +256,15 @@ class CallbackHandler:
     `callback_list`, add_callback / pop_callback / remove_callback; and the objects every callback receives as
     kwargs: `model`, `processing_class`, `optimizer`, `lr_scheduler`, `train_dataloader`, `eval_dataloader`
     (the Trainer sets them: at construction, when train() has prepared the run, when an evaluation starts).
+
+    `callbacks` is the list a script sees and edits (as transformers'); `writers` are stoker's own record
+    writers (metrics.jsonl), fired before it on every event but kept out of it, so that the list is
+    transformers' list and removing or popping a callback by class never removes them.
     """
 
-    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None):
+    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None, writers=()):
         self.callbacks: list = []
+        self.writers: list = list(writers)
         for cb in callbacks:
             self.add_callback(cb)
         self.model, self.processing_class = model, processing_class
@@ -260,6 +272,8 @@ class CallbackHandler:
         self.train_dataloader = self.eval_dataloader = None
 
     def add_callback(self, callback):
+        """Register a callback (an instance, or a class to instantiate); a second one of a class is added with
+        transformers' warning, and one defining an unknown on_ method is refused."""
         cb = callback() if isinstance(callback, type) else callback
         hooks = [m for m in dir(cb) if m.startswith("on_") and callable(getattr(cb, m))]
         unknown = [m for m in hooks if m not in EVENTS + FOREIGN_EVENTS]
@@ -268,8 +282,12 @@ class CallbackHandler:
             raise ValueError(f"callback {type(cb).__name__} defines unknown event(s) "
                              + ", ".join(f"{m}{suggest(m, EVENTS)}" for m in unknown)
                              + f"; events are: {', '.join(EVENTS)}")
-        if any(type(c) is type(cb) for c in self.callbacks):
-            logger.warning(f"a {type(cb).__name__} is already registered; adding another")
+        cb_class = callback if isinstance(callback, type) else type(callback)
+        if cb_class in [type(c) for c in self.callbacks]:
+            # transformers' words (its missing spaces included), on its logger
+            hf_callback_logger.warning(
+                f"You are adding a {cb_class} to the callbacks of this Trainer, but there is already one. The current"
+                + "list of callbacks is\n:" + self.callback_list)
         self.callbacks.append(cb)
 
     def pop_callback(self, callback):
@@ -300,7 +318,7 @@ class CallbackHandler:
         kwargs = {"model": self.model, "processing_class": self.processing_class, "optimizer": self.optimizer,
                   "lr_scheduler": self.lr_scheduler, "train_dataloader": self.train_dataloader,
                   "eval_dataloader": self.eval_dataloader, **kwargs}
-        for cb in self.callbacks:
+        for cb in [*self.writers, *self.callbacks]:
             method = getattr(cb, event, None)
             if method is None:
                 continue

@@ -15,6 +15,7 @@ resume needs).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import shutil
@@ -276,9 +277,10 @@ class Checkpointer:
             setattr(s, name, getattr(saved, name))
         if self.args.restore_callback_states_from_checkpoint:
             missing = restore_callback_states(run.callbacks, s.stateful_callbacks)
-            if missing:
-                logger.warning(f"{folder} holds the state of callbacks {missing}, which this Trainer does not have; "
-                               "their state is not restored")
+            if missing:  # transformers' words, on its trainer's logger
+                logging.getLogger("transformers.trainer").warning(
+                    "Checkpoint included callbacks not included in current configuration. Ignoring. "
+                    f"({', '.join(missing)})")
         own = ckpt.load_state(folder, f"process_{acc.process_index}")
         set_rng_state(own["rng"])
         log = RunningLog(acc.device)

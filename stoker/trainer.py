@@ -74,7 +74,7 @@ from .packing import packed_train_set
 from .prefix import prefix_body
 from .report import ReportCallback
 from .trainer_api import TrainerAPI
-from .trainer_checks import trainer_input_problems
+from .trainer_checks import train_rows_problems, trainer_input_problems
 
 
 def set_seed(seed: int) -> None:
@@ -191,13 +191,14 @@ class Trainer(TrainerAPI):
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
         self.control = TrainerControl()
-        # as transformers: its defaults and the trackers (stoker's metrics.jsonl among them), the callbacks given,
-        # then the progress display
-        defaults = [*DEFAULT_CALLBACKS, JsonlLoggerCallback(), *integration_callbacks(self.args.report_to)]
+        # as transformers: its defaults and the trackers, the callbacks given, then the progress display;
+        # metrics.jsonl is written by a writer the handler keeps outside that list (the list a script sees,
+        # edits and compares is transformers')
+        defaults = [*DEFAULT_CALLBACKS, *integration_callbacks(self.args.report_to)]
         if self.args.training_report:
             defaults.append(ReportCallback())
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []), self.model, self.processing_class,
-                                                self.optimizer, self.lr_scheduler)
+                                                self.optimizer, self.lr_scheduler, writers=[JsonlLoggerCallback()])
         self.callback_handler.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
         self._fire("on_init_end")
         if memory is not None:
@@ -227,6 +228,14 @@ class Trainer(TrainerAPI):
                           f"{type(base).__name__} (problem_type='multi_label_classification')", UserWarning,
                           stacklevel=3)
             label_smoothing = 0.0
+        # transformers' attribute, for scripts and subclasses that read it (an override of compute_loss calls it
+        # as transformers' does); stoker's own loss smooths exactly over the window (stoker.loss_computation).
+        # Imported only when smoothing is on: transformers.trainer_pt_utils costs seconds to import
+        self.label_smoother = None
+        if label_smoothing:
+            from transformers.trainer_pt_utils import LabelSmoother
+
+            self.label_smoother = LabelSmoother(epsilon=label_smoothing)
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
@@ -392,6 +401,14 @@ class Trainer(TrainerAPI):
         """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
         the checkpoint resumed from; returns the run."""
         a, acc = self.args, self.accelerator
+        # the train rows against the model, before any work of the run (the constructor probes the eval sets)
+        overridden = [m for m in ("get_train_dataloader", "compute_loss")
+                      if getattr(type(self), m) is not getattr(Trainer, m)]
+        problems = train_rows_problems(self.model, self.train_dataset,
+                                       self.data_collator, self.compute_loss_func, self.label_names,
+                                       self._convention.family, overridden)
+        if problems:
+            raise ConfigError(problems, "Trainer inputs")
         self._backend.check_new_run()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
                            accumulation=a.gradient_accumulation_steps)
@@ -647,6 +664,12 @@ class Trainer(TrainerAPI):
                 loader.set_epoch(pos.epoch)
             if getattr(loader, "generator", None) is not None:  # worker seeds = f(data_seed, epoch), not the
                 loader.generator.manual_seed(self.args.data_seed + pos.epoch)  # global RNG: resumable
+                if not pos.batches:
+                    # transformers' loader, without a generator, draws its base seed from the global RNG as each
+                    # epoch's iterator starts; one draw here keeps dropout (and any global draw after it) on
+                    # transformers' stream for the same seed. Only at an epoch's start: a resumed epoch's draw
+                    # was taken before its checkpoint saved the RNG state
+                    torch.empty((), dtype=torch.int64).random_()
             if pos.batches:
                 loader = self.accelerator.skip_first_batches(loader, pos.batches)
             window = []
@@ -844,13 +867,15 @@ class Trainer(TrainerAPI):
                 outputs = model(**inputs)
                 loss = loss_or_none(outputs)
             else:
-                if not self._convention.settled:
-                    self._convention.decide(model, inputs, self.accelerator)
-                items = self._convention.targets(inputs)
-                # as transformers: a model patched by Liger then skips the logits; others ignore the flag
+                # as transformers: a model patched by Liger then skips the logits; others ignore the flag. Every
+                # forward of a loss-only evaluation gets it, the loss convention's one-off probes (which need
+                # only losses) included
                 skip = {"skip_logits": True} if (self.args.use_liger_kernel and prediction_loss_only
                                                  and self._is_transformers) else {}
                 inputs = {**inputs, **skip}
+                if not self._convention.settled:
+                    self._convention.decide(model, inputs, self.accelerator)
+                items = self._convention.targets(inputs)
                 if prediction_loss_only:  # the loss alone: chunked_loss then computes no logits
                     loss, outputs = self.compute_loss(model, inputs, num_items_in_batch=max(items, 1)), None
                 else:

@@ -59,9 +59,23 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
         p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                  "(LoRA) to train an adapter on it (QLoRA)")
     if isinstance(model, torch.nn.Module):
+        # the eval sets only: the train set's rows are probed when train() starts (train_rows_problems), so a
+        # Trainer that only evaluates is built as transformers builds it, whatever its train rows hold
         for name, ds in datasets:
-            p += probe_rows(model, name, ds, collator, compute_loss_func, label_names, family)
+            if name != "train_dataset":
+                p += probe_rows(model, name, ds, collator, compute_loss_func, label_names, family)
     return p
+
+
+def train_rows_problems(model, train_dataset, collator, compute_loss_func, label_names: list[str], family: str,
+                        overridden: list[str]) -> list[str]:
+    """The train set's first rows collated and checked against the model (probe_rows), when train() starts and
+    before any work. Skipped where a subclass makes the batches or the loss itself (`overridden` names
+    get_train_dataloader or compute_loss): its batches or its loss need not be what the model's forward asks
+    for."""
+    if overridden or train_dataset is None or not isinstance(model, torch.nn.Module):
+        return []
+    return probe_rows(model, "train_dataset", train_dataset, collator, compute_loss_func, label_names, family)
 
 
 def _named_datasets(train_dataset, eval_dataset) -> list[tuple[str, Any]]:

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 
@@ -485,20 +486,36 @@ def test_resuming_early_stopping_and_loading_the_best_model_are_each_said_once(t
 
 
 def test_bad_rows_labels_and_collators_are_named_before_training(tmp_path):
+    # the train rows are probed when train() starts (a Trainer that only evaluates is built, as transformers
+    # builds it), before any work: the weights are untouched; the eval rows in the constructor
+    def refused(model, **kw):
+        trainer = Trainer(model, make_args(tmp_path), **kw)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        with pytest.raises(ConfigError) as e:
+            trainer.train()
+        assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+        return str(e.value)
+
     no_ids = [{"text_ids": [1, 2, 3], "labels": [1, 2, 3]}]
-    with pytest.raises(ConfigError, match=r"columns \['labels', 'text_ids'\].*needs 'input_ids'"):
-        Trainer(llama(), make_args(tmp_path), train_dataset=no_ids)
+    assert re.search(r"columns \['labels', 'text_ids'\].*needs 'input_ids'", refused(llama(), train_dataset=no_ids))
     float_labels = [{"input_ids": [1, 2, 3], "labels": [0.5, 0.1, 0.2]}]
     short_labels = [{"input_ids": [1, 2, 3], "labels": [1, 2]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}]
-    with pytest.raises(ConfigError) as e:
+    assert "train_dataset: labels has dtype torch.float32" in refused(llama(), train_dataset=float_labels)
+    with pytest.raises(ConfigError, match=re.escape("eval_dataset: labels has shape [2, 2] but input_ids has [2, 3]")):
         Trainer(llama(), make_args(tmp_path), train_dataset=float_labels, eval_dataset=short_labels)
-    assert "train_dataset: labels has dtype torch.float32" in str(e.value)
-    assert "eval_dataset: labels has shape [2, 2] but input_ids has [2, 3]" in str(e.value)
-    with pytest.raises(ConfigError, match=r"non-tensor values for \['ids'\]"):
-        Trainer(llama(), make_args(tmp_path), train_dataset=rows(4),
-                data_collator=lambda rs: {"input_ids": torch.tensor([r["input_ids"][:3] for r in rs]), "ids": [1]})
-    with pytest.raises(ConfigError, match=r"Poisonable.forward needs \['x'\]"):
-        Trainer(Poisonable(), make_args(tmp_path), train_dataset=[{"labels": 1.0}])
+    assert "non-tensor values for ['ids']" in refused(
+        llama(), train_dataset=rows(4),
+        data_collator=lambda rs: {"input_ids": torch.tensor([r["input_ids"][:3] for r in rs]), "ids": [1]})
+    assert "Poisonable.forward needs ['x']" in refused(Poisonable(), train_dataset=[{"labels": 1.0}])
+
+
+def test_train_rows_the_model_cannot_take_still_evaluate_and_train_is_refused(tmp_path):
+    no_labels = [{"input_ids": [1, 2, 3]}] * 4
+    trainer = Trainer(llama(), make_args(tmp_path), train_dataset=no_labels, eval_dataset=rows(4))
+    assert "eval_loss" in trainer.evaluate()  # transformers builds and evaluates too
+    trainer.get_eval_dataloader()
+    with pytest.raises(ConfigError, match=r"train_dataset: .*computes its loss from \['labels'\]"):
+        trainer.train()
 
 
 def test_checkpoint_of_another_model_names_the_mismatches(tmp_path):

@@ -125,3 +125,31 @@ def test_accelerator_config_refusals_name_the_key(tmp_path):
         stoker.TrainingArguments(output_dir="x", accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}})
     with pytest.raises(ConfigError, match="cannot read the JSON file"):
         stoker.TrainingArguments(output_dir="x", accelerator_config=str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("kind", ["none", "empty", "partial", "pathlib_path", "dispatch_set"])
+def test_accelerator_config_reaches_the_trainers_accelerator_as_in_transformers(tmp_path, kind):
+    from tests.integration.test_trainer import Regressor, regression_rows
+
+    path = tmp_path / "accelerate.json"
+    path.write_text(json.dumps({"split_batches": True, "even_batches": False, "use_seedable_sampler": False}))
+    value = {"none": None, "empty": {}, "partial": {"even_batches": False}, "pathlib_path": path,
+             "dispatch_set": {"dispatch_batches": True}}[kind]
+    seen = {}
+    for name, module in (("hf", transformers), ("stoker", stoker)):
+        args = module.TrainingArguments(output_dir=str(tmp_path / name), report_to="none", use_cpu=True,
+                                        accelerator_config=value)
+        accelerator = module.Trainer(Regressor(as_dict=True), args, train_dataset=regression_rows(4)).accelerator
+        seen[name] = {k: getattr(accelerator, k) for k in ("split_batches", "dispatch_batches", "even_batches",
+                                                             "use_seedable_sampler", "non_blocking")}
+        seen[name]["args"] = {k: getattr(args.accelerator_config, k) for k in ACCELERATOR_ATTRIBUTES}
+    if kind == "pathlib_path":
+        assert seen["hf"]["split_batches"] is True and seen["hf"]["even_batches"] is False
+    if kind != "dispatch_set":
+        # the documented difference: left None, Accelerate would have the main process read an IterableDataset
+        # and concatenate whole batches (which fails on rows of different lengths); stoker's processes each
+        # read their share, so the Accelerator holds False. The arguments keep transformers' None.
+        assert seen["hf"]["dispatch_batches"] is None and seen["stoker"]["dispatch_batches"] is False
+        assert seen["stoker"]["args"]["dispatch_batches"] is None
+        seen["stoker"]["dispatch_batches"] = None
+    assert seen["stoker"] == seen["hf"]

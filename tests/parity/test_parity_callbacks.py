@@ -1,11 +1,14 @@
 """The callback list as transformers.Trainer builds it: DEFAULT_CALLBACKS, the callbacks given at init, then
-ProgressCallback (PrinterCallback with disable_tqdm=True); stoker's own trackers (metrics.jsonl) sit where
-transformers puts its trackers, right after the defaults. And transformers' question-answering example's Trainer
-subclass, which fires events through self.callback_handler itself."""
+ProgressCallback (PrinterCallback with disable_tqdm=True); stoker's metrics.jsonl writer is kept outside that
+list. The warnings about callbacks come on transformers' loggers, in its words. And transformers'
+question-answering example's Trainer subclass, which fires events through self.callback_handler itself."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
+import logging
 import random
 
 import numpy as np
@@ -17,8 +20,6 @@ import stoker
 import stoker.callbacks
 from stoker.callbacks import EVENTS
 from tests.integration.test_trainer import Regressor, regression_rows
-
-STOKERS_OWN = ("JsonlLoggerCallback",)
 
 
 def callback_names(module, callbacks_module, tmp_path, **kw):
@@ -39,8 +40,7 @@ def callback_names(module, callbacks_module, tmp_path, **kw):
 def test_callback_list_is_transformers(tmp_path, settings):
     hf = callback_names(transformers, transformers.trainer_callback, tmp_path / "hf", **dict(settings))
     ours = callback_names(stoker, stoker.callbacks, tmp_path / "ours", **dict(settings))
-    assert ours[1:1 + len(STOKERS_OWN)] == list(STOKERS_OWN)
-    assert [n for n in ours if n not in STOKERS_OWN] == hf
+    assert ours == hf
     progress = "PrinterCallback" if settings.get("disable_tqdm") else "ProgressCallback"
     assert hf == ["DefaultFlowCallback"] + (["Mine"] if settings.get("given") else []) + [progress, "Later"]
 
@@ -273,3 +273,73 @@ def test_question_answering_trainer_subclass_as_transformers(tmp_path):
     for mine, theirs in zip(ours["logs"], hf["logs"], strict=True):
         assert sorted(mine) == sorted(theirs) and mine == pytest.approx(theirs, rel=1e-5, abs=1e-6)
     assert ours["training"] is hf["training"] is False  # the final evaluation left it in eval mode
+
+
+@contextlib.contextmanager
+def captured(logger_name):
+    """What is logged on `logger_name` (transformers' loggers do not propagate to the root, where caplog
+    listens: as transformers' own CaptureLogger, a handler on the logger itself)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_metrics_jsonl_is_written_with_transformers_callback_list_and_survives_its_edits(tmp_path):
+    from stoker.callbacks import ProgressCallback
+
+    args = stoker.TrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=2, logging_steps=1,
+                                    save_strategy="no", use_cpu=True)
+    trainer = stoker.Trainer(Regressor(as_dict=True), args, train_dataset=regression_rows(8))
+    trainer.remove_callback(ProgressCallback)
+    trainer.pop_callback(stoker.callbacks.DefaultFlowCallback)
+    trainer.add_callback(stoker.callbacks.DefaultFlowCallback)
+    assert "JsonlLoggerCallback" not in trainer.callback_handler.callback_list
+    trainer.train()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # two steps and the run's metrics
+
+
+def test_adding_a_second_callback_of_a_class_warns_as_transformers(tmp_path):
+    messages = {}
+    for name, module, callbacks_module in (("hf", transformers, transformers.trainer_callback),
+                                           ("stoker", stoker, stoker.callbacks)):
+        args = module.TrainingArguments(output_dir=str(tmp_path / name), report_to="none")
+        trainer = module.Trainer(Regressor(as_dict=True), args, train_dataset=regression_rows(4))
+        with captured("transformers.trainer_callback") as log:
+            trainer.add_callback(callbacks_module.DefaultFlowCallback)
+        messages[name] = log.getvalue()
+    assert "You are adding a" in messages["hf"] and "but there is already one" in messages["hf"]
+    # the class's repr names its module: stoker's DefaultFlowCallback, in the same sentence and list
+    assert messages["stoker"] == messages["hf"].replace("transformers.trainer_callback", "stoker.callbacks")
+
+
+def test_resuming_without_a_stateful_callback_warns_as_transformers(tmp_path):
+    from transformers.trainer_callback import ExportableState
+
+    class HFCounter(transformers.TrainerCallback, ExportableState):
+        def state(self):
+            return {"args": {}, "attributes": {}}
+
+    class StokerCounter(stoker.TrainerCallback):
+        def state(self):
+            return {"args": {}, "attributes": {}}
+
+    messages = {}
+    for name, module, counter in (("hf", transformers, HFCounter), ("stoker", stoker, StokerCounter)):
+        counter.__name__ = "Counter"
+        settings = dict(output_dir=str(tmp_path / name), report_to="none", max_steps=2, save_steps=1,
+                        restore_callback_states_from_checkpoint=True, use_cpu=True)
+        module.Trainer(Regressor(as_dict=True), module.TrainingArguments(**settings),
+                       train_dataset=regression_rows(8), callbacks=[counter()]).train()
+        trainer = module.Trainer(Regressor(as_dict=True), module.TrainingArguments(**{**settings, "max_steps": 3}),
+                                 train_dataset=regression_rows(8))
+        with captured("transformers.trainer") as log:
+            trainer.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-2"))
+        messages[name] = log.getvalue()
+    assert "Checkpoint included callbacks not included in current configuration. Ignoring. (Counter)" \
+        in messages["hf"]
+    assert messages["stoker"] == messages["hf"]

@@ -219,9 +219,10 @@ def test_bad_input_gets_one_clear_error_before_any_work(tmp_path):
     data = rows("llama", 4, 1)
     with pytest.raises(ConfigError, match="data collator returned tuple; it must return a dict"):
         Trainer(FAMILIES["llama"](0), args(tmp_path), train_dataset=data,
-                data_collator=lambda rs: (torch.zeros(len(rs), 3),))
+                data_collator=lambda rs: (torch.zeros(len(rs), 3),)).train()
     with pytest.raises(ConfigError, match=r"computes its loss from \['labels'\].*which the batches lack"):
-        Trainer(FAMILIES["llama"](0), args(tmp_path), train_dataset=[{"input_ids": r["input_ids"]} for r in data])
+        Trainer(FAMILIES["llama"](0), args(tmp_path),
+                train_dataset=[{"input_ids": r["input_ids"]} for r in data]).train()
     with pytest.raises(ConfigError, match="max_steps=-1: a train_dataset without a length"):
         Trainer(FAMILIES["llama"](0), args(tmp_path), train_dataset=Stream(data))
 

@@ -86,6 +86,21 @@ def test_label_smoothing_with_multi_label_classification_is_refused_as_transform
     assert losses["stoker", 0.2] == pytest.approx(losses["hf", 0.2], rel=1e-5)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("multi_label", [False, True], ids=["causal_lm", "multi_label"])
+def test_label_smoother_is_transformers_attribute(tmp_path, smoothing, multi_label):
+    seen = {}
+    for name, module in FRAMEWORKS.items():
+        model = multi_label_model() if multi_label else FAMILIES["llama"](0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = module.Trainer(model, quiet_args(module, tmp_path / name, label_smoothing_factor=smoothing))
+        smoother = trainer.label_smoother
+        seen[name] = None if smoother is None else (type(smoother), smoother.epsilon, smoother.ignore_index)
+    assert seen["stoker"] == seen["hf"]
+    assert (seen["hf"] is None) == (multi_label or not smoothing)
+
+
 def test_model_init_builds_transformers_model_for_the_seed(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -103,6 +118,29 @@ def test_model_init_builds_transformers_model_for_the_seed(tmp_path):
         for mine, theirs in zip(made["stoker", seed], made["hf", seed], strict=True):
             torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     assert not torch.equal(made["stoker", 5][0], made["stoker", 6][0])
+
+
+def test_model_init_with_dropout_trains_transformers_weights_for_the_seed(tmp_path):
+    # dropout draws from the global RNG, which transformers' loader also draws from once per epoch: two epochs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model_init():
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.3))
+
+    made = {}
+    for name, module in FRAMEWORKS.items():
+        torch.manual_seed(123)
+        args = quiet_args(module, tmp_path / name, seed=7, num_train_epochs=2, per_device_train_batch_size=4,
+                          learning_rate=0.05)
+        trainer = module.Trainer(model_init=model_init, args=args, train_dataset=rows("llama", 8, 1),
+                                 data_collator=PaddingCollator())
+        initial = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        made[name] = initial, [p.detach().clone() for p in trainer.model.parameters()]
+    for ours, theirs in zip(made["stoker"], made["hf"], strict=True):
+        for mine, their in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(mine, their, rtol=0, atol=0)
 
 
 def test_model_and_model_init_together_are_refused_as_transformers(tmp_path):
@@ -264,3 +302,23 @@ def test_returned_metrics_carry_epoch_as_transformers(tmp_path, disable_tqdm):
     assert keys["stoker"] == keys["hf"]
     assert epochs["stoker"] == epochs["hf"] == [0, 1.5, 1.5, None]  # 3 steps of 4 rows over 8 rows
     assert ("total_flos" in keys["stoker"][1]) is (not disable_tqdm)
+
+
+@pytest.mark.parametrize("loss_only", [True, False], ids=["loss_only", "with_predictions"])
+def test_liger_loss_only_evaluation_asks_every_forward_to_skip_logits_as_transformers(tmp_path, loss_only):
+    seen = {}
+    for name, module in FRAMEWORKS.items():
+        model, flags = FAMILIES["llama"](0), []
+
+        def record(_, positional, kwargs, flags=flags):  # the flag, taken out: the plain model has no such argument
+            flags.append(kwargs.pop("skip_logits", None))
+            return positional, kwargs
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
+        trainer = module.Trainer(model, quiet_args(module, tmp_path / name, use_liger_kernel=True),
+                                 eval_dataset=rows("llama", 4, 2), data_collator=PaddingCollator(),
+                                 compute_metrics=None if loss_only else (lambda p: {}))
+        trainer.evaluate()
+        seen[name] = set(flags)
+    assert seen["hf"] == ({True} if loss_only else {None})
+    assert seen["stoker"] == seen["hf"]
