@@ -288,7 +288,8 @@ class TrainingArguments:
 
     # --- logging --------------------------------------------------------------------------------
     logging_dir: str | None = field(default=None, metadata=_help(
-        "TensorBoard folder (default: output_dir/runs/<date>_<host>)."))
+        "TensorBoard folder unless TENSORBOARD_LOGGING_DIR is set, as transformers 5 reads it (default: "
+        "output_dir/runs/<date>_<host>)."))
     logging_strategy: str = field(default="steps", metadata=_help(
         "When to log: 'no', 'steps' (every logging_steps) or 'epoch'."))
     logging_steps: float = field(default=500, metadata=_help(

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -503,17 +504,39 @@ class JsonlLoggerCallback(TrainerCallback):
             f.write(json.dumps(record) + "\n")
 
 
+TENSORBOARD_DIR = "TENSORBOARD_LOGGING_DIR"
+
+
+def summary_writer_class():
+    """torch's SummaryWriter (it needs the tensorboard package), else tensorboardX's, as transformers chooses."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from tensorboardX import SummaryWriter
+    return SummaryWriter
+
+
 class TensorBoardCallback(TrainerCallback):
-    """Writes every numeric log value as a TensorBoard scalar under args.logging_dir."""
+    """Writes every numeric log value as a TensorBoard scalar, with torch's writer or tensorboardX's, into
+    transformers 5's folder: TENSORBOARD_LOGGING_DIR (read when the callback is made, `~` expanded) when set,
+    else logging_dir (transformers 4's field, kept; its default is transformers' output_dir/runs/<date>_<host>);
+    a hyperparameter-search trial writes into logging_dir/<trial name>, as transformers ignores the variable there."""
 
     def __init__(self):
         self.writer = None
+        self.logging_dir = os.getenv(TENSORBOARD_DIR)
+        if self.logging_dir is not None:
+            self.logging_dir = os.path.expanduser(self.logging_dir)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=args.logging_dir)
+        if not state.is_world_process_zero:
+            return
+        if state.is_hyper_param_search and state.trial_name is not None:
+            self.logging_dir = os.path.join(args.logging_dir, state.trial_name)
+        elif self.logging_dir is None:
+            self.logging_dir = args.logging_dir
+        if self.writer is None:
+            self.writer = summary_writer_class()(log_dir=self.logging_dir)
             self.writer.add_text("args", args.to_json_string())
 
     def on_log(self, args, state, control, logs=None, diagnostics=None, **kwargs):

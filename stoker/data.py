@@ -8,7 +8,9 @@ conventions (DataCollatorForSeq2Seq); a Trainer must batch variable-length rows 
 from __future__ import annotations
 
 import inspect
+import random
 from collections.abc import Mapping
+from functools import partial
 
 import numpy as np
 import torch
@@ -133,6 +135,19 @@ def pins_memory(args) -> bool:
     return args.dataloader_pin_memory and torch.cuda.is_available() and not args.use_cpu
 
 
+def seed_worker(worker_id: int, num_workers: int, rank: int) -> None:
+    """transformers' worker seed (trainer_utils.seed_worker): a training loader's worker seeds `random`, numpy and
+    torch with torch's own worker seed (the loader's base seed + worker id) plus num_workers x rank, so that a
+    collator or dataset that draws random numbers (MLM masking, augmentation) draws differently on every process.
+    The base seed comes from the loader's generator, reseeded with data_seed + epoch, so the seeds stay a pure
+    function of (data_seed, epoch, rank, worker): resumable. Written here, not imported, so that a worker started
+    by spawn or forkserver needs no transformers import to unpickle it."""
+    seed = num_workers * rank + torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # and every device generator, as transformers.set_seed does
+
+
 def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> DataLoader:
     """A DataLoader honouring every dataloader_* field. Training data is shuffled by a RandomSampler that
     Accelerate replaces with its seedable sampler (order = f(data_seed, epoch)) when it prepares the loader.
@@ -161,6 +176,9 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
         # would otherwise shift dropout masks after a resume (reseeded per epoch by the Trainer)
         generator=torch.Generator().manual_seed(args.data_seed) if train else None,
         multiprocessing_context=args.dataloader_multiprocessing_context if workers > 0 else None,
+        # evaluation workers keep torch's seeds (base + worker id), as transformers leaves them
+        worker_init_fn=partial(seed_worker, num_workers=workers, rank=args.process_index) if train and workers
+        else None,
         **extra,
     )
 

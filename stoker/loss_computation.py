@@ -6,7 +6,8 @@ loss being the micro-batch's summed item losses divided by `num_items_in_batch` 
 every process), so that B x A micro-batches give exactly the update of one batch of B*A rows:
 
     ModelLoss       the model's own loss: handed num_items_in_batch where its forward divides by it (as
-                    LossConvention finds out), else its mean rescaled by local items / window items
+                    LossConvention finds out), else its mean rescaled by local items / window items (target
+                    tokens, or samples for a per-sample mean), or its sum as it is
     FunctionLoss    compute_loss_func(outputs, labels, num_items_in_batch)
     SmoothedLoss    label_smoothing_factor: transformers' label smoother, summed over the window's items
     ChunkedLoss     chunked_loss: a causal LM's loss from its hidden states, a chunk at a time (stoker.chunked_loss)
@@ -55,7 +56,7 @@ class ModelLoss:
         outputs = model(**inputs)
         loss = loss_of(outputs)
         if num_items is not None:
-            loss = loss * (self.convention.targets(inputs) / num_items)
+            loss = self.convention.share(loss, inputs, num_items)
         return loss, outputs
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,8 +51,13 @@ def loss_of(outputs) -> torch.Tensor:
     return loss
 
 
+TOKENS, SAMPLES, SUM = "tokens", "samples", "sum"  # what a model's own loss is a mean over (SUM: none)
+
+
 class LossConvention:
-    """The loss normalisation of one model (`causal`, `honours_num_items`: True, False, or None while unknown).
+    """The loss normalisation of one model (`causal`, `honours_num_items`: True, False, or None while unknown;
+    `reduction`: what the model's own loss is a mean over when it does not divide by num_items_in_batch, TOKENS,
+    SAMPLES or SUM, None while unknown).
 
     `label_name` is the first of the Trainer's label_names; `forward_kwargs` what every loss forward gets
     (use_cache). With a compute_loss_func (`loss_func`) or chunked_loss (`chunked`) computing the loss, the
@@ -68,14 +74,23 @@ class LossConvention:
             False)
         self.own_loss = not (loss_func or chunked)
         self.honours_num_items = None if isinstance(model, torch.nn.Module) and accepts_num_items(base) else False
+        self.reduction = None if isinstance(model, torch.nn.Module) and self.own_loss else TOKENS
 
     @property
     def settled(self) -> bool:
-        return self.causal is not None and self.honours_num_items is not None
+        return self.causal is not None and self.honours_num_items is not None and self.reduction is not None
 
     def targets(self, batch: dict) -> int | torch.Tensor:
-        """The batch's target items (tokens with a label; rows for a model with one label per row)."""
+        """The batch's target items (tokens with a label; rows for a model with one label per row, or whose loss is
+        a mean over samples or a sum)."""
+        if self.reduction in (SAMPLES, SUM):
+            return count_targets(batch, None, False)
         return count_targets(batch, self.label_name, self.causal)
+
+    def share(self, loss: torch.Tensor, batch: dict, num_items) -> torch.Tensor:
+        """A micro-batch's share of the window loss, from the model's own loss when it does not divide by
+        num_items_in_batch: its mean rescaled by this batch's items / the window's, or its sum as it is."""
+        return loss if self.reduction == SUM else loss * (self.targets(batch) / num_items)
 
     def window_items(self, window: list[dict], accelerator, across_devices: bool) -> torch.Tensor:
         """Target items in a whole accumulation window, summed over every process (over this process only
@@ -123,6 +138,17 @@ class LossConvention:
             probe = _probe_rows(batch, batch.get(self.label_name), first_is_target=False)
             self.honours_num_items = shared(self._probe_num_items(model, {**probe, **self.forward_kwargs},
                                                                   accelerator.device))
+        if self.reduction is None and self.honours_num_items is not None:
+            labels = batch.get(self.label_name)
+            if self.honours_num_items or not (isinstance(labels, torch.Tensor) and labels.dim() == 2
+                                              and not labels.is_floating_point()):
+                self.reduction = TOKENS  # divides by the count it is given, or one label (item) per row
+            else:
+                per_sample, sum_probe = self._probe_reduction(model, batch, labels, accelerator.device)
+                per_sample = shared(per_sample)  # every process votes, whatever its batch told
+                # one more forward on every process, or on none: the vote is shared
+                summed = shared(self._probe_sum(model, sum_probe, accelerator.device)) if per_sample else False
+                self.reduction = SUM if per_sample and summed else SAMPLES if per_sample else TOKENS
 
     def _probe_shift(self, model, batch: dict, labels: torch.Tensor, device) -> bool | None:
         """Whether the model shifts its labels inside (token t predicting label t+1, as a causal LM does): its
@@ -154,6 +180,54 @@ class LossConvention:
         if not torch.isfinite(one) or one == 0:
             return None
         return bool(torch.isclose(one.double(), 2 * two.double(), rtol=1e-4, atol=0))
+
+
+    def _probe_reduction(self, model, batch: dict, labels: torch.Tensor, device) -> tuple[bool | None, Any]:
+        """Whether the model's loss is normalised per sample rather than over the batch's target tokens, from two
+        rows a and b with different target counts t_a != t_b, rearranged without changing the batch's shape (so
+        dropout masks stay those of each position): f(a,b) + f(b,a) - f(a,a) - f(b,b) is 0 for a per-sample loss
+        (a sum or mean of per-row terms, each row divided by anything of its own), and (t_a - t_b) (f(a,a) -
+        f(b,b)) / (t_a + t_b) for a mean over the target tokens. None where the rows cannot tell (equal counts,
+        equal losses, or neither identity: rows that see each other, as through batch norm): the window is then
+        counted in tokens, as before. Every process runs the same forwards, whatever its rows. Also returns what
+        `_probe_sum` needs."""
+        rows = labels.shape[0]
+        counts = [int(count_targets({self.label_name: labels[i:i + 1]}, self.label_name, bool(self.causal)))
+                  for i in range(rows)]
+        pairs = [(i, j) for i in range(rows) for j in range(i + 1, rows) if counts[i] and counts[j]]
+        a, b = max(pairs, key=lambda p: abs(counts[p[0]] - counts[p[1]]), default=(0, min(1, rows - 1)))
+
+        def rearranged(order: list[int]) -> dict:
+            index = torch.tensor(order)
+            return {**{k: v.index_select(0, index.to(v.device)) if isinstance(v, torch.Tensor) and v.dim()
+                       and v.shape[0] == rows else v for k, v in batch.items()}, **self.forward_kwargs}
+
+        with _probe_forwards(model, device) as forward:
+            losses = [loss_or_none(forward(**rearranged(order))) for order in ([a, b], [b, a], [a, a], [b, b])]
+        if any(f is None or f.dim() != 0 or not torch.isfinite(f) for f in losses):
+            return None, None
+        f_ab, f_ba, f_aa, f_bb = (f.double() for f in losses)
+        gap = f_ab + f_ba - f_aa - f_bb
+        token_gap = (counts[a] - counts[b]) * (f_aa - f_bb) / max(counts[a] + counts[b], 1)
+        sum_probe = (rearranged([a, a, a, a]), f_aa)
+        if abs(token_gap) <= 1e-3 * (abs(f_aa) + abs(f_bb)):
+            return None, sum_probe  # a mean over tokens would look per-sample here too
+        if abs(gap) <= 0.05 * abs(token_gap):
+            return True, sum_probe
+        return (False if abs(gap - token_gap) <= 0.05 * abs(token_gap) else None), sum_probe
+
+    @staticmethod
+    def _probe_sum(model, sum_probe, device) -> bool | None:
+        """Whether a per-sample loss is a sum over the samples, not their mean: four copies of row a give twice
+        the loss of two (a mean gives the same). Run by every process once they agree the loss is per-sample."""
+        if sum_probe is None:
+            return None
+        four, f_aa = sum_probe
+        with _probe_forwards(model, device) as forward:
+            f_aaaa = loss_or_none(forward(**four))
+        if f_aaaa is None or f_aaaa.dim() != 0 or not torch.isfinite(f_aaaa):
+            return None
+        return bool(abs(f_aaaa.double()) > 1.5 * abs(f_aa))
 
 
 def _probe_rows(batch: dict, labels, first_is_target: bool) -> dict:

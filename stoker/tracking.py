@@ -2,15 +2,16 @@
 stoker.callbacks.integration_callbacks).
 
 Every tracker transformers 5 knows runs through transformers' own callback (its INTEGRATION_TO_CALLBACK), which
-speaks the TrainerCallback API stoker keeps; TensorBoard is stoker's own callback, which writes to logging_dir.
+speaks the TrainerCallback API stoker keeps; TensorBoard is stoker's own callback (stoker.callbacks), which writes
+where transformers' does, with tensorboard or tensorboardX.
 This module is cheap to import (TrainingArguments uses it): transformers' integrations load the modelling stack
 (seconds), so they are imported only for report_to="all", and by the callbacks when a tracker is named.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from importlib.util import find_spec
 
 from .errors import suggest
 
@@ -32,13 +33,16 @@ INTEGRATIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "trackio": (("trackio",), "trackio"),
     "wandb": (("wandb",), "wandb"),
 }
+# a tracker that another package serves as well: transformers' TensorBoardCallback writes with torch's
+# SummaryWriter (which needs tensorboard) or else with tensorboardX's
+ALTERNATIVES: dict[str, tuple[tuple[str, ...], str]] = {"tensorboard": (("tensorboardX",), "tensorboardX")}
 ALONE = ("all", "none")  # stand for a list of names, so only on their own
 KUBEFLOW_URL = "KUBEFLOW_TRAINER_SERVER_URL"
 
 
 def _installed(module: str) -> bool:
-    try:
-        return find_spec(module) is not None
+    try:  # looked up when called, as transformers' availability checks do
+        return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # a parent package of a dotted name is missing
         return False
 
@@ -77,7 +81,12 @@ def report_to_problems(names: list[str]) -> list[str]:
                      + ", ".join(INTEGRATIONS))
         elif name == "kubeflow" and os.getenv(KUBEFLOW_URL) is None:
             p.append(f"{shown}: 'kubeflow' reports a TrainJob's status to {KUBEFLOW_URL}, which is not set")
-        elif not all(_installed(m) for m in INTEGRATIONS[name][0]):
+        elif name in ALTERNATIVES and not any(all(_installed(m) for m in modules)
+                                               for modules in (INTEGRATIONS[name][0], ALTERNATIVES[name][0])):
+            first, other = INTEGRATIONS[name][1], ALTERNATIVES[name][1]
+            p.append(f"{shown}: {name!r} needs the {first} or the {other} package, neither is installed "
+                     f"(pip install {first}, or pip install {other})")
+        elif name not in ALTERNATIVES and not all(_installed(m) for m in INTEGRATIONS[name][0]):
             p.append(f"{shown}: {name!r} needs the {INTEGRATIONS[name][1]} package, which is not installed "
                      f"(pip install {INTEGRATIONS[name][1]})")
     log_model = os.getenv("WANDB_LOG_MODEL", "")  # transformers reads it case-sensitively

@@ -227,6 +227,60 @@ def test_resume_with_two_processes_is_exact(two_ranks):
         assert r["resumed_losses"] == r["losses"]  # the log history up to step 2 comes with the checkpoint
 
 
+def worker_draws(path: Path) -> list[list[dict]]:
+    """The draws of one rank's run, one list per worker process in the order it collated (a worker's lines are
+    in its order; workers of one epoch share a loader base seed, a new epoch's workers get another)."""
+    by_worker: dict[tuple, list[dict]] = {}
+    for line in path.read_text().splitlines():
+        d = json.loads(line)
+        by_worker.setdefault((d["torch_seed"] - d["worker"], d["worker"]), []).append(d)
+    return list(by_worker.values())
+
+
+def transformers_draws(worker: list[dict], rank: int) -> list[dict]:
+    """What transformers' rule draws in that worker: torch seeds it with the loader's base seed + worker id, then
+    transformers.Trainer's worker_init_fn, seed_worker(worker_id, num_workers, rank), reseeds every generator."""
+    import random
+
+    import numpy as np
+    from transformers.trainer_utils import seed_worker
+
+    first = worker[0]
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(first["torch_seed"])
+        seed_worker(first["worker"], num_workers=first["workers"], rank=rank)
+        drawn = [{"seed": torch.initial_seed(), "torch": torch.rand(torch.tensor(d["torch"]).shape).tolist(),
+                  "numpy": float(np.random.rand()), "random": random.random()} for d in worker]
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    return drawn
+
+
+def test_loader_workers_draw_per_process_as_transformers_seeds_them_and_resume_exactly(two_ranks):
+    """2 ranks x 2 loader workers whose collator masks labels at random (drawn with torch, numpy and random in
+    the worker): rank 1's workers draw other numbers than rank 0's, equal to what transformers' seed_worker
+    (base seed + worker id + num_workers x rank) gives; and a run resumed at the epoch boundary draws what the
+    uninterrupted run drew in epoch 2 and ends bit for bit where it ended."""
+    folder = two_ranks / "worker_seeds"
+    full = [worker_draws(folder / f"draws_full_rank{r}.jsonl") for r in range(2)]
+    for r in range(2):
+        assert len(full[r]) == 4 and all(len(worker) == 3 for worker in full[r])  # 2 epochs x 2 workers x 3 batches
+        for worker in full[r]:
+            got = [{k: d[k] for k in ("seed", "torch", "numpy", "random")} for d in worker]
+            assert got == transformers_draws(worker, r)
+    for w0, w1 in zip(full[0], full[1], strict=True):
+        assert w0[0]["torch_seed"] == w1[0]["torch_seed"]  # the loader's base seed: f(data_seed, epoch), alike
+        assert w1[0]["seed"] == w0[0]["seed"] + 2, "every process's workers draw the same random numbers"
+        assert [d["numpy"] for d in w0] != [d["numpy"] for d in w1]
+        assert [d["random"] for d in w0] != [d["random"] for d in w1]
+    for r, rank in enumerate(ranks(two_ranks, "worker_seeds")):
+        resumed = worker_draws(folder / f"draws_resumed_rank{r}.jsonl")
+        assert resumed == full[r][2:]  # the second epoch's workers, seeds and draws
+        assert rank["resumed_params"] == rank["params"]
+        assert rank["resumed_losses"] == rank["losses"]
+
+
 def test_resume_with_another_world_size_is_refused_unless_warned(two_ranks, tmp_path, capsys):
     folder = str(two_ranks / "rng_resume" / "out" / "checkpoint-2")
     t = Trainer(w.dropout_llama(), w.rng_args(str(tmp_path / "a")), train_dataset=w.TRAIN)

@@ -246,6 +246,58 @@ def rng_resume(out: str) -> None:
     r.write()
 
 
+class RandomMaskingCollator:
+    """Pads as stoker's collator, then hides each target token with probability 0.3, drawn with torch in the
+    loader's worker, as an MLM collator or an augmentation draws; draws one number from numpy and one from `random`
+    too. Appends what the worker drew, with torch's seed for that worker (the loader's base seed + worker id,
+    before any worker_init_fn) and the seed it drew with, to <folder>/draws_rank<r>.jsonl."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, features):
+        import random
+
+        import numpy as np
+
+        from stoker.data import PaddingCollator
+
+        batch = PaddingCollator()(features)
+        info = torch.utils.data.get_worker_info()
+        draws = torch.rand(batch["labels"].shape)
+        batch["labels"] = batch["labels"].masked_fill(draws < 0.3, -100)
+        if info is None:  # the Trainer's check of its first rows, in the main process
+            return batch
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"worker": info.id, "workers": info.num_workers, "torch_seed": info.seed,
+                                "seed": torch.initial_seed(), "torch": draws.tolist(),
+                                "numpy": float(np.random.rand()), "random": random.random()}) + "\n")
+        return batch
+
+
+def worker_seeds_args(out: str, **kw) -> TrainingArguments:
+    # 24 rows / (2 per device x 2 processes x accumulation 2) = 3 steps per epoch; checkpoint-3 ends epoch 1
+    return training_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+                         save_strategy="steps", save_steps=3, optim="adamw_torch", learning_rate=1e-2,
+                         dataloader_num_workers=2, **kw)
+
+
+def worker_seeds(out: str) -> None:
+    """Two loader workers per rank whose collator masks labels at random: a run of 2 epochs, and a second one
+    resumed from checkpoint-3 (the epoch boundary, where the workers start afresh)."""
+    r = Report(out, "worker_seeds")
+    runs = {}
+    for name in ("full", "resumed"):
+        collator = RandomMaskingCollator(os.path.join(r.folder, f"draws_{name}_rank{r.rank}.jsonl"))
+        runs[name] = Trainer(llama(), worker_seeds_args(os.path.join(r.folder, name)), train_dataset=TRAIN,
+                             data_collator=collator)
+    runs["full"].train()
+    runs["resumed"].train(resume_from_checkpoint=os.path.join(r.folder, "full", "checkpoint-3"))
+    r.values.update(losses=losses(runs["full"]), resumed_losses=losses(runs["resumed"]),
+                    params=param_digest(runs["full"].model), resumed_params=param_digest(runs["resumed"].model))
+    r.write()
+
+
 def preempt(out: str) -> None:
     """The rng_resume run, with rank 1 held after step 2 until the test has sent it SIGTERM."""
     r = Report(out, "preempt")
@@ -855,7 +907,7 @@ SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
     guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
     zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
-    placement, oom_on_one_rank, oom_in_the_last_backward)}
+    placement, oom_on_one_rank, oom_in_the_last_backward, worker_seeds)}
 
 
 def main() -> None:

@@ -247,6 +247,38 @@ def test_a_tracker_whose_package_is_missing_is_refused_with_the_pip_command():
         "(pip install clearml)"]
 
 
+def only_installed(monkeypatch, present: set[str]) -> None:
+    """importlib.util.find_spec sees tensorboard and tensorboardX only where `present` names them."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *a, **kw):
+        if name in ("tensorboard", "tensorboardX"):
+            return real(name, *a, **kw) if name in present else None
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+@pytest.mark.parametrize("present", [{"tensorboard", "tensorboardX"}, {"tensorboard"}, {"tensorboardX"}, set()])
+def test_tensorboard_needs_tensorboard_or_tensorboardx_as_transformers(monkeypatch, present):
+    """transformers' TensorBoardCallback writes with tensorboard's or tensorboardX's writer: either package is
+    accepted, as transformers' is_tensorboard_available decides; neither is refused, naming both pip commands."""
+    from transformers.integrations.integration_utils import is_tensorboard_available
+
+    only_installed(monkeypatch, present)
+    assert is_tensorboard_available() == bool(present)
+    if present:
+        assert TrainingArguments(report_to="tensorboard").report_to == ["tensorboard"]
+        return
+    with pytest.raises(ConfigError) as e:
+        TrainingArguments(report_to="tensorboard")
+    assert e.value.problems == [
+        "report_to=['tensorboard']: 'tensorboard' needs the tensorboard or the tensorboardX package, neither is "
+        "installed (pip install tensorboard, or pip install tensorboardX)"]
+
+
 def test_all_and_none_stand_alone_and_unknown_names_get_a_suggestion():
     with pytest.raises(ConfigError) as e:
         TrainingArguments(report_to=["all", "mlfow"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 from collections import Counter
 
@@ -351,6 +352,84 @@ def test_tensorboard_event_files(tiny_llama, clm_rows, make_args, tmp_path):
     acc = EventAccumulator(str(logdir))
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+
+
+def tensorboard_folders(monkeypatch, tmp_path, env: str | None, **state) -> tuple[str, str]:
+    """The folder transformers' TensorBoardCallback and stoker's pick for the same output_dir, environment and
+    state (on_train_begin on the main process, each with its own arguments class; neither writer is kept)."""
+    from transformers import TrainerControl as HFControl
+    from transformers import TrainerState as HFState
+    from transformers import TrainingArguments as HFArgs
+    from transformers.integrations import TensorBoardCallback as HFTensorBoard
+
+    from stoker import TrainingArguments
+
+    if env is None:
+        monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", env)
+    out = str(tmp_path / "out")
+    folders = []
+    for callback, args, st, control in (
+            (HFTensorBoard(), HFArgs(output_dir=out, report_to="none"), HFState(**state), HFControl()),
+            (stoker.callbacks.TensorBoardCallback(), TrainingArguments(output_dir=out, report_to="none"),
+             TrainerState(**state), TrainerControl())):
+        callback.on_train_begin(args, st, control)
+        callback.on_train_end(args, st, control)
+        folders.append(callback.logging_dir)
+    return folders[0], folders[1]
+
+
+def test_tensorboard_folder_is_transformers_one(monkeypatch, tmp_path):
+    """TENSORBOARD_LOGGING_DIR (~ expanded) when set, else output_dir/runs/<date>_<host> (the date to the second:
+    compared without it), and a trial's folder under runs/: where transformers 5.24's callback writes."""
+    import socket
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    theirs, ours = tensorboard_folders(monkeypatch, tmp_path, "~/tb")
+    assert ours == theirs == str(tmp_path / "home" / "tb")
+    assert list((tmp_path / "home" / "tb").glob("events.out.tfevents.*"))
+    theirs, ours = tensorboard_folders(monkeypatch, tmp_path, None)
+    runs = str(tmp_path / "out" / "runs")
+    for folder in (theirs, ours):
+        assert os.path.dirname(folder) == runs and folder.endswith(f"_{socket.gethostname()}"), folder
+    theirs, ours = tensorboard_folders(monkeypatch, tmp_path, str(tmp_path / "tb"), is_hyper_param_search=True,
+                                       trial_name="3")
+    for folder in (theirs, ours):  # a trial ignores the variable
+        assert os.path.dirname(os.path.dirname(folder)) == runs and os.path.basename(folder) == "3", folder
+    # logging_dir, transformers 4's field, counts when the variable is unset
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR")
+    callback = stoker.callbacks.TensorBoardCallback()
+    args = make_tb_args(tmp_path, logging_dir=str(tmp_path / "mine"))
+    callback.on_train_begin(args, TrainerState(), TrainerControl())
+    callback.on_train_end(args, TrainerState(), TrainerControl())
+    assert callback.logging_dir == str(tmp_path / "mine")
+
+
+def make_tb_args(tmp_path, **kw):
+    from stoker import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", **kw)
+
+
+def test_tensorboard_writes_with_tensorboardx_when_torch_writer_cannot(tiny_llama, clm_rows, make_args, tmp_path,
+                                                                         monkeypatch):
+    """Without the tensorboard package torch's SummaryWriter cannot be imported; transformers then writes with
+    tensorboardX's, and so does stoker."""
+    import sys
+
+    pytest.importorskip("tensorboardX")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as without tensorboard
+    assert stoker.callbacks.summary_writer_class().__module__.startswith("tensorboardX")
+    logdir = tmp_path / "tbx"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
+    Trainer(tiny_llama(), make_args(max_steps=2, logging_steps=1, report_to="tensorboard"),
+            train_dataset=clm_rows(8)).train()
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
 
 
 def test_metrics_jsonl_has_one_object_per_log(tiny_llama, clm_rows, make_args, tmp_path):
