@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def local_ray():
     import ray
 
+    # ray.init installs signal handlers of its own in this process, which ray.shutdown leaves: put the test
+    # process's back, or every later test that sends itself SIGTERM meets Ray's handler
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def test_ray_train_fits_reports_checkpoints_and_resumes_after_a_lost_worker(local_ray, tmp_path):

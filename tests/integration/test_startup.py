@@ -85,14 +85,15 @@ def test_own_schedules_equal_transformers(name, kwargs, warmup):
     assert len(set(ours)) > 1 or name == "constant" or (name == "constant_with_warmup" and not warmup)
 
 
-@pytest.mark.parametrize("field, value, package", [
-    ("report_to", "tensorboard", "tensorboard"),
-    ("training_report", True, "matplotlib"),
-    ("optim", "adamw_8bit", "bitsandbytes"),
-    ("optim", "paged_lion_32bit", "bitsandbytes"),
+@pytest.mark.parametrize("field, value, package, alternatives", [
+    ("report_to", "tensorboard", "tensorboard", ("tensorboardX",)),  # either writer will do, as in transformers
+    ("training_report", True, "matplotlib", ()),
+    ("optim", "adamw_8bit", "bitsandbytes", ()),
+    ("optim", "paged_lion_32bit", "bitsandbytes", ()),
 ])
-def test_missing_optional_package_is_reported_before_any_work(monkeypatch, field, value, package):
-    monkeypatch.setitem(sys.modules, package, None)  # importlib.util.find_spec then finds nothing
+def test_missing_optional_package_is_reported_before_any_work(monkeypatch, field, value, package, alternatives):
+    for name in (package, *alternatives):
+        monkeypatch.setitem(sys.modules, name, None)  # importlib.util.find_spec then finds nothing
     with pytest.raises(ConfigError) as e:
         TrainingArguments(output_dir="unused", **{field: value})
     message = str(e.value)

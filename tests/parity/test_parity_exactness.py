@@ -23,7 +23,7 @@ def test_accumulation_updates_like_one_big_batch(tmp_path, family):
     start = dict({**FAMILIES, **HEADS}[family](0).named_parameters())
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # the runs did move the weights
     losses = [[r["loss"] for r in t.state.log_history if "loss" in r] for t in (whole, split)]
-    assert losses[0] == pytest.approx(losses[1], abs=2e-6, rel=2e-7)  # a summed CTC loss is ~100
+    assert losses[0] == pytest.approx(losses[1], abs=2e-6, rel=1e-6)  # a summed CTC loss is ~100: a few float32 ulps
 
 
 def one_step_update(framework: str, family: str, out: str, batch: int, accumulation: int) -> tuple[dict, object]:

@@ -219,10 +219,13 @@ def test_trainer_with_group_by_length_pads_less_and_sees_every_row(tmp_path):
             batches.append([len(f["input_ids"]) for f in features])
             return PaddingCollator()(features)
 
+        class Training(TrainerCallback):  # what the steps collate, not the probe of the first rows before them
+            def on_train_begin(self, args, state, control, batches=batches, **kw):
+                batches.clear()
+
         t = Trainer(llama(), args(tmp_path / str(grouped), per_device_train_batch_size=8, num_train_epochs=1,
                                   group_by_length=grouped, remove_unused_columns=False),
-                    train_dataset=data, data_collator=collate)
-        batches.clear()  # the probe of the first rows at construction
+                    train_dataset=data, data_collator=collate, callbacks=[Training()])
         t.train()
         assert sorted(n for b in batches for n in b) == sorted(len(r["input_ids"]) for r in data)
         seen[grouped] = 1 - sum(map(sum, batches)) / sum(max(b) * len(b) for b in batches)
