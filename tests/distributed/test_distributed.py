@@ -228,13 +228,14 @@ def test_resume_with_two_processes_is_exact(two_ranks):
 
 
 def worker_draws(path: Path) -> list[list[dict]]:
-    """The draws of one rank's run, one list per worker process in the order it collated (a worker's lines are
-    in its order; workers of one epoch share a loader base seed, a new epoch's workers get another)."""
-    by_worker: dict[tuple, list[dict]] = {}
+    """The draws of one rank's run, one list per worker process in the order it collated, epoch by epoch and by
+    worker id within an epoch (a worker's lines are in its order, but the two workers of an epoch write theirs in
+    whichever order they run; workers of one epoch share a loader base seed, a new epoch's workers get another)."""
+    by_epoch: dict[int, dict[int, list[dict]]] = {}  # base seed (in the order epochs ran) -> worker -> its draws
     for line in path.read_text().splitlines():
         d = json.loads(line)
-        by_worker.setdefault((d["torch_seed"] - d["worker"], d["worker"]), []).append(d)
-    return list(by_worker.values())
+        by_epoch.setdefault(d["torch_seed"] - d["worker"], {}).setdefault(d["worker"], []).append(d)
+    return [workers[w] for workers in by_epoch.values() for w in sorted(workers)]
 
 
 def transformers_draws(worker: list[dict], rank: int) -> list[dict]:
