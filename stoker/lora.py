@@ -30,10 +30,12 @@ def is_quantized(model) -> bool:
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
-    """Leaf names of the linear layers LoRA can adapt (e.g. q_proj, v_proj, down_proj), sorted."""
+    """Leaf names of the linear layers LoRA can adapt (e.g. q_proj, v_proj, down_proj; GPT-2's c_attn, a
+    transformers Conv1D, which peft adapts as a linear layer with its weight transposed), sorted."""
     names = set()
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) or "Linear" in type(module).__name__:
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Linear) or "Linear" in kind or kind == "Conv1D":
             names.add(name.rsplit(".", 1)[-1])
     return sorted(names)
 

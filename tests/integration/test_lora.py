@@ -71,6 +71,19 @@ def test_unknown_target_modules_name_what_the_model_has(tmp_path):
         Trainer(llama(), make_args(tmp_path), train_dataset=rows(4), peft_config=lora(target_modules=["qkv"]))
 
 
+def test_gpt2_conv1d_projections_take_an_adapter(tmp_path):
+    """GPT-2's c_attn / c_proj / c_fc are transformers Conv1D layers (linear, weight transposed), which peft
+    adapts: naming them is accepted and trains their adapter."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    t = Trainer(model, make_args(tmp_path, save_strategy="no", max_steps=1), train_dataset=rows(4),
+                peft_config=lora(target_modules=["c_attn"]))
+    t.train()
+    trainable = {n for n, p in t.model.named_parameters() if p.requires_grad}
+    assert trainable and all("c_attn.lora_" in n for n in trainable)
+
+
 def test_a_kbit_model_needs_an_adapter(base_dir, tmp_path):
     with pytest.raises(ConfigError, match="pass peft_config"):
         Trainer(four_bit(base_dir), make_args(tmp_path), train_dataset=rows(4))
