@@ -81,12 +81,13 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`tensors` with a copy of each one that shares memory with an earlier one (safetensors refuses those;
-    optimizers share e.g. one `step` tensor between parameters). Sharded tensors (DTensor, ShardedTensor) are
-    left alone."""
+    optimizers share e.g. one `step` tensor between parameters, tied weights are one parameter under two names).
+    A DTensor is compared (and copied) by its local shard; other sharded tensors (ShardedTensor) are left alone."""
     seen, out = set(), {}
     for key, t in tensors.items():
-        plain = type(t) is torch.Tensor and t.numel()
-        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if plain else None
+        local = t.to_local() if hasattr(t, "to_local") else t
+        plain = type(local) is torch.Tensor and local.numel()
+        ptr = (local.untyped_storage().data_ptr(), local.storage_offset()) if plain else None
         out[key] = t.clone() if ptr is not None and ptr in seen else t
         seen.add(ptr)
     return out

@@ -329,7 +329,8 @@ def save_shards(folder: str, model, optimizer, is_main: bool, trainable_only: bo
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     tree, tensors = _optimizer_tensors(model, optimizer)
-    for name, state in ((MODEL_SHARDS, _model_state(model, trainable_only)), (OPTIMIZER_SHARDS, tensors)):
+    for name, state in ((MODEL_SHARDS, ckpt.unshared(_model_state(model, trainable_only))),
+                        (OPTIMIZER_SHARDS, tensors)):
         try:  # torch gathers every rank's failure and raises it on all of them
             dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, name),
                                                                     save_distributed=True))
