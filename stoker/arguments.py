@@ -393,8 +393,10 @@ class TrainingArguments:
         "On SIGTERM or SIGUSR1 (preemption, SLURM time limits), finish the optimizer step, write a checkpoint "
         "and exit with code 75 (stoker.errors.PREEMPTED_EXIT_CODE); resume with resume_from_checkpoint=True."))
     resume_mismatch: str = field(default="error", metadata=_help(
-        "When a checkpoint was written with other batch size, accumulation, world size, dataset length or "
-        "seeds: 'error' refuses to resume, 'warn' continues with the new settings (no longer exact)."))
+        "When a checkpoint was written with another global batch (processes x per-device batch x "
+        "accumulation), dataset length or seeds: 'error' refuses to resume, naming the layouts that keep the "
+        "global batch; 'warn' continues from the same sample with the new settings (no longer exact). Another "
+        "layout of the same global batch is the same run and resumes either way."))
     enable_jit_checkpoint: bool = field(default=False, metadata=_help(
         "transformers' checkpoint on SIGTERM, which stoker does with save_on_signal (on by default); True needs "
         "save_on_signal=True."))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import random
 import shutil
@@ -28,7 +29,7 @@ from . import checkpoint_format as ckpt
 from .callbacks import TrainerState, callback_states, restore_callback_states
 from .errors import CheckpointError, NonFiniteError
 from .log import logger
-from .loop import LoopPosition, RunningLog
+from .loop import Layout, LoopPosition, RunningLog
 
 
 class RunObjects(NamedTuple):
@@ -96,26 +97,74 @@ def resolve_resume(resume, args) -> str | None:
     return resumable(resume)
 
 
+def saved_layout(loop: dict[str, Any]) -> Layout:
+    """The layout a checkpoint's run had (from its loop state; split_batches is recorded since elastic resume)."""
+    return Layout(loop["world_size"], loop["per_device_train_batch_size"], loop["gradient_accumulation_steps"],
+                  loop.get("split_batches", False))
+
+
 def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: LoopPosition) -> dict[str, Any]:
     """Before a resumed run is set up: its checkpoint's loop state (loop_state.json), once the checkpoint is known
-    to be of this kind of run (FSDP, DeepSpeed, data-parallel) and written with settings that keep the resume
-    exact. Inexact settings are refused (or, with resume_mismatch='warn', reported); with auto_find_batch_size,
-    `pos` adopts the micro-batch the checkpoint's run settled on when the product matches."""
+    to be of a kind this run can load (FSDP, DeepSpeed, data-parallel) and written with settings that keep the
+    resume exact.
+
+    The same global batch in another layout (another number of processes, another split into micro-batch and
+    accumulation) is the same run (see Layout) and goes on, saying what changed. A changed global batch, dataset
+    length or seed is refused, naming the layouts that keep the global batch (or, with resume_mismatch='warn',
+    reported). With auto_find_batch_size, `pos` adopts the micro-batch the checkpoint's run settled on when the
+    layout is otherwise the same."""
     backend.check_checkpoint(folder)
     loop = ckpt.read_json(folder, "loop_state.json")
-    saved_micro, saved_acc = loop["per_device_train_batch_size"], loop["gradient_accumulation_steps"]
-    if args.auto_find_batch_size and saved_micro * saved_acc == pos.micro_batch * pos.accumulation:
-        pos.micro_batch, pos.accumulation = saved_micro, saved_acc  # the size that fit memory
-    now = {"per_device_train_batch_size": pos.micro_batch, "gradient_accumulation_steps": pos.accumulation,
-           "world_size": backend.accelerator.num_processes, "data_seed": args.data_seed, "seed": args.seed,
-           "train_dataset_len": dataset_len}
-    changed = [f"{k}={loop[k]!r} (now {v!r})" for k, v in now.items() if loop.get(k) != v]
+    saved, world = saved_layout(loop), backend.accelerator.num_processes
+    split = args.accelerator_config.split_batches
+    if (args.auto_find_batch_size and saved.world_size == world and saved.split_batches == split
+            and saved.global_batch == Layout(world, pos.micro_batch, pos.accumulation, split).global_batch):
+        pos.micro_batch, pos.accumulation = saved.micro_batch, saved.accumulation  # the size that fit memory
+    now = Layout(world, pos.micro_batch, pos.accumulation, split)
+    changed = [f"{k}={loop.get(k)!r} (now {v!r})" for k, v in (("data_seed", args.data_seed), ("seed", args.seed),
+                                                               ("train_dataset_len", dataset_len))
+               if loop.get(k) != v]
+    batch_changed = saved.global_batch != now.global_batch
+    if batch_changed:
+        changed.insert(0, f"global batch {saved} (now {now}; {LAYOUT_TERMS})")
     if changed:
         what = f"{folder} was written with {', '.join(changed)}: resuming cannot reproduce the original run"
         if args.resume_mismatch == "error":
-            raise CheckpointError(f"{what}; restore those settings, or set resume_mismatch='warn' to continue")
-        logger.warning(f"{what}; continuing with the new settings (resume_mismatch='warn')")
+            how = (keep_global_batch(saved, world) + (" and restore the other settings" if len(changed) > 1 else "")
+                   if batch_changed else "restore those settings")
+            raise CheckpointError(f"{what}; {how}, or set resume_mismatch='warn' to continue from the same sample "
+                                  "with the new settings")
+        logger.warning(f"{what}; continuing from the same sample with the new settings (resume_mismatch='warn')")
+    elif saved != now and backend.accelerator.is_main_process:
+        logger.info(f"resuming a {saved.world_size}-process checkpoint on {processes(world)}: global batch {now}, "
+                    f"unchanged ({LAYOUT_TERMS})")
     return loop
+
+
+LAYOUT_TERMS = "processes x per_device_train_batch_size x gradient_accumulation_steps"
+
+
+def processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def keep_global_batch(saved: Layout, world_size: int) -> str:
+    """How to keep a checkpoint's global batch: the flags of the layouts on `world_size` processes that keep it,
+    or, if there is none, the numbers of processes that can."""
+    def flags(layout: Layout) -> str:
+        return (f"--per_device_train_batch_size {layout.micro_batch} "
+                f"--gradient_accumulation_steps {layout.accumulation}")
+
+    here = saved.keeping_global_batch(world_size)
+    if here:
+        others = ", ".join(f"{layout.micro_batch} x {layout.accumulation}" for layout in here[1:4])
+        return (f"keep its global batch of {saved.global_batch} on {processes(world_size)} with {flags(here[0])}"
+                + (f" (or per-device batch x accumulation {others})" if others else ""))
+    elsewhere = [(n, layouts[0]) for n in range(1, saved.global_batch + 1)
+                 if (layouts := saved.keeping_global_batch(n))]
+    nearest = sorted(elsewhere, key=lambda item: abs(item[0] - world_size))[:3]
+    return (f"no layout of {world_size} processes makes its global batch of {saved.global_batch}: resume on "
+            + ", on ".join(f"{processes(n)} with {flags(layout)}" for n, layout in nearest))
 
 
 class Checkpointer:
@@ -241,17 +290,27 @@ class Checkpointer:
         raise CheckpointError(f"saving {final} failed: {why}; the partial folder was removed and earlier "
                               "checkpoints are intact") from failure
 
+    def layout(self, pos: LoopPosition) -> Layout:
+        """This run's layout at `pos` (auto_find_batch_size may have halved the micro-batch)."""
+        return Layout(self.accelerator.num_processes, pos.micro_batch, pos.accumulation,
+                      self.args.accelerator_config.split_batches)
+
     def loop_state(self, pos: LoopPosition) -> dict[str, Any]:
-        """Where the data stream stands, and the settings that must not change for an exact resume."""
-        a = self.args
+        """Where the data stream stands, and the settings that must not change for an exact resume: the global
+        batch and its layout, and the position in samples of the epoch, which any layout of that global batch
+        resumes (see Layout)."""
+        a, layout = self.args, self.layout(pos)
         return {
             "epoch": pos.epoch,
             "batches_in_epoch": pos.batches,
+            "samples_in_epoch": pos.batches * layout.rows_per_micro_step,
+            "global_batch": layout.global_batch,
             "data_seed": a.data_seed,
-            "world_size": self.accelerator.num_processes,
+            "world_size": layout.world_size,
             "seed": a.seed,
             "per_device_train_batch_size": pos.micro_batch,  # as run: auto_find_batch_size may have halved it
             "gradient_accumulation_steps": pos.accumulation,
+            "split_batches": layout.split_batches,
             "train_dataset_len": self.dataset_len,
             "run_id": self.run_id,
             "save_only_model": a.save_only_model,
@@ -259,13 +318,26 @@ class Checkpointer:
 
     # -- resuming ----------------------------------------------------------------------------------------
 
+    def replanned_steps(self, folder: str, loop: dict[str, Any], start: LoopPosition, batches_per_epoch: int,
+                        per_epoch: int) -> int | None:
+        """max_steps for an epoch-based run resumed with another global batch (resume_mismatch='warn'): the steps
+        taken, then those of the new global batch up to where the checkpoint's run was to end (num_train_epochs of
+        data). None when the global batch is kept, or max_steps is set (which counts steps, whatever their size)."""
+        now = self.layout(start)
+        if self.args.max_steps > 0 or saved_layout(loop).global_batch == now.global_batch:
+            return None
+        done = ckpt.read_json(folder, "trainer_state.json")["global_step"]
+        skip = min(batches_to_skip(loop, now, self.args.ignore_data_skip), batches_per_epoch)
+        left = (self.args.num_train_epochs - loop["epoch"]) * per_epoch - skip / start.accumulation
+        return done + max(math.ceil(left), 0)
+
     def restore(self, folder: str, loop: dict[str, Any], run: RunObjects,
                 start: LoopPosition) -> tuple[LoopPosition, RunningLog]:
         """Every rank: continue the run from `folder`, whose loop state resume_settings returned. Restores what
         `save` wrote (weights, optimizer, scheduler and scaler state, the TrainerState's progress, callback states
-        with restore_callback_states_from_checkpoint, this process's RNG states) and returns where the loop goes
-        on (the position of `start`'s window shape where the data stream stood) and the running log with the loss
-        sums not logged yet."""
+        with restore_callback_states_from_checkpoint, this process's RNG states, or `reseed`'s on another number
+        of processes) and returns where the loop goes on (the position of `start`'s layout where the data stream
+        stood) and the running log with the loss sums not logged yet."""
         acc = self.accelerator
         self.backend.load_training_state(folder, run.model, run.optimizer)
         run.lr_scheduler.load_state_dict(ckpt.load_state(folder, "scheduler"))
@@ -281,16 +353,30 @@ class Checkpointer:
                 logging.getLogger("transformers.trainer").warning(
                     "Checkpoint included callbacks not included in current configuration. Ignoring. "
                     f"({', '.join(missing)})")
-        own = ckpt.load_state(folder, f"process_{acc.process_index}")
-        set_rng_state(own["rng"])
         log = RunningLog(acc.device)
-        log.restore(own["pending_log"])
-        # the micro-batches of the current size to skip in the resumed epoch (the same samples, if sizes match)
-        consumed = loop["batches_in_epoch"] * loop["per_device_train_batch_size"] * loop["world_size"]
-        skip = 0 if self.args.ignore_data_skip else consumed // (start.micro_batch * acc.num_processes)
+        if loop["world_size"] == acc.num_processes:  # each process goes on with its own random streams and log
+            own = ckpt.load_state(folder, f"process_{acc.process_index}")
+            set_rng_state(own["rng"])
+            log.restore(own["pending_log"])
+        else:  # no process's streams are this one's: see reseed; the logs in progress are regrouped
+            reseed(self.args.seed, s.global_step, acc.process_index)
+            pendings = [ckpt.load_state(folder, f"process_{r}")["pending_log"] for r in range(loop["world_size"])]
+            log.restore(RunningLog.regrouped(pendings, acc.num_processes, acc.process_index,
+                                             self.args.average_tokens_across_devices))
+        skip = batches_to_skip(loop, self.layout(start), self.args.ignore_data_skip)
         if s.is_world_process_zero:
             logger.info(f"resumed from {folder} at step {s.global_step}")
         return dataclasses.replace(start, epoch=loop["epoch"], batches=skip), log
+
+
+def batches_to_skip(loop: dict[str, Any], now: Layout, ignore_data_skip: bool) -> int:
+    """The micro-batches of each process to skip in the resumed epoch, in the layout `now`: the same samples as
+    the checkpoint's run consumed when the global batch is kept; after a change (resume_mismatch='warn'), up to
+    the first micro-batch at or after the checkpoint's sample, so that no sample is trained twice in the epoch."""
+    if ignore_data_skip:
+        return 0
+    consumed = loop.get("samples_in_epoch", loop["batches_in_epoch"] * saved_layout(loop).rows_per_micro_step)
+    return -(-consumed // now.rows_per_micro_step)
 
 
 def resumable(folder: str) -> str:
@@ -317,6 +403,17 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed this process's random number generators (Python's, numpy's, torch's on every device) from the run's
+    seed, the step and the rank, for a run resumed on another number of processes: the checkpoint's per-process
+    streams cannot be dealt out to another number of processes (and the micro-batches they drew for, dropout's
+    among them, differ in shape), so each process starts a stream of its own that the same resume draws again."""
+    state = np.random.SeedSequence([seed, step, rank]).generate_state(2)
+    random.seed(int(state[0]))
+    np.random.seed(int(state[1]))
+    torch.manual_seed(int(state[0]) << 32 | int(state[1]))  # and every CUDA device's
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

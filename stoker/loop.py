@@ -69,6 +69,49 @@ class LoopPosition:
         self.batches *= 2
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a run splits its global batch: processes x micro-batch x accumulation (with Accelerate's split_batches,
+    the micro-batch is the loader's batch over every process, split between them).
+
+    The seedable sampler's order does not depend on the layout, and Accelerate hands the processes consecutive
+    micro-batches of it in turn, so optimizer step j of an epoch trains rows [j x G, (j + 1) x G) of that order
+    whatever the layout of a global batch of G: two layouts of one global batch make the same steps of the same
+    samples. That is what lets a checkpoint resume on another number of processes as the same run.
+    """
+
+    world_size: int
+    micro_batch: int
+    accumulation: int
+    split_batches: bool = False
+
+    @property
+    def rows_per_micro_step(self) -> int:
+        """Rows of one micro-batch over every process."""
+        return self.micro_batch if self.split_batches else self.micro_batch * self.world_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.rows_per_micro_step * self.accumulation
+
+    def __str__(self) -> str:
+        if self.split_batches:
+            return f"{self.global_batch} = {self.micro_batch} x {self.accumulation} split over {self.world_size}"
+        return f"{self.global_batch} = {self.world_size} x {self.micro_batch} x {self.accumulation}"
+
+    def keeping_global_batch(self, world_size: int) -> list[Layout]:
+        """The layouts on `world_size` processes with this global batch, the ones closest to this micro-batch first
+        (it is known to fit memory)."""
+        per_step = self.global_batch if self.split_batches else self.global_batch / world_size
+        if per_step != int(per_step) or (self.split_batches and per_step % world_size):
+            return []
+        per_step = int(per_step)
+        micro = [m for m in range(1, per_step + 1) if per_step % m == 0
+                 and (not self.split_batches or m % world_size == 0)]
+        micro.sort(key=lambda m: (m > self.micro_batch, abs(m - self.micro_batch)))
+        return [Layout(world_size, m, per_step // m, self.split_batches) for m in micro]
+
+
 class RunningLog:
     """What the loop sums between two logs, kept on the device so that a step needs no host sync: the window
     losses, input tokens and samples, the last gradient norm and learning rate, and non-finite step counts.
@@ -209,6 +252,21 @@ class RunningLog:
         self.steps, self.samples_seen = pending["steps"], pending["samples"]
         self.total_loss = pending.get("total_loss", 0.0)
         self.nonfinite_total, self.nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
+
+    @staticmethod
+    def regrouped(pendings: list[dict[str, Any]], world_size: int, rank: int,
+                  averaged_across_devices: bool) -> dict[str, Any]:
+        """This process's share of the logs in progress that `pendings` (one per process of a checkpoint's run)
+        held, for a run on `world_size` processes: the next log then reports what it would have reported on the
+        checkpoint's processes. The sums over processes (loss, tokens) go to rank 0; the rest is the same on every
+        process (step and sample counts, totals already reduced, the agreed non-finite counts)."""
+        first = pendings[0]
+        loss, tokens = sum(p["loss"] for p in pendings), sum(p["tokens"] for p in pendings)
+        if not averaged_across_devices:  # each process's loss is a mean of its own: the log divides by the count
+            loss = loss * world_size / len(pendings)
+        if rank:
+            loss, tokens = torch.zeros_like(loss), torch.zeros_like(tokens)
+        return {**first, "loss": loss, "tokens": tokens}
 
 
 class PreemptionSignals:

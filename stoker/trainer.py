@@ -445,6 +445,8 @@ class Trainer(TrainerAPI):
         # what the number of steps (and so the schedule) must be planned from
         loader = self._train_loader(pos.micro_batch)
         max_steps, per_epoch = plan_steps(loader, pos.accumulation, a)
+        if loop is not None and per_epoch:
+            max_steps = checkpointer.replanned_steps(resume_dir, loop, pos, len(loader), per_epoch) or max_steps
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
         self.model_wrapped, self.optimizer, self.lr_scheduler = self._backend.prepare(
             self.model, OptimizerSource(*self._given_optimizers, self._build_optimizer_and_scheduler,

@@ -12,7 +12,7 @@ differ, so that neither the loop nor the checkpointing branches on the kind of r
     state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
     save_rank_parts, save_optimizer          the optimizer state (and shards) in a checkpoint
     load_weights, load_training_state        what a checkpoint gives back
-    kind, check_checkpoint                   which checkpoints this run can resume
+    kind, resumes, check_checkpoint          which checkpoints this run can resume
 
 Every method that says "every rank" is a collective: all processes must call it.
 """
@@ -38,6 +38,7 @@ from .deepspeed import (
     is_zero_checkpoint,
     load_zero3_weights,
     load_zero_partitions,
+    zero_partitions_written,
     save_zero_partition,
     zero_stage,
 )
@@ -100,6 +101,7 @@ class Backend:
     optimizer state). The base of the others, which override where they differ."""
 
     kind = PLAIN_KIND  # as checkpoint messages name this kind of run
+    resumes = (PLAIN_KIND, FSDP_KIND)  # the kinds of checkpoint it resumes: here an FSDP run's shards too
     wraps_in_place = False  # prepare leaves the model usable by another train() call
     # whether the processes can agree on an out-of-memory error before a window's gradient all-reduce (DDP's
     # forward holds no collective that a process could be left waiting in)
@@ -260,15 +262,19 @@ class Backend:
         ckpt.load_weights(self.accelerator.unwrap_model(model), folder)
 
     def load_training_state(self, folder: str, model, optimizer) -> None:
-        """Every rank: the weights and optimizer state of a checkpoint, to resume from it."""
+        """Every rank: the weights and optimizer state of a checkpoint, to resume from it; an FSDP run's shards
+        are read whole (torch.distributed.checkpoint matches them by name and offsets)."""
+        if checkpoint_kind(folder) == FSDP_KIND:
+            load_shards(folder, self.accelerator.unwrap_model(model), optimizer, self._is_peft(model))
+            return
         self.load_weights(folder, model)
         optimizer.load_state_dict(ckpt.load_state(folder, "optimizer"))
 
     def check_checkpoint(self, folder: str) -> None:
-        """Refuse a checkpoint written by another kind of run: sharded (FSDP), ZeRO-partitioned (DeepSpeed) and
-        whole optimizer states load only into their own kind."""
+        """Refuse a checkpoint this kind of run cannot load (before any work): ZeRO partitions load only into
+        DeepSpeed, a whole optimizer state not into FSDP shards."""
         saved = checkpoint_kind(folder)
-        if saved != self.kind:
+        if saved not in self.resumes:
             raise CheckpointError(f"{folder} was written by {saved} run and this is {self.kind} run: resume it with "
                                   "the fsdp / deepspeed settings it was written with")
 
@@ -279,6 +285,7 @@ class FSDPBackend(Backend):
     state_dict_type FULL_STATE_DICT (the default), or for a peft adapter."""
 
     kind = FSDP_KIND
+    resumes = (FSDP_KIND,)
     agrees_on_out_of_memory = False  # FSDP's forward gathers the parameters: a collective of every layer
 
     def state_dict_for_saving(self, model) -> dict | None:
@@ -344,6 +351,7 @@ class DeepSpeedBackend(Backend):
     which are gathered to save and loaded one module at a time. The engine cannot be built twice on one model."""
 
     kind = DEEPSPEED_KIND
+    resumes = (DEEPSPEED_KIND,)
     wraps_in_place = True
     agrees_on_out_of_memory = False  # auto_find_batch_size is refused with DeepSpeed (it fixes the micro-batch)
 
@@ -416,6 +424,19 @@ class DeepSpeedBackend(Backend):
 
     def save_optimizer(self, folder: str, optimizer) -> None:
         """Nothing: the optimizer state is in every rank's partition."""
+
+    def check_checkpoint(self, folder: str) -> None:
+        """As the plain backend's, and the checkpoint's ZeRO partitions must be as many as the processes: stoker
+        writes them in its own format (no pickle), which DeepSpeed's universal-checkpoint converter does not
+        read, and DeepSpeed repartitions nothing else."""
+        super().check_checkpoint(folder)
+        written, world = zero_partitions_written(folder), self.accelerator.num_processes
+        if written != world:
+            raise CheckpointError(
+                f"{folder} holds the ZeRO partitions of {written} processes and this run has {world}: DeepSpeed's "
+                f"optimizer state resumes only on as many processes. Resume on {written} (torchrun "
+                f"--nproc_per_node {written}, or accelerate launch --num_processes {written}), or start a new run "
+                f"from its model (model_name_or_path={folder!r}: the weights, without the optimizer state)")
 
     def load_weights(self, folder: str, model) -> None:
         """Under ZeRO-3, one module at a time, gathered and partitioned again (no rank holds the whole model)."""

@@ -297,13 +297,15 @@ def save_zero_partition(folder: str, optimizer, rank: int) -> None:
     ckpt.save_state(folder, _zero_partition(rank), state)
 
 
+def zero_partitions_written(folder: str) -> int:
+    """How many processes' ZeRO partitions a checkpoint holds."""
+    return len([f for f in os.listdir(folder) if re.fullmatch(r"optimizer_\d+\.json", f)])
+
+
 def load_zero_partitions(folder: str, optimizer, world_size: int, rank: int) -> None:
-    """Load this rank's partition, and the parameters with it. DeepSpeed takes a list of every rank's, in rank
-    order, but reads the others only for an elastic checkpoint (stage 1-2 `elastic_checkpoint`)."""
-    written = len([f for f in os.listdir(folder) if re.fullmatch(r"optimizer_\d+\.json", f)])
-    if written != world_size:
-        raise CheckpointError(f"{folder} holds the ZeRO partitions of {written} processes: DeepSpeed resumes them "
-                              f"with as many, not {world_size}")
+    """Load this rank's partition, and the parameters with it (the backend's check_checkpoint has made sure there
+    are `world_size` of them). DeepSpeed takes a list of every rank's, in rank order, but reads the others only
+    for an elastic checkpoint (stage 1-2 `elastic_checkpoint`)."""
     zero = getattr(optimizer, "optimizer", optimizer)
     every = getattr(zero, "elastic_checkpoint", False)
     states = [ckpt.load_state(folder, _zero_partition(r)) if every or r == rank else None for r in range(world_size)]

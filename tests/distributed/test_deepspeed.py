@@ -146,13 +146,19 @@ def test_the_configs_optimizer_and_schedule_are_built_and_stepped_by_deepspeed_a
     assert only_schedule["learning_rates"] == r0["learning_rates"]
 
 
-def test_zero_partitions_resume_only_with_as_many_processes(zero_runs):
-    from stoker.distributed.deepspeed import load_zero_partitions
+def test_zero_partitions_resume_only_with_as_many_processes(zero_runs, tmp_path):
+    """Refused before any work (the backend's check, which resume_settings makes first), naming what to run."""
+    from types import SimpleNamespace
+
+    from stoker.distributed.backends import DeepSpeedBackend
 
     folder = zero_runs / "zero2" / "out" / "checkpoint-2"
     with pytest.raises(ckpt.CheckpointError, match=re.escape(
-            f"{folder} holds the ZeRO partitions of 2 processes: DeepSpeed resumes them with as many, not 1")):
-        load_zero_partitions(str(folder), optimizer=None, world_size=1, rank=0)
+            f"{folder} holds the ZeRO partitions of 2 processes and this run has 1: DeepSpeed's optimizer state "
+            "resumes only on as many processes. Resume on 2 (torchrun --nproc_per_node 2, or accelerate launch "
+            f"--num_processes 2), or start a new run from its model (model_name_or_path={str(folder)!r}")):
+        DeepSpeedBackend(SimpleNamespace(num_processes=1), None).check_checkpoint(str(folder))
+    DeepSpeedBackend(SimpleNamespace(num_processes=2), None).check_checkpoint(str(folder))
 
 
 def test_a_zero_checkpoint_is_refused_by_another_kind_of_run(zero_runs, tmp_path):

@@ -282,15 +282,44 @@ def test_loader_workers_draw_per_process_as_transformers_seeds_them_and_resume_e
         assert rank["resumed_losses"] == rank["losses"]
 
 
-def test_resume_with_another_world_size_is_refused_unless_warned(two_ranks, tmp_path, capsys):
+def test_resume_on_another_world_size_with_another_global_batch_is_refused_unless_warned(two_ranks, tmp_path,
+                                                                                         capsys):
     folder = str(two_ranks / "rng_resume" / "out" / "checkpoint-2")
     t = Trainer(w.dropout_llama(), w.rng_args(str(tmp_path / "a")), train_dataset=w.TRAIN)
-    with pytest.raises(ckpt.CheckpointError, match=r"world_size=2 \(now 1\)"):
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            "global batch 8 = 2 x 2 x 2 (now 4 = 1 x 2 x 2; processes x per_device_train_batch_size x "
+            "gradient_accumulation_steps): resuming cannot reproduce the original run; keep its global batch of 8 on "
+            "1 process with --per_device_train_batch_size 2 --gradient_accumulation_steps 4 (or per-device batch x "
+            "accumulation 1 x 8, 4 x 2, 8 x 1)")):
         t.train(resume_from_checkpoint=folder)
     t = Trainer(w.dropout_llama(), w.rng_args(str(tmp_path / "b"), resume_mismatch="warn"), train_dataset=w.TRAIN)
     t.train(resume_from_checkpoint=folder)
     assert t.state.global_step == 6
-    assert "world_size=2 (now 1)" in capsys.readouterr().err
+    assert "global batch 8 = 2 x 2 x 2 (now 4 = 1 x 2 x 2" in capsys.readouterr().err
+
+
+def test_a_resume_on_another_world_size_reseeds_every_process_from_the_seed_step_and_rank(two_ranks, tmp_path):
+    """The 2-process dropout run's checkpoint-2 on 1 process, global batch kept: the checkpoint's per-process
+    random streams do not carry over; the stream is a function of (seed, step, rank), so the same resume run
+    twice trains the same dropout masks, bit for bit."""
+    folder = str(two_ranks / "rng_resume" / "out" / "checkpoint-2")
+    runs = []
+    for name in ("a", "b"):
+        t = Trainer(w.dropout_llama(), w.rng_args(str(tmp_path / name), gradient_accumulation_steps=4),
+                    train_dataset=w.TRAIN)
+        t.train(resume_from_checkpoint=folder)
+        runs.append(t)
+    assert runs[0].state.global_step == 6
+    assert_params_close(params_of(runs[0]), params_of(runs[1]), atol=0)
+    torch.manual_seed(0)  # the draw that follows a reseed depends on the step: another step, another stream
+    from stoker.checkpointer import reseed
+
+    reseed(7, 2, 0)
+    at_2 = torch.rand(4)
+    reseed(7, 3, 0)
+    assert not torch.equal(at_2, torch.rand(4))
+    reseed(7, 2, 0)
+    assert torch.equal(at_2, torch.rand(4))
 
 
 def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_no_partial_folder(two_ranks):
@@ -463,12 +492,18 @@ def test_consolidate_saves_the_full_model_of_a_shards_only_checkpoint(two_ranks,
     assert not (tmp_path / "x").exists()
 
 
-def test_checkpoints_of_a_sharded_run_are_refused_by_an_unsharded_one(two_ranks, tmp_path):
-    folder = str(two_ranks / "fsdp2" / "out" / "checkpoint-2")
-    t = Trainer(llama(), w.fsdp_args(str(tmp_path), resume_mismatch="warn"), train_dataset=w.TRAIN)
+def test_an_unsharded_checkpoint_is_refused_by_a_sharded_run(two_ranks):
+    """The other way round resumes (tests/distributed/test_elastic.py: FSDP2 shards into a plain run)."""
+    from types import SimpleNamespace
+
+    from stoker.distributed.backends import Backend, FSDP2Backend
+
+    plain = str(two_ranks / "equivalence" / "out" / "checkpoint-2")
+    accelerator = SimpleNamespace(num_processes=2)
     with pytest.raises(ckpt.CheckpointError, match=re.escape(
-            "written by an FSDP run and this is a data-parallel (or single-process) run")):
-        t.train(resume_from_checkpoint=folder)
+            "was written by a data-parallel (or single-process) run and this is an FSDP run")):
+        FSDP2Backend(accelerator, None).check_checkpoint(plain)
+    Backend(accelerator, None).check_checkpoint(str(two_ranks / "fsdp2" / "out" / "checkpoint-2"))
 
 
 # --- preemption ----------------------------------------------------------------------------------------

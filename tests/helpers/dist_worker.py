@@ -218,8 +218,9 @@ class RankRng(TrainerCallback):
 
 def rng_args(out: str, **kw) -> TrainingArguments:
     # 24 rows / (2 per device x 2 processes x accumulation 2) = 3 steps per epoch; 6 steps = 2 epochs
-    return training_args(out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
-                         save_strategy="steps", save_steps=2, optim="adamw_torch", learning_rate=1e-2, **kw)
+    return training_args(out, **{**dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+                                        save_strategy="steps", save_steps=2, optim="adamw_torch",
+                                        learning_rate=1e-2), **kw})
 
 
 def dropout_llama():

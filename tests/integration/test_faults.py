@@ -436,13 +436,37 @@ def test_oom_in_evaluation_halves_only_the_eval_batch(tmp_path):
 
 def test_resume_with_changed_settings_is_refused_or_warned(tmp_path, capsys):
     out = _trained_run(tmp_path)
-    with pytest.raises(ckpt.CheckpointError, match=r"per_device_train_batch_size=2 \(now 4\).*data_seed"):
+    with pytest.raises(ckpt.CheckpointError, match=(
+            r"global batch 2 = 1 x 2 x 1 \(now 4 = 1 x 4 x 1; processes x per_device_train_batch_size x "
+            r"gradient_accumulation_steps\), data_seed=5 \(now 9\): resuming cannot reproduce the original run; "
+            r"keep its global batch of 2 on 1 process with --per_device_train_batch_size 2 "
+            r"--gradient_accumulation_steps 1 \(or per-device batch x accumulation 1 x 2\) and restore the other "
+            r"settings")):
         Trainer(llama(), make_args(out, per_device_train_batch_size=4, data_seed=9),
                 train_dataset=rows(8)).train(resume_from_checkpoint=True)
     t = Trainer(llama(), make_args(out, max_steps=5, per_device_train_batch_size=4, resume_mismatch="warn"),
                 train_dataset=rows(8))
     t.train(resume_from_checkpoint=True)
     assert t.state.global_step == 5 and "resume_mismatch='warn'" in capsys.readouterr().err
+
+
+def test_another_split_of_the_same_global_batch_resumes_as_the_same_run(tmp_path, capsys):
+    """Micro-batch 2 x accumulation 2, resumed as 4 x 1 and as 1 x 4: the same samples in the same steps, so the
+    same run within float summation order, and no flag needed."""
+    def trainer(out, micro, accumulation):
+        return Trainer(llama(), make_args(out, max_steps=4, save_steps=2, per_device_train_batch_size=micro,
+                                          gradient_accumulation_steps=accumulation, lr_scheduler_type="linear"),
+                       train_dataset=rows(16))
+
+    full = trainer(tmp_path / "full", 2, 2)
+    full.train()
+    for micro, accumulation in ((4, 1), (1, 4)):
+        resumed = trainer(tmp_path / f"{micro}x{accumulation}", micro, accumulation)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+        assert_same(params(resumed.model), params(full.model), atol=1e-6)
+        assert [r["step"] for r in resumed.state.log_history if "loss" in r] == [1, 2, 3, 4]
+        assert (f"resuming a 1-process checkpoint on 1 process: global batch 4 = 1 x {micro} x {accumulation}, "
+                "unchanged") in capsys.readouterr().err
 
 
 def test_resume_restores_best_metric_and_early_stopping(tmp_path):
