@@ -20,6 +20,7 @@ from tests.helpers import elastic_worker as ew
 
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "elastic_worker.py")
 KINDS = ("ddp", "lora", "fsdp2")
+FSDP1_CASES = [(2, 1), (2, 3)]  # FSDP1 only from 2 processes: its shards into a plain run, and onto 3
 # resumed runs end within float summation order of the uninterrupted one: measured up to 5.2e-6 here (the
 # uninterrupted runs of two layouts differ by up to 1.4e-5 from each other)
 EXACT = 1e-5
@@ -40,10 +41,12 @@ def elastic(tmp_path_factory) -> Path:
     # an FSDP2 job must come last in a launch: the test fixture leaves the process's Accelerate state set to FSDP
     launch(out, 1, "write_ddp", "write_lora", "write_fsdp2")
     launch(out, 2, "write_ddp", "write_lora", "write_g8", "resume_ddp_from_1", "resume_lora_from_1", "warn_from_1",
-           "write_fsdp2", "resume_fsdp2_from_1")
+           "write_fsdp2", "resume_fsdp2_from_1", "write_fsdp1")
     # FSDP2 shards into a plain single-process run
-    launch(out, 1, "resume_ddp_from_2", "resume_lora_from_2", "warn_from_2", "resume_fsdp2_from_2")
-    launch(out, 3, "resume_ddp_from_2", "resume_lora_from_2", "refuse_g8_from_2", "resume_fsdp2_from_2")
+    launch(out, 1, "resume_ddp_from_2", "resume_lora_from_2", "warn_from_2", "resume_fsdp2_from_2",
+           "resume_fsdp1_from_2")
+    launch(out, 3, "resume_ddp_from_2", "resume_lora_from_2", "refuse_g8_from_2", "resume_fsdp2_from_2",
+           "resume_fsdp1_from_2")
     return out
 
 
@@ -66,8 +69,9 @@ def trained(out: Path, world: int, scenario: str) -> dict[str, torch.Tensor]:
     return load_file(str(out / str(world) / scenario / "trained.safetensors"))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("origin, into", [(1, 2), (2, 1), (2, 3)])
+@pytest.mark.parametrize("kind, origin, into", [(kind, origin, into) for kind in KINDS
+                                                for origin, into in [(1, 2), (2, 1), (2, 3)]]
+                         + [("fsdp1", origin, into) for origin, into in FSDP1_CASES])
 def test_a_checkpoint_resumes_on_another_number_of_processes_as_the_same_run(elastic, kind, origin, into):
     full, resumed = reports(elastic, origin, f"write_{kind}"), reports(elastic, into, f"resume_{kind}_from_{origin}")
     # the same rows in the same optimizer steps: those of the checkpoint's steps 1-2, then 3-4 on the new layout

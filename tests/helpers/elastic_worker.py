@@ -81,14 +81,17 @@ MESSAGES = Messages()
 
 def job(folder: str, world: int, kind: str, layout: tuple[int, int] | None = None, **kw) -> tuple[Trainer, Ledger]:
     """A Trainer of the job in this launch's layout (or `layout`): kind "ddp" (the plain backend), "lora" (a LoRA
-    adapter) or "fsdp2" (FSDP2 shards, SHARDED_STATE_DICT)."""
+    adapter), "fsdp2" or "fsdp1" (FSDP2 or FSDP1 shards, SHARDED_STATE_DICT; FSDP1's flat parameters form one
+    group, so no weight decay, which would apply to the norms there and not in a plain run)."""
     micro, accumulation = layout or LAYOUTS[world]
+    if kind == "fsdp1":
+        kw["weight_decay"] = 0.0
     model = gpt2()
     ledger = Ledger(model)
     args = training_args(folder, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-                         num_train_epochs=1, optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1,
-                         lr_scheduler_type="linear", warmup_steps=1, save_strategy="steps", save_steps=2,
-                         logging_steps=3, **kw)
+                         num_train_epochs=1, optim="adamw_torch", learning_rate=1e-2, lr_scheduler_type="linear",
+                         warmup_steps=1, save_strategy="steps", save_steps=2, logging_steps=3,
+                         **{"weight_decay": 0.1, **kw})
     extra = {}
     if kind == "lora":
         from peft import LoraConfig
@@ -97,6 +100,9 @@ def job(folder: str, world: int, kind: str, layout: tuple[int, int] | None = Non
     trainer = Trainer(model, args, train_dataset=ROWS, callbacks=[ledger], **extra)
     if kind == "fsdp2":
         fsdp_on_cpu(trainer, state_dict_type="SHARDED_STATE_DICT")
+    elif kind == "fsdp1":  # Accelerate's sync of the ranks' modules needs a GPU; they build the same model anyway
+        fsdp_on_cpu(trainer, version=1, state_dict_type="SHARDED_STATE_DICT", use_orig_params=False,
+                    sync_module_states=False)
     return trainer, ledger
 
 

@@ -18,10 +18,10 @@ def test_two_layouts_of_one_global_batch_are_the_same_batch():
 
 def test_the_layouts_that_keep_a_global_batch_put_the_fitting_micro_batch_first():
     # micro-batch 2 is known to fit memory: on 1 process, accumulate 4 of them before anything larger
-    assert [(l.micro_batch, l.accumulation) for l in Layout(2, 2, 2).keeping_global_batch(1)] == [
+    assert [(x.micro_batch, x.accumulation) for x in Layout(2, 2, 2).keeping_global_batch(1)] == [
         (2, 4), (1, 8), (4, 2), (8, 1)]
     assert Layout(2, 2, 2).keeping_global_batch(3) == []
-    assert [(l.micro_batch, l.accumulation) for l in Layout(2, 8, 1, True).keeping_global_batch(4)] == [
+    assert [(x.micro_batch, x.accumulation) for x in Layout(2, 8, 1, True).keeping_global_batch(4)] == [
         (8, 1), (4, 2)]  # split: the micro-batch must divide over the 4 processes
 
 
