@@ -38,8 +38,8 @@ from .deepspeed import (
     is_zero_checkpoint,
     load_zero3_weights,
     load_zero_partitions,
-    zero_partitions_written,
     save_zero_partition,
+    zero_partitions_written,
     zero_stage,
 )
 from .fsdp import (
