@@ -20,6 +20,7 @@ from stoker.distributed.backends import (
     PLAIN_KIND,
     Backend,
     DeepSpeedBackend,
+    FSDP2Backend,
     backend_for,
     checkpoint_kind,
 )
@@ -98,7 +99,7 @@ def test_backward_and_the_nonfinite_guard_members():
     assert not DeepSpeedBackend(StandInAccelerator(step_was_skipped=True), PLAIN).update_applied_despite_nonfinite()
 
 
-def test_a_checkpoint_is_resumed_only_by_its_own_kind_of_run(tmp_path):
+def test_a_checkpoint_is_resumed_by_the_kinds_of_run_that_can_load_it(tmp_path):
     plain, fsdp, zero = (tmp_path / name for name in ("plain", "fsdp", "zero"))
     for folder in (plain, fsdp, zero):
         folder.mkdir()
@@ -106,8 +107,11 @@ def test_a_checkpoint_is_resumed_only_by_its_own_kind_of_run(tmp_path):
     (zero / "optimizer_0.json").write_text("{}")
     assert [checkpoint_kind(str(f)) for f in (plain, fsdp, zero)] == [PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND]
     Backend(StandInAccelerator(), PLAIN).check_checkpoint(str(plain))
-    with pytest.raises(CheckpointError, match="was written by an FSDP run and this is a data-parallel"):
-        Backend(StandInAccelerator(), PLAIN).check_checkpoint(str(fsdp))
+    Backend(StandInAccelerator(), PLAIN).check_checkpoint(str(fsdp))  # shards load whole into a plain run
+    with pytest.raises(CheckpointError, match="was written by a DeepSpeed run and this is a data-parallel"):
+        Backend(StandInAccelerator(), PLAIN).check_checkpoint(str(zero))
+    with pytest.raises(CheckpointError, match="was written by a data-parallel .* run and this is an FSDP run"):
+        FSDP2Backend(StandInAccelerator(), PLAIN).check_checkpoint(str(plain))
     with pytest.raises(CheckpointError, match="was written by a data-parallel .* run and this is a DeepSpeed run"):
         DeepSpeedBackend(StandInAccelerator(), PLAIN).check_checkpoint(str(plain))
 
