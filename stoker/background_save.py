@@ -96,9 +96,9 @@ class HostCopies:
             else:
                 self._buffers.append(buffer)
         self._used += 1
-        on_device = t.device.type != "cpu"
-        buffer.copy_(t, non_blocking=on_device)
-        if on_device and t.device.type == "cuda":
+        from_cuda = t.device.type == "cuda"  # into pinned memory: the copy runs on the stream, in order
+        buffer.copy_(t, non_blocking=from_cuda)
+        if from_cuda and self._event is None:
             self._event = torch.cuda.Event()
         return buffer
 

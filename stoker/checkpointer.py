@@ -230,9 +230,11 @@ class Checkpointer:
         texts = {"trainer_state.json": run.state.to_json_string(), "training_args.json": ckpt.json_text(a.to_dict()),
                  "loop_state.json": ckpt.json_text(self.loop_state(pos))} if main else {}
         if copy is not None:
-            if main and state_dict is None:  # a peft model: save_pretrained picks the adapter from these
+            if main and state_dict is None and backend.writes_full_model(run.model):
+                # a peft model (whose save_pretrained picks the adapter from the model): its trainable parameters
                 state_dict = {n: p for n, p in acc.unwrap_model(run.model).named_parameters() if p.requires_grad}
-            state_dict = copy(state_dict) if main and state_dict is not None else state_dict
+            if main and state_dict is not None:
+                state_dict = copy(state_dict)
             states = [(name, _copied(state, copy)) for name, state in states]
 
         def write() -> None:
