@@ -523,15 +523,19 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
     assert ckpt.verify(str(out / "checkpoint-3")) is None
     assert {"process_0.json", "process_1.json"} <= set(os.listdir(out / "checkpoint-3"))
 
-    check(launch(tmp_path, "preempt_resume"))
+    resumes_like_rng_resume(two_ranks, tmp_path, "preempt_resume")
+
+
+def resumes_like_rng_resume(two_ranks: Path, tmp_path: Path, scenario: str) -> None:
+    """Launch `scenario`, which resumes a stopped run of rng_resume's settings: it ends bit for bit where the
+    uninterrupted rng_resume run ended, with its losses (those before the checkpoint come with it)."""
+    check(launch(tmp_path, scenario))
     reference = load_file(str(two_ranks / "rng_resume" / "final.safetensors"))
-    resumed = load_file(str(tmp_path / "preempt_resume" / "final.safetensors"))
+    resumed = load_file(str(tmp_path / scenario / "final.safetensors"))
     for name in reference:
         assert torch.equal(reference[name], resumed[name]), name
-    uninterrupted = ranks(two_ranks, "rng_resume")[0]
-    r = ranks(tmp_path, "preempt_resume")[0]
-    assert r["global_step"] == 6
-    assert r["losses"] == uninterrupted["losses"]  # steps 1-3 come with the checkpoint, 4-6 are logged anew
+    r = ranks(tmp_path, scenario)[0]
+    assert r["global_step"] == 6 and r["losses"] == ranks(two_ranks, "rng_resume")[0]["losses"]
 
 
 def test_a_sigkill_during_a_background_write_on_two_processes_resumes_exactly(two_ranks, tmp_path):
@@ -542,13 +546,7 @@ def test_a_sigkill_during_a_background_write_on_two_processes_resumes_exactly(tw
     out = tmp_path / "async_kill" / "out"
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(out))] == ["checkpoint-2"]
     assert ckpt.verify(str(out / "checkpoint-2")) is None
-    check(launch(tmp_path, "async_kill_resume"))
-    reference = load_file(str(two_ranks / "rng_resume" / "final.safetensors"))
-    resumed = load_file(str(tmp_path / "async_kill_resume" / "final.safetensors"))
-    for name in reference:
-        assert torch.equal(reference[name], resumed[name]), name
-    r = ranks(tmp_path, "async_kill_resume")[0]
-    assert r["global_step"] == 6 and r["losses"] == ranks(two_ranks, "rng_resume")[0]["losses"]
+    resumes_like_rng_resume(two_ranks, tmp_path, "async_kill_resume")
 
 
 # --- the exit status of a plain script --------------------------------------------------------------------
