@@ -1,9 +1,9 @@
 """async_save: checkpoints written in the background hold bit for bit what a synchronous save at the same step
 holds, while the loop trains on; one is in flight at a time; a failed background write is raised in the loop.
 
-The writes are slowed down (the writer thread sleeps before it writes) so that training really moves on while
-they run: a snapshot that shared memory with the live parameters or optimizer state would then be written with
-later values."""
+Each background write is held until the loop has taken its next optimizer step (Gate), so that training really
+moves on while it runs: a snapshot that shared memory with the live parameters or optimizer state would then be
+written with later values."""
 
 from __future__ import annotations
 
@@ -100,9 +100,20 @@ def train(out: Path, peft: bool, **kw) -> Trainer:
     return trainer
 
 
+def tensors_of(path: Path) -> tuple[dict, dict]:
+    """A safetensors file's metadata and tensors (dtype, shape, bytes): torch.distributed.checkpoint writes the
+    metadata of its shard files in an order that differs between processes."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata(), {k: (t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                              for k in f.keys() for t in [f.get_tensor(k)]}
+
+
 def contents(folder: Path) -> dict[str, object]:
-    """Every file of a checkpoint, as bytes; the JSON files that name the run (its id, output_dir, async_save)
-    without those entries; the manifest, which hashes them, left out."""
+    """Every file of a checkpoint, as bytes (safetensors files as their metadata and tensors' bytes); the JSON
+    files that name the run (its id, output_dir, async_save) without those entries; the manifest, which hashes
+    them, left out."""
     found = {}
     for path in sorted(folder.rglob("*")):
         rel = str(path.relative_to(folder))
@@ -113,6 +124,8 @@ def contents(folder: Path) -> dict[str, object]:
                           if k not in ("run_id", "output_dir", "logging_dir", "run_name", "async_save")}
         elif rel == "trainer_state.json":
             found[rel] = path.read_text().replace(str(folder.parent), "OUT")
+        elif rel.endswith(".safetensors"):
+            found[rel] = tensors_of(path)
         else:
             found[rel] = path.read_bytes()
     return found
