@@ -377,6 +377,10 @@ class TrainingArguments:
     save_only_model: bool = field(default=False, metadata=_help(
         "Checkpoints hold the model only (no optimizer, scheduler or RNG state): smaller, but they cannot be "
         "resumed from."))
+    async_save: bool = field(default=False, metadata=_help(
+        "Write checkpoints in the background: the loop waits only for a copy of the state in host memory (pinned "
+        "on a GPU) and trains on; the checkpoint is committed as a synchronous one is, and a failed write is "
+        "raised at a later step. Costs host memory for one checkpoint in flight; not with DeepSpeed."))
     save_on_each_node: bool = field(default=False, metadata=_help(
         "Write checkpoints from every node (for nodes without a shared disk); refused with several nodes, as "
         "stoker commits each checkpoint once."))
@@ -1041,7 +1045,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
         "metric_for_best_model", "greater_is_better", "eval_delay", "prediction_loss_only",
         "eval_do_concat_batches", "eval_use_gather_object", "include_for_metrics", "batch_eval_metrics"),
     "saving": ("save_strategy", "save_steps", "save_total_limit", "load_best_model_at_end",
-        "resume_from_checkpoint", "save_only_model", "save_on_each_node",
+        "resume_from_checkpoint", "save_only_model", "async_save", "save_on_each_node",
         "restore_callback_states_from_checkpoint"),
     "faults": ("nonfinite_policy", "max_nonfinite_steps", "save_on_signal", "resume_mismatch",
         "enable_jit_checkpoint"),

@@ -115,9 +115,14 @@ def load_state(folder: str, name: str) -> Any:
     return unflatten(tree, tensors)
 
 
+def json_text(obj: Any) -> str:
+    """`obj` as write_json writes it."""
+    return json.dumps(obj, indent=2, sort_keys=True)
+
+
 def write_json(folder: str, name: str, obj: Any) -> None:
     with open(os.path.join(folder, name), "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write(json_text(obj))
 
 
 def read_json(folder: str, name: str) -> Any:

@@ -14,18 +14,23 @@ resume needs).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
 import random
 import shutil
+import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from . import checkpoint_format as ckpt
+from .background_save import BackgroundWriter, HostCopies, Job, any_on_every_process, save_failed
 from .callbacks import TrainerState, callback_states, restore_callback_states
 from .errors import CheckpointError, NonFiniteError
 from .log import logger
@@ -54,6 +59,12 @@ def save_model(output_dir: str, accelerator, backend, model, processing_class, a
             processing_class.save_pretrained(output_dir)
         ckpt.write_json(output_dir, "training_args.json", args.to_dict())
     accelerator.wait_for_everyone()
+
+
+def _copied(state: Any, copy: HostCopies) -> Any:
+    """`state` as it is now: the same structure, its tensors copied to host memory and its other values fixed."""
+    tree, tensors = ckpt.flatten(state)
+    return ckpt.unflatten(tree, copy(tensors))
 
 
 def resolve_resume(resume, args) -> str | None:
@@ -176,10 +187,13 @@ class Checkpointer:
     processes.
     """
 
-    def __init__(self, args, backend, run_id: str, dataset_len: int | None):
+    def __init__(self, args, backend, run_id: str, dataset_len: int | None, writer: BackgroundWriter | None = None):
         self.args, self.backend, self.accelerator = args, backend, backend.accelerator
         self.run_id, self.dataset_len = run_id, dataset_len
         self.last_saved_step: int | None = None  # the step of this run's newest checkpoint
+        # async_save's writer (the Trainer's, so that save_model waits for the checkpoint in flight too)
+        self.writer = writer if writer is not None else BackgroundWriter(backend.accelerator)
+        self._waits = 0  # saves that found the previous checkpoint still being written
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -193,10 +207,13 @@ class Checkpointer:
     def save(self, run: RunObjects, pos: LoopPosition, log: RunningLog) -> str:
         """Every rank: write output_dir/checkpoint-<global_step> and commit it atomically, then rotate; returns
         its path. Refuses (NonFiniteError) a model with non-finite parameters; a failure on any rank raises
-        CheckpointError on all of them and leaves earlier checkpoints and no partial folder."""
+        CheckpointError on all of them and leaves earlier checkpoints and no partial folder. With async_save the
+        checkpoint's state is taken now and written in the background (stoker.background_save): a failure is
+        raised at a later step (`poll`) or at the end of the run, with the same message."""
         a, s, acc, backend, model = self.args, run.state, self.accelerator, self.backend, run.model
         final = ckpt.checkpoint_dir(a.output_dir, s.global_step)
         tmp = ckpt.temp_dir_for(final)
+        self._wait_for_previous_write(s.global_step)
         if s.best_global_step == s.global_step:  # (an evaluation after this save sets it in _evaluate_and_track)
             s.best_model_checkpoint = final
         s.stateful_callbacks = callback_states(run.callbacks, run.control)
@@ -215,27 +232,108 @@ class Checkpointer:
         except OSError as e:
             failure = e
         self._all_saved(failure, tmp, final)
-        try:
-            backend.save_rank_parts(tmp, model, run.optimizer)  # a collective where the backend has one
-            if acc.is_main_process:
-                self._write_main_files(tmp, state_dict, run, pos)
-            if not a.save_only_model:
-                ckpt.save_state(tmp, f"process_{acc.process_index}",
-                                {"rng": rng_state(), "pending_log": log.pending()})
+        copy = self.writer.copies.begin() if a.async_save else None
+        write = None
+        try:  # the state of this step, taken now (FSDP plans its shard files with every rank: a collective)
+            write = self._snapshot(tmp, state_dict, run, pos, log, copy)
+            if copy is None:
+                write()
         except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
             failure = e
         self._all_saved(failure, tmp, final)
+        best, commit = s.best_model_checkpoint, functools.partial(ckpt.commit, tmp, final, s.global_step)
+        self.last_saved_step = s.global_step
+        if copy is not None:
+            copy.end()
+            self.writer.start(Job(s.global_step, tmp, final, lambda: (commit(), self.rotate(best))), write)
+            return final
         try:
             if acc.is_main_process:
-                ckpt.commit(tmp, final, s.global_step)
+                commit()
         except OSError as e:
             failure = e
         self._all_saved(failure, tmp, final)
         if acc.is_main_process:
-            self.rotate(s.best_model_checkpoint)
+            self.rotate(best)
         acc.wait_for_everyone()
-        self.last_saved_step = s.global_step
         return final
+
+    def _snapshot(self, tmp: str, state_dict: dict | None, run: RunObjects, pos: LoopPosition, log: RunningLog,
+                  copy: HostCopies | None) -> Callable[[], None]:
+        """Every rank: the state this rank writes of the checkpoint, taken now, and the write of it into `tmp`.
+        `copy` (async_save): every tensor copied to host memory and every other value serialised now, so that the
+        write stores this step's state while training goes on; None: the write runs at once."""
+        a, acc, backend = self.args, self.accelerator, self.backend
+        rank_parts = backend.rank_parts(tmp, run.model, run.optimizer, copy)  # a collective where it has one
+        states = []  # (name, state): <name>.json + <name>.safetensors
+        if not a.save_only_model:
+            states.append((f"process_{acc.process_index}", {"rng": rng_state(), "pending_log": log.pending()}))
+        main = acc.is_main_process
+        if main and not a.save_only_model:
+            optimizer = backend.optimizer_state(run.optimizer)
+            if optimizer is not None:
+                states.append(("optimizer", optimizer))
+            states.append(("scheduler", run.lr_scheduler.state_dict()))
+            if acc.scaler is not None:
+                states.append(("scaler", acc.scaler.state_dict()))
+        texts = {"trainer_state.json": run.state.to_json_string(), "training_args.json": ckpt.json_text(a.to_dict()),
+                 "loop_state.json": ckpt.json_text(self.loop_state(pos))} if main else {}
+        if copy is not None:
+            if main and state_dict is None and backend.writes_full_model(run.model):
+                # a peft model (whose save_pretrained picks the adapter from the model): its trainable parameters
+                state_dict = {n: p for n, p in acc.unwrap_model(run.model).named_parameters() if p.requires_grad}
+            if main and state_dict is not None:
+                state_dict = copy(state_dict)
+            states = [(name, _copied(state, copy)) for name, state in states]
+
+        def write() -> None:
+            if copy is not None:
+                copy.wait()
+            rank_parts()
+            if main:
+                backend.write_model(tmp, run.model, state_dict)
+            for name, state in states:
+                ckpt.save_state(tmp, name, state)
+            for name, text in texts.items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
+
+        return write
+
+    def _wait_for_previous_write(self, step: int) -> None:
+        """Before an async save: the previous checkpoint committed (at most one is in flight), with one warning
+        once saves have come faster than a checkpoint is written more than once."""
+        if not self.writer.in_flight:
+            return
+        busy, started = self.writer.busy, time.perf_counter()
+        self.writer.finish()
+        if not busy:
+            return
+        self._waits += 1
+        if self._waits == 2 and self.accelerator.is_main_process:
+            logger.warning(f"async_save: the save at step {step} waited {time.perf_counter() - started:.1f} s for the "
+                           f"previous checkpoint's write, more than once: saves come more often than a checkpoint "
+                           f"is written (save_steps={self.args.save_steps}); raise save_steps to train without "
+                           "waiting")
+
+    def poll(self) -> None:
+        """Every rank, every step: advance the checkpoint written in the background, raising its failure
+        (CheckpointError) here (with several processes, one all-reduce while a checkpoint is in flight)."""
+        self.writer.poll()
+
+    @contextlib.contextmanager
+    def background_writes(self):
+        """The run's loop: on leaving it, the checkpoint written in the background committed (or its failure
+        raised); after an error, its write waited for (committed with one process; several cannot agree any
+        more and leave the temporary folder, which the next run removes). The host buffers go with the run."""
+        try:
+            yield
+            self.writer.finish()
+        except BaseException:
+            self.writer.abandon()
+            raise
+        finally:
+            self.writer.copies.release()
 
     def rotate(self, best: str | None) -> None:
         """Main process: apply save_total_limit to this run's checkpoints only (those an earlier run left in
@@ -260,35 +358,11 @@ class Checkpointer:
             if run_of(path) == self.run_id and os.path.abspath(path) != best:
                 shutil.rmtree(path, ignore_errors=True)
 
-    def _write_main_files(self, tmp: str, state_dict: dict | None, run: RunObjects, pos: LoopPosition) -> None:
-        """The main process's part of a checkpoint: the model (or what its shards are the weights of), the
-        optimizer state when it is whole, and the scheduler, scaler, trainer and loop state."""
-        a = self.args
-        self.backend.write_model(tmp, run.model, state_dict)
-        if not a.save_only_model:
-            self.backend.save_optimizer(tmp, run.optimizer)
-            ckpt.save_state(tmp, "scheduler", run.lr_scheduler.state_dict())
-            if self.accelerator.scaler is not None:
-                ckpt.save_state(tmp, "scaler", self.accelerator.scaler.state_dict())
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            f.write(run.state.to_json_string())
-        ckpt.write_json(tmp, "training_args.json", a.to_dict())
-        ckpt.write_json(tmp, "loop_state.json", self.loop_state(pos))
-
     def _all_saved(self, failure: Exception | None, tmp: str, final: str) -> None:
         """Raise CheckpointError on every rank if any rank failed to write its part (a collective)."""
         acc = self.accelerator
-        failed = failure is not None
-        if acc.num_processes > 1:
-            failed = acc.reduce(torch.tensor(float(failed), device=acc.device), reduction="sum").item() > 0
-        if not failed:
-            return
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        why = (getattr(failure, "strerror", None) or failure) if failure is not None else (
-            "another process could not write its part")
-        raise CheckpointError(f"saving {final} failed: {why}; the partial folder was removed and earlier "
-                              "checkpoints are intact") from failure
+        if any_on_every_process(acc, failure is not None)[0]:
+            raise save_failed(failure, tmp, final, acc.is_main_process) from failure
 
     def layout(self, pos: LoopPosition) -> Layout:
         """This run's layout at `pos` (auto_find_batch_size may have halved the micro-batch)."""
@@ -428,11 +502,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def parameters_finite(accelerator, model) -> bool:
     """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
-    DTensor's local part, a ZeRO-3 parameter's partition)."""
+    DTensor's local part, a ZeRO-3 parameter's partition). A sum is finite only if every value is, so one float32
+    sum per tensor and one host sync decide (about 50x cheaper than isfinite over every value, which a save paid
+    in the loop); only where a sum is not finite (a non-finite value, or an overflow of huge ones) are that
+    tensor's values checked one by one."""
     def own(p):
         return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
 
-    local = all(bool(torch.isfinite(own(p)).all()) for p in model.parameters())
+    tensors = [t for t in map(own, model.parameters()) if t.numel()]
+    sums = [t.sum(dtype=torch.float32) for t in tensors]
+    local = not sums or bool(torch.isfinite(torch.stack([s.to(sums[0].device) for s in sums])).all())
+    if not local:
+        local = all(bool(torch.isfinite(t).all()) for t in tensors)
     if accelerator.num_processes == 1:
         return local
     flag = torch.tensor(0.0 if local else 1.0, device=accelerator.device)

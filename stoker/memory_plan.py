@@ -188,6 +188,7 @@ class Setup:
     lora_dropout: float = 0.0
     quantization: int | None = None     # 4 or 8 (QLoRA), None
     fsdp: str | None = None             # None, 'full_shard', 'shard_grad_op' (+ ' offload')
+    async_save: bool = False            # a checkpoint in flight holds a copy of the saved state in host memory
     device: str = "cuda"                # 'cuda' or 'cpu': which attention kernels run (see keeps_attention_...)
 
     @property
@@ -212,6 +213,7 @@ class Estimate:
     optimizer_copy: float = 0.0  # the foreach optimizer step's copy of the trainable parameters
     allocator: float = 0.0      # the caching allocator's reserved-but-unallocated memory (ALLOCATOR_HEADROOM)
     nccl: float = 0.0           # NCCL's buffers (NCCL_BUFFERS per process group)
+    snapshot: float = 0.0       # async_save: host memory of the checkpoint in flight (async_snapshot)
 
     def table(self) -> str:
         rows = [("weights", self.weights), ("gradients", self.gradients), ("optimizer state", self.optimizer),
@@ -224,6 +226,8 @@ class Estimate:
         lines.append(f"  {'peak (estimated)':<18}{self.peak / GIB:>9.3f} GiB per device")
         if self.host:
             lines.append(f"  {'host (offloaded)':<18}{self.host / GIB:>9.3f} GiB per device")
+        if self.snapshot:
+            lines.append(f"  {'host (async_save)':<18}{self.snapshot / GIB:>9.3f} GiB per process")
         return "\n".join(lines)
 
 
@@ -236,6 +240,15 @@ def _optimizer_bytes(shape: ModelShape, setup: Setup, trainable: float) -> float
         return 4 * trainable / max(setup.lora_r, 1)  # LoRA matrices are r x d: about d + r per r*d values
     matrices = sum(o + i for o, i in shape.linear_shapes) * shape.layers + 2 * (shape.vocab + shape.hidden)
     return 4 * matrices
+
+
+def async_snapshot(model_bytes: float, trainable: float, optim: str | None, shards: int = 1) -> float:
+    """Host memory per process of one checkpoint in flight with async_save: a copy of what the checkpoint holds
+    of the model (`model_bytes`: every weight, or a LoRA adapter alone) and of the optimizer state (per
+    trainable parameter as OPTIMIZER_BYTES; Adafactor about 4; None: save_only_model, none), both divided over
+    FSDP's `shards`. The buffers are kept from one checkpoint to the next for the whole run."""
+    per_param = 0 if optim is None else OPTIMIZER_BYTES.get(optim, 8)
+    return (model_bytes + (4 if per_param is None else per_param) * trainable) / max(shards, 1)
 
 
 def _lora_params(shape: ModelShape, setup: Setup) -> int:
@@ -346,10 +359,12 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     tensors = weights + optimizer + buckets + live
     allocator = ALLOCATOR_HEADROOM * tensors if setup.device == "cuda" else 0.0
     nccl = NCCL_BUFFERS if setup.device == "cuda" and setup.world_size > 1 else 0.0
+    snapshot = async_snapshot(4 * lora if setup.lora_r else shape.params * wbytes, trainable, setup.optim,
+                              setup.world_size if setup.fsdp else 1) if setup.async_save else 0.0
     return Estimate(weights=weights, gradients=gradients, optimizer=optimizer, activations=kept + recomputed,
                     logits=logits, peak=tensors + context + allocator + nccl, host=host, buckets=buckets,
                     context=context, unsharded_gradients=earlier if setup.fsdp and setup.world_size > 1 else 0.0,
-                    optimizer_copy=copy, allocator=allocator, nccl=nccl)
+                    optimizer_copy=copy, allocator=allocator, nccl=nccl, snapshot=snapshot)
 
 
 def relative_cost(setup: Setup) -> float:
@@ -434,6 +449,19 @@ def start_of_training_line(model, args, dataset, world_size: int) -> str:
     return (f"memory plan: about {_size(e.peak)} per device at the peak (weights {_size(e.weights)}, gradients "
             f"{_size(e.gradients)}, optimizer {_size(e.optimizer)}, activations {_size(e.activations)}, logits "
             f"{_size(e.logits)}) for rows of {setup.seq_len} tokens; `stoker plan` proposes settings for a budget")
+
+
+def async_save_line(model, args, world_size: int) -> str:
+    """The line the Trainer logs when a run with async_save starts: the host memory of one checkpoint in flight
+    (async_snapshot, from the model's own parameters)."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    adapter = hasattr(model, "peft_config")  # a peft model's checkpoint holds its adapter only
+    saved = (trainable if adapter else params) + ([] if adapter else list(model.buffers()))
+    shards = world_size if args.fsdp not in (None, "", False) else 1
+    n = async_snapshot(sum(t.numel() * t.element_size() for t in saved), sum(p.numel() for p in trainable),
+                       None if args.save_only_model else args.optim, shards)
+    return f"async_save: up to {_size(n)} of host memory for one checkpoint in flight"
 
 
 def _size(n: float) -> str:

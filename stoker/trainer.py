@@ -27,6 +27,7 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import checkpoint_format as ckpt
 from .arguments import TrainingArguments
+from .background_save import BackgroundWriter
 from .callbacks import (
     DEFAULT_CALLBACKS,
     CallbackHandler,
@@ -68,7 +69,7 @@ from .loop import (
 from .lora import trainable_parameters, wrap
 from .loss_computation import loss_computation
 from .loss_normalization import LossConvention, loss_or_none
-from .memory_plan import start_of_training_line
+from .memory_plan import async_save_line, start_of_training_line
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .prefix import prefix_body
@@ -169,6 +170,8 @@ class Trainer(TrainerAPI):
 
         self.accelerator = build_accelerator(self.args, model, optimizers)
         self._backend = backend_for(self.accelerator, self.args)
+        # async_save's writer: one checkpoint in flight at most, which save_model waits for as the run's end does
+        self._checkpoint_writer = BackgroundWriter(self.accelerator)
         set_log_levels(self.args)
         self._enable_gradient_checkpointing(model)
         self.model = model
@@ -386,7 +389,7 @@ class Trainer(TrainerAPI):
         run.started, self._initial_num_input_tokens_seen = time.time(), s.num_input_tokens_seen
         embeddings = (_unwrap_peft(self.accelerator.unwrap_model(self.model)).get_input_embeddings()
                       if a.neftune_noise_alpha else None)
-        with run.signals, neftune_noise(embeddings, a.neftune_noise_alpha):
+        with run.signals, run.checkpointer.background_writes(), neftune_noise(embeddings, a.neftune_noise_alpha):
             # resumed from the run's last checkpoint (the same script run again): nothing is left to do
             if s.global_step < s.max_steps:
                 preempted = self._train_loop(run)
@@ -440,7 +443,8 @@ class Trainer(TrainerAPI):
         if a.use_liger_kernel:
             self._apply_liger_kernel()
         # checkpoints of this run carry its id; a resumed run continues the id of its checkpoint
-        checkpointer = Checkpointer(a, self._backend, (loop or {}).get("run_id") or uuid.uuid4().hex, dataset_len)
+        checkpointer = Checkpointer(a, self._backend, (loop or {}).get("run_id") or uuid.uuid4().hex, dataset_len,
+                                    self._checkpoint_writer)
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
         loader = self._train_loader(pos.micro_batch)
@@ -470,6 +474,8 @@ class Trainer(TrainerAPI):
                         f"({100 * trainable / max(total, 1):.2f}%)")
             if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
                 logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
+            if a.async_save:
+                logger.info(async_save_line(self.model, a, acc.num_processes))
             checkpointer.open_output_dir()
         halver = MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend)
         return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader,
@@ -708,6 +714,7 @@ class Trainer(TrainerAPI):
         """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
         the logged throughput)."""
         s, log = self.state, run.log  # self.control is read anew after each event: a callback may replace it
+        run.checkpointer.poll()  # a checkpoint written in the background (async_save): committed, or its failure
         if self.control.should_log and (log.steps or log.nonfinite_total):
             logs, diagnostics = log.window_logs(self.args, self.accelerator, self.model_wrapped, s,
                                                 self._learning_rate())
@@ -977,7 +984,9 @@ class Trainer(TrainerAPI):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the model for use outside stoker: transformers/peft models with save_pretrained
         (safetensors; peft stores the adapter only), plain modules as safetensors + stoker_model.json. Every
-        process must call it (a sharded model is gathered)."""
+        process must call it (a sharded model is gathered). A checkpoint being written in the background is
+        committed first."""
+        self._checkpoint_writer.finish()
         save_model(output_dir or self.args.output_dir, self.accelerator, self._backend, self.model_wrapped,
                    self.processing_class, self.args)
 

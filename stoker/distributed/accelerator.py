@@ -38,7 +38,16 @@ def argument_problems(args) -> list[str]:
                             mixed_precision=args.mixed_precision)[1]
     if args.deepspeed not in (None, "", {}):
         p += deepspeed_config(args)[1]
+        if args.async_save:
+            p.append(async_save_refusal(f"deepspeed={args.deepspeed!r}"))
     return p
+
+
+def async_save_refusal(what: str) -> str:
+    """Why async_save is refused with DeepSpeed (`what`: how the run asks for it)."""
+    return (f"async_save=True and {what}: DeepSpeed's engine writes its ZeRO partitions from its own state, which "
+            "moves on while training goes on, so it cannot be saved in the background; accepted with DeepSpeed: "
+            "async_save=False (async_save=True runs with one process, DDP and FSDP)")
 
 
 def runtime_problems(args) -> list[str]:

@@ -10,7 +10,8 @@ differ, so that neither the loop nor the checkpointing branches on the kind of r
     scaler_handles_inf(), update_applied_despite_nonfinite()   what the non-finite guard may decide
     optimizer_step(optimizer), step_skipped()   a step applied (or skipped by fp16 loss scaling), or skipped
     state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
-    save_rank_parts, save_optimizer          the optimizer state (and shards) in a checkpoint
+    rank_parts, optimizer_state              the optimizer state (and shards) in a checkpoint
+    saves_in_background                      whether async_save can snapshot what it saves
     load_weights, load_training_state        what a checkpoint gives back
     kind, resumes, check_checkpoint          which checkpoints this run can resume
 
@@ -28,9 +29,9 @@ from typing import Any, NamedTuple
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint_format as ckpt
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..optim import create_scheduler, parameter_groups
-from .accelerator import check_sharding_active
+from .accelerator import async_save_refusal, check_sharding_active
 from .deepspeed import (
     finish_deepspeed_config,
     gather_trainable_zero3,
@@ -49,7 +50,7 @@ from .fsdp import (
     is_sharded,
     load_shards,
     model_class_name,
-    save_shards,
+    plan_shards,
 )
 
 # how checkpoint messages name each kind of run
@@ -76,16 +77,21 @@ class Prepared(NamedTuple):
 
 def backend_for(accelerator, args) -> Backend:
     """The backend of the run Accelerate set up. Refuses (ConfigError) a run with `fsdp` set in which Accelerate
-    did not set up FSDP, which would otherwise train unsharded."""
+    did not set up FSDP, which would otherwise train unsharded, and async_save with a backend that cannot save in
+    the background (DeepSpeed, also when accelerate launch's configuration asks for it)."""
     check_sharding_active(args, accelerator.distributed_type)
     if is_deepspeed(accelerator):
-        return DeepSpeedBackend(accelerator, args)
-    if is_sharded(accelerator):
+        backend = DeepSpeedBackend(accelerator, args)
+    elif is_sharded(accelerator):
         # the plugin's version, read without AcceleratorState.is_fsdp2, which fails where the process-wide state
         # says FSDP but this Accelerator has no plugin (a state set up by hand before it was built)
         version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 2)
-        return FSDP1Backend(accelerator, args) if version == 1 else FSDP2Backend(accelerator, args)
-    return Backend(accelerator, args)
+        backend = FSDP1Backend(accelerator, args) if version == 1 else FSDP2Backend(accelerator, args)
+    else:
+        backend = Backend(accelerator, args)
+    if args.async_save and not backend.saves_in_background:
+        raise ConfigError([async_save_refusal(f"{backend.kind} run")], "distributed configuration")
+    return backend
 
 
 def checkpoint_kind(folder: str) -> str:
@@ -102,6 +108,7 @@ class Backend:
 
     kind = PLAIN_KIND  # as checkpoint messages name this kind of run
     resumes = (PLAIN_KIND, FSDP_KIND)  # the kinds of checkpoint it resumes: here an FSDP run's shards too
+    saves_in_background = True  # async_save: what a checkpoint holds can be snapshot in host memory
     wraps_in_place = False  # prepare leaves the model usable by another train() call
     # whether the processes can agree on an out-of-memory error before a window's gradient all-reduce (DDP's
     # forward holds no collective that a process could be left waiting in)
@@ -247,12 +254,16 @@ class Backend:
         """Main process: the model files of a checkpoint, from `state_dict_for_saving`'s result."""
         ckpt.save_weights(self.accelerator.unwrap_model(model), folder, state_dict=state_dict)
 
-    def save_rank_parts(self, folder: str, model, optimizer) -> None:
-        """Every rank: what each process writes of a checkpoint itself (nothing here: the state is whole)."""
+    def rank_parts(self, folder: str, model, optimizer, copy=None) -> Callable[[], None]:
+        """Every rank: what each process writes of a checkpoint itself, as a write to run later, with the state
+        taken now (`copy`: host copies of its tensors, for a write in the background). Nothing here: the state is
+        whole."""
+        return lambda: None
 
-    def save_optimizer(self, folder: str, optimizer) -> None:
-        """Main process: the optimizer state, when it is whole on every process (optimizer.json + tensors)."""
-        ckpt.save_state(folder, "optimizer", optimizer.state_dict())
+    def optimizer_state(self, optimizer) -> dict | None:
+        """The optimizer state the main process writes (optimizer.json + tensors) when it is whole on every
+        process; None where every rank writes its part."""
+        return optimizer.state_dict()
 
     # -- loading -----------------------------------------------------------------------------------------
 
@@ -309,13 +320,13 @@ class FSDPBackend(Backend):
             config.architectures = [model_class_name(model)]  # as save_pretrained records it
             config.save_pretrained(folder)
 
-    def save_rank_parts(self, folder: str, model, optimizer) -> None:
-        """Every rank its shards of the model (or of its trainable parameters) and of the optimizer state (a
-        collective, whose failures every rank raises)."""
-        save_shards(folder, model, optimizer, self.accelerator.is_main_process, self._is_peft(model))
+    def rank_parts(self, folder: str, model, optimizer, copy=None) -> Callable[[], None]:
+        """Every rank its shards of the model (or of its trainable parameters) and of the optimizer state, planned
+        with every rank now (a collective, whose failures every rank raises)."""
+        return plan_shards(folder, model, optimizer, self.accelerator.is_main_process, self._is_peft(model), copy)
 
-    def save_optimizer(self, folder: str, optimizer) -> None:
-        """Nothing: the optimizer state is in every rank's shards."""
+    def optimizer_state(self, optimizer) -> dict | None:
+        """None: the optimizer state is in every rank's shards."""
 
     def load_weights(self, folder: str, model) -> None:
         """Every rank its shards of the checkpoint's model (or adapter), matched by name and offsets."""
@@ -352,6 +363,7 @@ class DeepSpeedBackend(Backend):
 
     kind = DEEPSPEED_KIND
     resumes = (DEEPSPEED_KIND,)
+    saves_in_background = False  # the engine writes its partitions from its own state, which moves on
     wraps_in_place = True
     agrees_on_out_of_memory = False  # auto_find_batch_size is refused with DeepSpeed (it fixes the micro-batch)
 
@@ -418,12 +430,13 @@ class DeepSpeedBackend(Backend):
             return gather_trainable_zero3(model)
         return super().state_dict_for_saving(model)
 
-    def save_rank_parts(self, folder: str, model, optimizer) -> None:
-        """Every rank its ZeRO partition of the optimizer state."""
-        save_zero_partition(folder, optimizer, self.accelerator.process_index)
+    def rank_parts(self, folder: str, model, optimizer, copy=None) -> Callable[[], None]:
+        """Every rank its ZeRO partition of the optimizer state, read from the engine when the write runs (so
+        async_save is refused: saves_in_background)."""
+        return lambda: save_zero_partition(folder, optimizer, self.accelerator.process_index)
 
-    def save_optimizer(self, folder: str, optimizer) -> None:
-        """Nothing: the optimizer state is in every rank's partition."""
+    def optimizer_state(self, optimizer) -> dict | None:
+        """None: the optimizer state is in every rank's partition."""
 
     def check_checkpoint(self, folder: str) -> None:
         """As the plain backend's, and the checkpoint's ZeRO partitions must be as many as the processes: stoker

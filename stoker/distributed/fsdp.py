@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 
 from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError, ConfigError, suggest
@@ -321,23 +322,80 @@ def _model_state(model, trainable_only: bool) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
 
 
-def save_shards(folder: str, model, optimizer, is_main: bool, trainable_only: bool = False) -> None:
-    """Every rank writes its shards of the model (or of its trainable parameters: a peft adapter) and of the
-    optimizer state into `folder` (a collective); the main process writes the optimizer state's structure
-    (optimizer.json)."""
-    import torch.distributed.checkpoint as dcp
+def plan_shards(folder: str, model, optimizer, is_main: bool, trainable_only: bool = False,
+                copy=None) -> Callable[[], None]:
+    """Every rank, now: plan its shards of the model (or of its trainable parameters: a peft adapter) and of the
+    optimizer state with every other rank (a collective), and take what it will write (`copy`: host copies of the
+    tensors, for a write in the background). Returns the write of those shards into `folder`, with the optimizer
+    state's structure (optimizer.json) from the main process; the write holds no collective."""
+    tree, tensors = _optimizer_tensors(model, optimizer)
+    writes = [_planned_write(os.path.join(folder, name), state, copy)
+              for name, state in ((MODEL_SHARDS, ckpt.unshared(_model_state(model, trainable_only))),
+                                  (OPTIMIZER_SHARDS, tensors))]
+
+    def write() -> None:
+        for one in writes:
+            one()
+        if is_main:
+            ckpt.write_json(folder, "optimizer.json", tree)
+
+    return write
+
+
+def _planned_write(path: str, state: dict, copy) -> Callable[[], None]:
+    """torch.distributed.checkpoint's save, split where its collectives end: the plan is made now with every rank
+    (each rank's shards, replicated tensors written once, one safetensors file per rank whose header holds each
+    shard's offsets), and the returned write stores this rank's planned items (HuggingFaceStorageWriter's files,
+    fsynced) without communicating. Any rank's planning failure is raised on every rank."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    tree, tensors = _optimizer_tensors(model, optimizer)
-    for name, state in ((MODEL_SHARDS, ckpt.unshared(_model_state(model, trainable_only))),
-                        (OPTIMIZER_SHARDS, tensors)):
-        try:  # torch gathers every rank's failure and raises it on all of them
-            dcp.save(state, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, name),
-                                                                    save_distributed=True))
-        except dcp.CheckpointException as e:
-            raise OSError(f"writing {name}/ failed: {e}") from e
-    if is_main:
-        ckpt.write_json(folder, "optimizer.json", tree)
+    rank, writer, planner = dist.get_rank(), HuggingFaceStorageWriter(path, save_distributed=True), _planner()
+    plan = failure = None
+    try:
+        planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        plan = writer.prepare_local_plan(planner.create_local_plan())
+    except Exception as e:  # torch's save gathers every rank's failure too
+        failure = e
+    plans = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, plan)  # plain dataclasses; torch's own planning sends them pickled too
+    if failure is not None or any(p is None for p in plans):
+        raise OSError(f"planning {os.path.basename(path)}/ failed: {failure or 'on another process'}") from failure
+    # every rank makes the global plan that torch's coordinator makes and scatters: the same on every rank
+    plans, _ = planner.create_global_plan(plans)
+    final = planner.finish_plan(writer.prepare_global_plan(plans)[rank])
+    planner.take(final, copy)
+
+    def write() -> None:
+        try:
+            writer.write_data(final, planner).wait()
+        except Exception as e:
+            raise OSError(f"writing {os.path.basename(path)}/ failed: {e}") from e
+
+    return write
+
+
+def _planner():
+    """torch's default save planner, resolving the planned items from what `take` kept of them when the plan was
+    made (the tensors of that moment, or their host copies) instead of from the live state at write time."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class SnapshotPlanner(DefaultSavePlanner):
+        taken: dict = {}
+
+        def take(self, plan, copy) -> None:
+            items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+            tensors = {n: super(SnapshotPlanner, self).resolve_data(i) for n, i in enumerate(items)}
+            tensors = copy(tensors) if copy is not None else tensors
+            self.taken = {i.index: tensors[n] for n, i in enumerate(items)}
+
+        def resolve_data(self, write_item):
+            taken = self.taken.get(write_item.index)
+            return taken if taken is not None else super().resolve_data(write_item)
+
+    return SnapshotPlanner()
 
 
 def load_shards(folder: str, model, optimizer=None, trainable_only: bool = False) -> None:

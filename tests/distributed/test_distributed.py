@@ -334,10 +334,13 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_leaves_no_partial
     assert "another process could not write its part" in ranks(two_ranks, "save_failure")[0]["error"]
     assert [p.name for p in out.iterdir() if "checkpoint" in p.name] == ["checkpoint-1"]
     assert ckpt.verify(str(out / "checkpoint-1")) is None
-    # FSDP: torch.distributed.checkpoint's writers fail on rank 1 only
+    # FSDP: torch.distributed.checkpoint's writers fail on rank 1 only (they write without communicating: rank 0
+    # learns that another process failed, as with the RNG file)
     out = two_ranks / "fsdp_save_failure" / "out"
-    for r in ranks(two_ranks, "fsdp_save_failure"):
-        assert r["step"] == 2 and r["error"].startswith(f"saving {out / 'checkpoint-2'} failed: writing model_shards")
+    r0, r1 = ranks(two_ranks, "fsdp_save_failure")
+    assert r0["step"] == r1["step"] == 2
+    assert r1["error"].startswith(f"saving {out / 'checkpoint-2'} failed: writing model_shards/ failed: ")
+    assert "another process could not write its part" in r0["error"]
     assert [p.name for p in out.iterdir() if "checkpoint" in p.name] == ["checkpoint-1"]
 
 
@@ -368,6 +371,25 @@ def test_fsdp2_shards_parameters_trains_like_ddp_and_its_checkpoints_resume(two_
     saved = AutoModelForCausalLM.from_pretrained(str(two_ranks / "fsdp2" / "saved"))
     for name, p in saved.named_parameters():
         assert torch.equal(p.detach(), final[name]), name
+
+
+def test_an_async_fsdp2_checkpoint_is_the_sync_one_and_resumes_exactly(two_ranks):
+    """FSDP2 with async_save, its writes held until the loop has stepped on: checkpoint-2 (every rank's shards of
+    the model and optimizer state, the full model) holds bit for bit what the synchronous fsdp2 run's holds, and
+    a run resumed from it ends where the uninterrupted one ended, with the same losses."""
+    from tests.integration.test_async_save import contents
+
+    folder = two_ranks / "async_fsdp2"
+    background, sync = folder / "out" / "checkpoint-2", two_ranks / "fsdp2" / "out" / "checkpoint-2"
+    assert ckpt.verify(str(background)) is None
+    assert {"model_shards", "optimizer_shards", "model.safetensors"} <= set(os.listdir(background))
+    assert contents(background) == contents(sync)
+    final, resumed = load_file(str(folder / "final.safetensors")), load_file(str(folder / "resumed.safetensors"))
+    reference = load_file(str(two_ranks / "fsdp2" / "final.safetensors"))
+    for name in reference:
+        assert torch.equal(final[name], reference[name]) and torch.equal(resumed[name], reference[name]), name
+    for r in ranks(two_ranks, "async_fsdp2"):
+        assert r["resumed_losses"] == r["losses"] == ranks(two_ranks, "fsdp2")[0]["losses"]
 
 
 def test_fsdp1_builds_the_optimizer_on_its_flat_shards_trains_like_ddp_and_resumes_exactly(two_ranks):
@@ -536,15 +558,30 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
     assert ckpt.verify(str(out / "checkpoint-3")) is None
     assert {"process_0.json", "process_1.json"} <= set(os.listdir(out / "checkpoint-3"))
 
-    check(launch(tmp_path, "preempt_resume"))
+    resumes_like_rng_resume(two_ranks, tmp_path, "preempt_resume")
+
+
+def resumes_like_rng_resume(two_ranks: Path, tmp_path: Path, scenario: str) -> None:
+    """Launch `scenario`, which resumes a stopped run of rng_resume's settings: it ends bit for bit where the
+    uninterrupted rng_resume run ended, with its losses (those before the checkpoint come with it)."""
+    check(launch(tmp_path, scenario))
     reference = load_file(str(two_ranks / "rng_resume" / "final.safetensors"))
-    resumed = load_file(str(tmp_path / "preempt_resume" / "final.safetensors"))
+    resumed = load_file(str(tmp_path / scenario / "final.safetensors"))
     for name in reference:
         assert torch.equal(reference[name], resumed[name]), name
-    uninterrupted = ranks(two_ranks, "rng_resume")[0]
-    r = ranks(tmp_path, "preempt_resume")[0]
-    assert r["global_step"] == 6
-    assert r["losses"] == uninterrupted["losses"]  # steps 1-3 come with the checkpoint, 4-6 are logged anew
+    r = ranks(tmp_path, scenario)[0]
+    assert r["global_step"] == 6 and r["losses"] == ranks(two_ranks, "rng_resume")[0]["losses"]
+
+
+def test_a_sigkill_during_a_background_write_on_two_processes_resumes_exactly(two_ranks, tmp_path):
+    """async_save on 2 ranks: rank 1 is killed while writing its part of checkpoint-4 in the background. No rank
+    commits it (the manifest waits for every rank's files); checkpoint-2 is intact, and resuming ends bit for bit
+    where the uninterrupted synchronous run (rng_resume) ended, with its losses."""
+    assert launch(tmp_path, "async_kill").returncode != 0
+    out = tmp_path / "async_kill" / "out"
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(out))] == ["checkpoint-2"]
+    assert ckpt.verify(str(out / "checkpoint-2")) is None
+    resumes_like_rng_resume(two_ranks, tmp_path, "async_kill_resume")
 
 
 # --- the exit status of a plain script --------------------------------------------------------------------

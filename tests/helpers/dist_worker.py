@@ -499,6 +499,66 @@ def lora_fsdp2(out: str) -> None:
     r.write()
 
 
+def async_fsdp2(out: str) -> None:
+    """The fsdp2 run's first Trainer with async_save, each background write held until the loop has taken the
+    next step (tests/integration/test_async_save.py's Gate): its checkpoint-2 is compared by the test with the
+    synchronous one of fsdp2, and a run resumed from it ends where it ended. It must follow every DDP scenario
+    (see fsdp2)."""
+    import pytest
+
+    from tests.integration.test_async_save import Gate
+
+    r = Report(out, "async_fsdp2")
+    patches = pytest.MonkeyPatch()
+    Gate(patches)
+    try:
+        full = Trainer(llama(), fsdp_args(os.path.join(r.folder, "out"), save_strategy="steps", save_steps=2,
+                                          async_save=True), train_dataset=TRAIN)
+        fsdp_on_cpu(full)
+        full.train()
+        gathered = gathered_state(full)
+        resumed = Trainer(llama(), fsdp_args(os.path.join(r.folder, "resumed"), async_save=True), train_dataset=TRAIN)
+        fsdp_on_cpu(resumed)
+        resumed.train(resume_from_checkpoint=os.path.join(r.folder, "out", "checkpoint-2"))
+        gathered_resumed = gathered_state(resumed)
+    finally:
+        patches.undo()
+    r.values.update(losses=losses(full), resumed_losses=losses(resumed))
+    if r.rank == 0:
+        for name, tensors in (("final", gathered), ("resumed", gathered_resumed)):
+            r.save_tensors(name, {k: v.contiguous() for k, v in tensors.items()})
+    r.write()
+
+
+def async_kill(out: str) -> None:
+    """The rng_resume run with async_save: rank 1 is SIGKILLed by its writer thread while it writes its part of
+    checkpoint-4 in the background (torchrun then stops rank 0). Run alone: the launch fails."""
+    from stoker import checkpoint_format as ckpt
+
+    r = Report(out, "async_kill")
+    real = ckpt.save_state
+
+    def killed(folder, name, obj):
+        if r.rank == 1 and name == "process_1" and folder.endswith("checkpoint-4"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(folder, name, obj)
+
+    ckpt.save_state = killed
+    Trainer(dropout_llama(), rng_args(os.path.join(r.folder, "out"), async_save=True), train_dataset=TRAIN,
+            callbacks=[RankRng(r)]).train()
+
+
+def async_kill_resume(out: str) -> None:
+    """Resume the killed async_kill run (resume_from_checkpoint=True) to its end."""
+    r = Report(out, "async_kill_resume")
+    trainer = Trainer(dropout_llama(), rng_args(os.path.join(out, "async_kill", "out"), async_save=True),
+                      train_dataset=TRAIN, callbacks=[RankRng(r)])
+    trainer.train(resume_from_checkpoint=True)
+    r.values.update(global_step=trainer.state.global_step, losses=losses(trainer))
+    r.save_tensors("final", final_params(trainer))
+    r.write()
+
+
 def without_deepspeed_shm_build() -> None:
     """Test-only: DeepSpeed compiles a shared-memory fast path for collectives within a node on first use (C++,
     about 40 s on 2 cores); the gloo process group serves without it."""
@@ -908,7 +968,7 @@ SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
     guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
     zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
-    placement, oom_on_one_rank, oom_in_the_last_backward, worker_seeds)}
+    placement, oom_on_one_rank, oom_in_the_last_backward, worker_seeds, async_fsdp2, async_kill, async_kill_resume)}
 
 
 def main() -> None:

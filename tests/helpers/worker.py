@@ -1,12 +1,16 @@
-"""A training process for the kill tests: `python tests/helpers/worker.py OUTPUT_DIR [--kill-in-save STEP]`.
+"""A training process for the kill tests:
+`python tests/helpers/worker.py OUTPUT_DIR [--kill-in-save STEP] [--async-save [--write-delay SECONDS]]`.
 
 It trains a tiny Llama with dropout, checkpointing every step, resuming from the newest complete checkpoint,
 and writes its final parameters to OUTPUT_DIR/final. It prints TRAINING once the loop starts and STEP n after each step.
+With --async-save its checkpoints are written in the background, each write starting --write-delay seconds late
+(default 0.05), so that a signal or a kill lands while one is being written.
 """
 
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -35,6 +39,18 @@ def main():
             commit(tmp, final, at_step)
 
         ckpt.commit = commit_or_die
+    background = "--async-save" in sys.argv
+    if background:
+        from stoker import background_save
+
+        delay = float(sys.argv[sys.argv.index("--write-delay") + 1]) if "--write-delay" in sys.argv else 0.05
+        wait = background_save.HostCopies.wait
+
+        def late(self):
+            time.sleep(delay)
+            wait(self)
+
+        background_save.HostCopies.wait = late
     model = llama()
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
@@ -42,7 +58,7 @@ def main():
     args = TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1,
                              save_strategy="steps", save_steps=1, save_total_limit=3, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_steps=40, learning_rate=1e-2, optim="adamw_torch",
-                             seed=1)
+                             seed=1, async_save=background)
     trainer = Trainer(model, args, train_dataset=rows(30, seed=2), callbacks=[Announce()])
     trainer.train(resume_from_checkpoint=True)
     trainer.save_model(os.path.join(out, "final"))

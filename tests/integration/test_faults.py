@@ -348,6 +348,22 @@ def test_a_nonfinite_model_is_never_saved(tmp_path):
     assert not os.path.exists(tmp_path / "checkpoint-1")
 
 
+@pytest.mark.parametrize("values, finite", [
+    ([1.0, -2.0], True), ([3e38, 3e38], True),  # finite values whose float32 sum overflows
+    ([1.0, float("nan")], False), ([float("inf"), 0.0], False), ([float("inf"), float("-inf")], False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_save_check_of_finite_parameters_is_exact(values, finite, dtype):
+    """The check sums each tensor (a sum is finite only if every value is) and looks at the values one by one only
+    where a sum is not finite."""
+    from types import SimpleNamespace
+
+    from stoker.checkpointer import parameters_finite
+
+    model = nn.Linear(len(values), 1, bias=False)
+    model.weight.data = torch.tensor([values], dtype=dtype)
+    assert parameters_finite(SimpleNamespace(num_processes=1), model) is finite
+
+
 # --- out of memory ----------------------------------------------------------------------------------
 
 

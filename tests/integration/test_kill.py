@@ -52,8 +52,11 @@ def assert_equal_params(a: dict, b: dict) -> None:
         assert a[name].equal(b[name]), name
 
 
-def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, reference):
-    assert run(tmp_path, "--kill-in-save", "7") == -signal.SIGKILL
+@pytest.mark.parametrize("mode", [(), ("--async-save",)], ids=["sync", "async"])
+def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, reference, mode):
+    """Killed as checkpoint-7 is about to be committed (with async_save, by its writer thread, while the loop
+    trains on): checkpoint-6 is intact and the resumed run ends bit for bit where the uninterrupted one ended."""
+    assert run(tmp_path, "--kill-in-save", "7", *mode) == -signal.SIGKILL
     assert (tmp_path / ".tmp-checkpoint-7").is_dir()  # the partial save is there, uncommitted
     assert ckpt.verify(str(tmp_path / "checkpoint-6")) is None and not (tmp_path / "checkpoint-7").exists()
     assert run(tmp_path) == 0
@@ -61,12 +64,14 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, ref
 
 
 @pytest.mark.slow
-def test_random_sigkills_then_resume_end_bit_for_bit(tmp_path, reference):
-    """Six SIGKILLs, each a random number of steps into a run plus a random fraction of a step, so that
-    they land in forward/backward passes, optimizer steps and checkpoint writes alike."""
+@pytest.mark.parametrize("mode, kills", [((), 6), (("--async-save",), 4)], ids=["sync", "async"])
+def test_random_sigkills_then_resume_end_bit_for_bit(tmp_path, reference, mode, kills):
+    """SIGKILLs, each a random number of steps into a run plus a random fraction of a step, so that they land in
+    forward/backward passes, optimizer steps and checkpoint writes alike (with async_save a checkpoint is being
+    written in the background at almost every moment)."""
     rng = random.Random(0)
-    for _ in range(6):
-        proc = start(tmp_path)
+    for _ in range(kills):
+        proc = start(tmp_path, *mode)
         wait_until_training(proc)
         steps = rng.randint(1, 6)
         for line in proc.stdout:
@@ -81,13 +86,18 @@ def test_random_sigkills_then_resume_end_bit_for_bit(tmp_path, reference):
     assert_equal_params(reference, final_params(tmp_path))
 
 
-def test_sigterm_from_outside_checkpoints_and_exits_75(tmp_path, reference):
-    proc = start(tmp_path)
+@pytest.mark.parametrize("mode", [(), ("--async-save", "--write-delay", "0.3")], ids=["sync", "async"])
+def test_sigterm_from_outside_checkpoints_and_exits_75(tmp_path, reference, mode):
+    """With async_save the signal lands while a checkpoint is written in the background (each write takes longer
+    than a step): the run exits 75 once the checkpoint of the step it stopped at is committed."""
+    proc = start(tmp_path, *mode)
     wait_until_training(proc)
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
+    steps = [int(line.split()[1]) for line in proc.stdout if line.startswith("STEP")]
     assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE
     newest = ckpt.list_checkpoints(str(tmp_path))[-1]
     assert ckpt.verify(newest) is None and not (tmp_path / "final").exists()
+    assert ckpt.checkpoint_step(newest) == steps[-1]  # the step it stopped at
     assert run(tmp_path) == 0
     assert_equal_params(reference, final_params(tmp_path))

@@ -123,11 +123,11 @@ LAYERS = (
     ("the Trainer's services", ("stoker.checkpointer", "stoker.report", "stoker.lora", "stoker.preflight")),
     ("callbacks", ("stoker.callbacks",)),
     ("arguments", ("stoker.arguments",)),
-    ("helpers", ("stoker.checkpoint_format", "stoker.chunked_loss", "stoker.data", "stoker.diagnostics",
-                 "stoker.distributed", "stoker.evaluation", "stoker.gguf", "stoker.log", "stoker.loop",
-                 "stoker.loss_computation", "stoker.loss_normalization", "stoker.memory_plan", "stoker.optim",
-                 "stoker.outputs", "stoker.packing", "stoker.prefix", "stoker.requirements", "stoker.tasks",
-                 "stoker.tracking")),
+    ("helpers", ("stoker.background_save", "stoker.checkpoint_format", "stoker.chunked_loss", "stoker.data",
+                 "stoker.diagnostics", "stoker.distributed", "stoker.evaluation", "stoker.gguf", "stoker.log",
+                 "stoker.loop", "stoker.loss_computation", "stoker.loss_normalization", "stoker.memory_plan",
+                 "stoker.optim", "stoker.outputs", "stoker.packing", "stoker.prefix", "stoker.requirements",
+                 "stoker.tasks", "stoker.tracking")),
     ("errors", ("stoker.errors",)),
 )
 

@@ -279,3 +279,24 @@ def test_deepspeed_without_its_package_is_refused_never_run_without_it(tmp_path,
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=str(ROOT / "recipes" / "ds_zero2.json"))
     with pytest.raises(ConfigError, match=r"the deepspeed package is not installed \(pip install deepspeed\)"):
         Trainer(llama(), args, train_dataset=[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
+
+
+def test_async_save_is_refused_with_deepspeed_before_any_work():
+    """DeepSpeed's engine writes its ZeRO partitions itself: async_save is refused with the deepspeed argument
+    (TrainingArguments), and with a DeepSpeed run that Accelerate's configuration set up (the backend)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from stoker.distributed.backends import backend_for
+
+    problems = problems_of(async_save=True, deepspeed={"zero_optimization": {"stage": 2}})
+    assert len(problems) == 1
+    assert problems[0].startswith("async_save=True and deepspeed={'zero_optimization': {'stage': 2}}: DeepSpeed's "
+                                  "engine writes its ZeRO partitions")
+    assert "accepted with DeepSpeed: async_save=False" in problems[0]
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(ConfigError, match=r"async_save=True and a DeepSpeed run: .* accepted with DeepSpeed: "
+                                          r"async_save=False"):
+        backend_for(accelerator, SimpleNamespace(async_save=True, fsdp=None))
+    assert backend_for(accelerator, SimpleNamespace(async_save=False, fsdp=None)).kind == "a DeepSpeed"

@@ -33,6 +33,18 @@ def test_optimizer_state_by_optimizer():
     assert per_param["sgd"] == 0 and 0 < per_param["adafactor"] < 0.01  # factored: rows + columns per matrix
 
 
+def test_async_save_counts_a_host_copy_of_the_checkpoint():
+    """One checkpoint in flight: the saved model and the optimizer state in host memory, per process (a LoRA
+    adapter alone; FSDP's shards), not on the device."""
+    plain, background = estimate(SHAPE, Setup()), estimate(SHAPE, Setup(async_save=True))
+    assert plain.snapshot == 0 and background.snapshot == background.weights + background.optimizer
+    assert background.peak == plain.peak and "host (async_save)" in background.table()
+    lora = estimate(SHAPE, Setup(lora_r=16, async_save=True))
+    assert lora.snapshot == pytest.approx(12 * (lora.weights - SHAPE.params * 4) / 4)  # 4 + 8 bytes per LoRA value
+    sharded = estimate(SHAPE, Setup(world_size=4, fsdp="full_shard", async_save=True))
+    assert sharded.snapshot == pytest.approx(background.snapshot / 4)
+
+
 def test_weights_gradients_and_lora():
     full = estimate(SHAPE, Setup())
     assert full.weights == 4 * SHAPE.params and full.gradients == 4 * SHAPE.params
@@ -96,6 +108,8 @@ def test_stoker_plan_command_prints_the_parts_and_a_proposal(capsys):
     assert "to fit 0.2 GiB: micro-batch" in out and "global batch 64" in out
     assert main(["plan", "--recipe", "clm", "--budget_gb", "0.0001"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+    assert main(["plan", "--recipe", "clm", "--async_save"]) == 0  # the flag, as the recipes parse it
+    assert "host (async_save)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bad", [["--per_device_train_batch_size", "0"], ["--no_such_field", "1"]])
