@@ -8,22 +8,10 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import stoker
 from stoker.errors import NonFiniteError
-
-
-class Scalar(nn.Module):
-    """loss = (w * x)^2, and NaN for a row whose x is 999 (its gradient is 0: torch.where's other branch)."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(()))
-
-    def forward(self, x):
-        loss = ((self.w * x) ** 2).mean()
-        return {"loss": torch.where((x == 999).any(), torch.tensor(float("nan")), loss)}
+from tests.integration.test_trainer_api import Scalar  # (w * x)^2, NaN where x is 999 (gradient 0)
 
 
 def framework(name: str):
