@@ -583,7 +583,8 @@ args = TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, ma
 trainer = Trainer(llama(), args, train_dataset=rows(16))
 trainer.train()
 if trainer.is_world_process_zero():
-    save_file({{k: v.contiguous() for k, v in trainer.model.state_dict().items()}}, os.path.join(out, "params.safetensors"))
+    params = {{k: v.contiguous() for k, v in trainer.model.state_dict().items()}}
+    save_file(params, os.path.join(out, "params.safetensors"))
 print("script finished on rank", rank)
 """
 LOADED_RUNS, AT_ONCE = 21, 7  # a 1-in-7 abort passes 21 runs with probability (6/7)^21 = 3.9%
