@@ -162,6 +162,8 @@ class LossConvention:
         with _probe_forwards(model, device) as forward:
             whole = loss_or_none(forward(**inputs))
             first_ignored = loss_or_none(forward(**{**inputs, self.label_name: cut}))
+        if whole is None and first_ignored is None:  # no loss of its own (a compute_loss override makes it):
+            return False  # nothing inside shifts, its labels count as they are
         if whole is None or first_ignored is None or whole.dim() != 0 or not torch.isfinite(whole):
             return None
         return bool(torch.isclose(whole.double(), first_ignored.double(), rtol=1e-6, atol=0))
@@ -170,12 +172,15 @@ class LossConvention:
     def _probe_num_items(model, inputs: dict, device) -> bool | None:
         """Whether the model's loss is its summed item losses divided by num_items_in_batch: two forwards of one
         batch, with counts 1 and 2. A head that takes **kwargs but returns a mean anyway fails it, as does a
-        model that raises on the argument. None when this batch cannot tell (no targets: both losses 0 or NaN)."""
+        model that raises on the argument, and one that returns no loss (an override of compute_loss computes it
+        from the outputs). None when this batch cannot tell (no targets: both losses 0 or NaN)."""
         try:
             with _probe_forwards(model, device) as forward:
-                one, two = (loss_of(forward(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
+                one, two = (loss_or_none(forward(**inputs, num_items_in_batch=torch.tensor(n, device=device)))
                             for n in (1, 2))
         except TypeError:
+            return False
+        if one is None or two is None:
             return False
         if not torch.isfinite(one) or one == 0:
             return None

@@ -116,6 +116,12 @@ class Trainer(TrainerAPI):
     create_optimizer, create_scheduler, get_train_dataloader, get_eval_dataloader, log.
     """
 
+    # transformers' switch for an override of compute_loss that computes its own loss: True when it returns its
+    # share of the window (divided by num_items_in_batch), False when it returns a mean over its micro-batch
+    # (training_step then weighs it by the micro-batch's share of the window's items); None decides as
+    # transformers does, from whether the model takes loss kwargs (`model_accepts_loss_kwargs`)
+    loss_is_scaled_for_ga: bool | None = None
+
     def __init__(
         self,
         # transformers.Trainer's parameters in its order (a positional call means the same), then stoker's
@@ -222,6 +228,12 @@ class Trainer(TrainerAPI):
 
             DebugUnderflowOverflow(base)
         self._is_transformers = hasattr(base, "config")
+        # transformers' attribute (its rule, read by subclasses): whether forward takes **kwargs, through which a
+        # loss of the model's own would receive num_items_in_batch
+        self.model_accepts_loss_kwargs = getattr(base, "accepts_loss_kwargs", None)
+        if self.model_accepts_loss_kwargs is None:
+            self.model_accepts_loss_kwargs = any(p.kind == p.VAR_KEYWORD
+                                                 for p in inspect.signature(base.forward).parameters.values())
         label_smoothing = a.label_smoothing_factor
         if label_smoothing and getattr(getattr(base, "config", None), "problem_type",
                                                 None) == "multi_label_classification":
@@ -311,7 +323,21 @@ class Trainer(TrainerAPI):
         common leading tokens are run once (stoker.prefix).
         """
         loss, outputs = self._loss(model, inputs, self.accelerator, num_items_in_batch, return_outputs)
+        self._loss_is_window_share = True  # an override that calls this returns (a change of) the share
         return (loss, outputs) if return_outputs else loss
+
+    def _window_share(self, loss: torch.Tensor, inputs: dict, num_items_in_batch) -> torch.Tensor:
+        """The loss an override of compute_loss returned, as its micro-batch's share of the window loss. Its own
+        mean over the micro-batch (loss_is_scaled_for_ga False, or None with a model that takes no loss kwargs,
+        where transformers divides by the accumulation steps) is weighed by the micro-batch's items over the
+        window's, which is transformers' division when the micro-batches hold equal items and exact when they
+        do not; a loss from stoker's own compute_loss (through super()) already is the share."""
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        if self._loss_is_window_share or scaled or num_items_in_batch is None:
+            return loss
+        return loss * (self._convention.targets(inputs) / num_items_in_batch)
 
     # ------------------------------------------------------------------------------------------
     # training
@@ -701,7 +727,9 @@ class Trainer(TrainerAPI):
         normalised by num_items_in_batch, the window's target count over every process, so a subclass that
         changes the inputs or adds to the loss and calls this keeps the update exact."""
         model.train()
-        loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        self._loss_is_window_share = False
+        loss = self._window_share(self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch),
+                                  inputs, num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
         self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices

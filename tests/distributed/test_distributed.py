@@ -636,6 +636,58 @@ def test_a_plain_script_exits_0_on_every_rank_and_a_failed_one_non_zero_with_its
     assert (out / "group_at_exit_1").read_text() == "True"
 
 
+
+# a user's script as it is usually written: train, rank 0 saves the parameters, no destroy_process_group(); an
+# atexit handler registered first (so run last, as the teardown begins) writes down the gloo workers' states
+LOADED_SCRIPT = """
+import atexit, os, sys
+sys.path.insert(0, {root!r})
+from safetensors.torch import save_file
+from stoker import Trainer, TrainingArguments
+from stoker.distributed.launch import GLOO_WORKERS, _thread_states
+from tests.integration.test_trainer import llama, rows
+
+out, rank = sys.argv[1], os.environ["RANK"]
+atexit.register(lambda: open(os.path.join(out, "threads_at_teardown_" + rank), "w").write(
+    "".join(state for state, _ in _thread_states(GLOO_WORKERS).values())))
+args = TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, max_steps=2, save_strategy="no",
+                         per_device_train_batch_size=2)
+trainer = Trainer(llama(), args, train_dataset=rows(16))
+trainer.train()
+if trainer.is_world_process_zero():
+    params = {{k: v.contiguous() for k, v in trainer.model.state_dict().items()}}
+    save_file(params, os.path.join(out, "params.safetensors"))
+print("script finished on rank", rank)
+"""
+LOADED_RUNS, AT_ONCE = 21, 7  # a 1-in-7 abort passes 21 runs with probability (6/7)^21 = 3.9%
+
+
+@pytest.mark.slow
+def test_a_plain_script_exits_0_run_after_run_on_a_loaded_machine(tmp_path):
+    """The plain script, 21 times, 7 launches at a time (14 ranks on this machine's 2 cores): every run exits 0 on
+    both ranks, without "terminate called". The gloo workers outlive the group's destruction (a DDP module once
+    used it), and a worker left unscheduled by the load could free the last collective's tensors while the
+    interpreter tears itself down, aborting a finished rank; stoker waits at exit until they are idle, so each
+    rank's teardown starts with every gloo worker asleep (checked per run)."""
+    script = tmp_path / "train.py"
+    script.write_text(LOADED_SCRIPT.format(root=str(ROOT)))
+    for first in range(0, LOADED_RUNS, AT_ONCE):
+        outs = [tmp_path / f"run{i}" for i in range(first, first + AT_ONCE)]
+        launches = []
+        for out in outs:
+            out.mkdir()
+            launches.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for out, launch in zip(outs, launches, strict=True):
+            output = launch.communicate(timeout=TIMEOUT)[0]
+            assert launch.returncode == 0, f"{out.name}: {output[-8000:]}"
+            assert output.count("script finished on rank") == 2 and "terminate called" not in output
+            assert (out / "params.safetensors").exists()
+            for r in range(2):
+                assert set((out / f"threads_at_teardown_{r}").read_text()) <= {"S"}, out.name
+
+
 # --- many nodes ----------------------------------------------------------------------------------------
 
 
