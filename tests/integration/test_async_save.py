@@ -132,11 +132,13 @@ def contents(folder: Path) -> dict[str, object]:
     return found
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["tied-llama", "lora"])
-def test_an_async_checkpoint_holds_what_a_sync_one_holds_bit_for_bit(tmp_path, slow_writes, caplog, peft):
-    sync = train(tmp_path / "sync", peft)
+@pytest.mark.parametrize("peft, only_model", [(False, False), (True, False), (False, True)],
+                         ids=["tied-llama", "lora", "save-only-model"])
+def test_an_async_checkpoint_holds_what_a_sync_one_holds_bit_for_bit(tmp_path, slow_writes, caplog, peft,
+                                                                    only_model):
+    sync = train(tmp_path / "sync", peft, save_only_model=only_model)
     with caplog.at_level(logging.INFO, logger="stoker"):
-        background = train(tmp_path / "async", peft, async_save=True)
+        background = train(tmp_path / "async", peft, async_save=True, save_only_model=only_model)
     for step in (2, 4):
         name = f"checkpoint-{step}"
         assert ckpt.verify(str(tmp_path / "async" / name)) is None
