@@ -15,8 +15,8 @@ Checks, each a short stoker training run of a Llama built from a config (nothing
     qlora             the model saved to a folder, loaded in 4 bits (transformers BitsAndBytesConfig, nf4) and
                       trained through a peft LoRA adapter
     mfu_100m          a ~110M-parameter Llama in bf16, eager and with torch.compile: tokens/s and MFU
-    checkpoint        synchronous checkpoints: a run resumed from checkpoint-k ends with the parameters of the
-                      run never stopped; each checkpoint verifies (asynchronous checkpoints do not exist yet)
+    checkpoint        synchronous and asynchronous (async_save) checkpoints: a run resumed from checkpoint-k of
+                      either ends with the parameters of the run never stopped; each checkpoint verifies
     fp16_overflow     fp16 with an overflow injected into one step's gradients: that step is skipped (parameters
                       unchanged), the loss scale drops, the schedule does not advance, and the next step applies
     chunked_loss      chunked_loss=True gives the loss of chunked_loss=False, with less peak memory
@@ -265,26 +265,33 @@ def parameters(model) -> dict[str, torch.Tensor]:
 
 
 def check_checkpoint(sizes: dict, steps: int, batch: int, seq_len: int, **kw) -> list[dict]:
-    """A run saving every steps // 2; a second run resumed from the first checkpoint ends where it ended."""
+    """A run saving every steps // 2, synchronously, and the same run with async_save; a run resumed from each
+    one's first checkpoint ends where the uninterrupted run ended, and so does the async run."""
     from stoker import checkpoint_format
 
-    every = steps // 2
+    every, rows, notes = steps // 2, [], []
     with tempfile.TemporaryDirectory() as out:
-        full = train(llama(sizes, seq_len), os.path.join(out, "full"), steps, batch, seq_len, warmup=1,
-                     save_strategy="steps", save_steps=every, **kw)
-        final = parameters(full.pop("trainer").model)
-        folder = os.path.join(out, "full", f"checkpoint-{every}")
-        problem = checkpoint_format.verify(folder)
-        if problem is not None:
-            raise RuntimeError(f"checkpoint-{every} does not verify: {problem}")
-        resumed = train(llama(sizes, seq_len), os.path.join(out, "resumed"), steps, batch, seq_len, warmup=1,
-                        resume_from_checkpoint=folder, **kw)
-        ended = parameters(resumed.pop("trainer").model)
-        diff = max((ended[n] - p).abs().max().item() for n, p in final.items())
-    if diff > 1e-4:
-        raise RuntimeError(f"resumed from checkpoint-{every}: parameters differ by up to {diff:.2e}")
-    return [{"name": "checkpoint", **full, "note": f"sync save every {every}; resumed max |diff| {diff:.1e}; "
-             "async: not in stoker yet"}]
+        final = None
+        for mode in ("sync", "async"):
+            run = train(llama(sizes, seq_len), os.path.join(out, mode), steps, batch, seq_len, warmup=1,
+                        save_strategy="steps", save_steps=every, async_save=mode == "async", **kw)
+            ended = parameters(run.pop("trainer").model)
+            final = final or ended
+            folder = os.path.join(out, mode, f"checkpoint-{every}")
+            problem = checkpoint_format.verify(folder)
+            if problem is not None:
+                raise RuntimeError(f"{mode} checkpoint-{every} does not verify: {problem}")
+            resumed = train(llama(sizes, seq_len), os.path.join(out, f"{mode}-resumed"), steps, batch, seq_len,
+                            warmup=1, resume_from_checkpoint=folder, **kw)
+            diffs = [max((p - final[n]).abs().max().item() for n, p in params.items())
+                     for params in (ended, parameters(resumed.pop("trainer").model))]
+            if max(diffs) > 1e-4:
+                raise RuntimeError(f"{mode}: the run and the run resumed from checkpoint-{every} end up to "
+                                   f"{max(diffs):.2e} from the synchronous run")
+            rows.append(run)
+            notes.append(f"{mode} resumed max |diff| {diffs[1]:.1e}")
+    return [{"name": "checkpoint", **rows[0], "note": f"saves every {every}; " + "; ".join(notes)
+             + f"; async run {rows[1]['tokens_per_s']:,.0f} tokens/s"}]
 
 
 def overflow_verdict(steps: list[dict], injected: int) -> str | None:
