@@ -234,6 +234,7 @@ class Trainer(TrainerAPI):
         if self.model_accepts_loss_kwargs is None:
             self.model_accepts_loss_kwargs = any(p.kind == p.VAR_KEYWORD
                                                  for p in inspect.signature(base.forward).parameters.values())
+        self._loss_is_window_share = False  # whether the last compute_loss call went through stoker's own
         label_smoothing = a.label_smoothing_factor
         if label_smoothing and getattr(getattr(base, "config", None), "problem_type",
                                                 None) == "multi_label_classification":
