@@ -343,6 +343,12 @@ class Trainer(TrainerAPI):
     # ------------------------------------------------------------------------------------------
     # training
 
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """The training loader without its first `num_batches` micro-batches, for an epoch resumed part-way
+        (transformers' hook: Accelerate's skip_first_batches skips them in the sampler, so none is loaded). A
+        subclass with a stateful or streaming loader overrides it."""
+        return self.accelerator.skip_first_batches(dataloader, num_batches)
+
     def get_train_dataloader(self):
         """The training DataLoader, prepared by Accelerate as transformers returns it (sharded over the processes,
         `total_batch_size` rows per step of all of them): micro-batches of the current size (halved by
@@ -709,7 +715,7 @@ class Trainer(TrainerAPI):
                     # was taken before its checkpoint saved the RNG state
                     torch.empty((), dtype=torch.int64).random_()
             if pos.batches:
-                loader = self.accelerator.skip_first_batches(loader, pos.batches)
+                loader = self.get_resumed_dataloader(loader, pos.batches)
             window = []
             for batch in run.log.data_clock.timed(loader):  # sums the time spent waiting for batches
                 window.append(dict(batch))  # a transformers collator's BatchEncoding is a Mapping, not a dict

@@ -300,16 +300,15 @@ def test_packing_resumes_exactly(tmp_path):
 
 
 def test_packing_refuses_models_that_let_packed_sequences_meet(tmp_path):
-    from transformers import BertConfig, BertForMaskedLM, OPTConfig, OPTForCausalLM
+    from transformers import OPTConfig, OPTForCausalLM
 
     from stoker import ConfigError
 
     data = sft_rows(8)
-    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4))
+    # (transformers 5.25's BERT keeps packed sequences apart by their position_ids, and the probe then accepts it)
     opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
                                    num_attention_heads=4, word_embed_proj_dim=32))
-    for model, setting in ((bert, "packing"), (opt, "padding_free")):
+    for model, setting in ((opt, "packing"), (opt, "padding_free")):
         with pytest.raises(ConfigError, match=f"{setting}=True: {type(model).__name__} .attn_implementation='sdpa'. "
                                               "lets a packed sequence attend to the one before it") as e:
             Trainer(model, args(tmp_path, **{setting: True}), train_dataset=data)
