@@ -25,7 +25,14 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from stoker import Trainer, TrainerCallback  # noqa: E402
 from stoker.errors import CheckpointError  # noqa: E402
-from tests.helpers.dist_worker import Report, fsdp_on_cpu, gathered_state, losses, training_args  # noqa: E402
+from tests.helpers.dist_worker import (  # noqa: E402
+    Report,
+    fsdp_on_cpu,
+    gathered_state,
+    leave,
+    losses,
+    training_args,
+)
 from tests.integration.test_trainer import rows  # noqa: E402
 
 ROWS = rows(48, seed=11)
@@ -161,17 +168,10 @@ def run(out: str, name: str) -> None:
 
 
 def main() -> None:
-    from accelerate.state import PartialState
-
     out, names = sys.argv[1], sys.argv[2:]
     for name in names:
         run(out, name)
-    if torch.distributed.is_initialized():
-        PartialState().wait_for_everyone()
-        PartialState().destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":
