@@ -7,12 +7,14 @@ model's step. Here each chunk's logits (CHUNK_ELEMENTS floats, 32 MiB) are compu
 chunk's loss and, when gradients are wanted, straight into the gradients of the hidden states and of the
 weight, and dropped: the same three matmuls as the full loss, and none of its [tokens, vocab] tensors.
 Only target tokens (labels != -100 after the causal shift) are computed at all, so prompt tokens and
-padding cost nothing here. How many there are is a shape, so the host must know it: the Trainer's path counts
-them before the model's forward and reads the count once that forward is queued (`TargetCount`), so that on a
-GPU the host waits for a copy queued before the forward, never for the forward itself (the GPU's queue never
-drains, as with a plain `.item()` or a boolean-mask selection: three such syncs per micro-batch). Computing
-every position instead (masking the loss) would need no count, at the cost of the output layer's matmuls over
-prompt and padding positions: for chat rows whose answer is a tenth of the tokens, ten times that work.
+padding cost nothing here. How many there are is a shape, so the host must know it: the Trainer's training batches
+are counted on the host before they are copied to the device (stoker.data.RowCounts), so a training step reads
+nothing back. Labels without such a count (a compute_loss override's own, evaluation's) are counted on the device
+before the model's forward and read once that forward is queued (`TargetCount`), so that on a GPU the host waits
+for a copy queued before the forward, never for the forward itself (the GPU's queue never drains, as with a plain
+`.item()` or a boolean-mask selection: three such syncs per micro-batch). Computing every position instead
+(masking the loss) would need no count, at the cost of the output layer's matmuls over prompt and padding
+positions: for chat rows whose answer is a tenth of the tokens, ten times that work.
 
 Written by hand because the fused linear-cross-entropy kernels that exist (Liger's, Apple's
 cut-cross-entropy) are Triton, GPU-only; this is plain torch and runs wherever the model does.
@@ -29,7 +31,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, host_target_count
 from .loss_normalization import model_family
 
 CHUNK_ELEMENTS = 2**23  # logits per chunk: 32 MiB in float32 (262 tokens at vocab 32k, 65 at 128k)
@@ -248,11 +250,12 @@ def chunked_causal_lm_loss(model: nn.Module, lm_head: nn.Linear, inputs: dict, l
                            num_items_in_batch=None):
     """Run `model(**inputs)` (labels removed) with lm_head bypassed, then the chunked loss on its input.
     Returns (loss, the model's outputs, whose logits are empty)."""
-    count = TargetCount(labels)  # before the forward, read after it is queued
+    known = host_target_count(labels)  # a training batch's, counted before its copy to the device
+    count = TargetCount(labels) if known is None else None  # else before the forward, read after it is queued
     with lm_head_bypassed(lm_head) as captured:
         outputs = model(**inputs)
     if captured.hidden is None:
         raise RuntimeError(f"chunked_loss: {type(lm_head).__name__} was never called during the forward pass")
     loss = chunked_cross_entropy(captured.hidden, lm_head.weight, labels, num_items_in_batch, bias=lm_head.bias,
-                                 compute_dtype=captured.dtype, num_targets=count.wait())
+                                 compute_dtype=captured.dtype, num_targets=known if count is None else count.wait())
     return loss, outputs

@@ -1,4 +1,5 @@
-"""Batches: the padding collator, column filtering, samplers and the dataloaders the Trainer builds.
+"""Batches: the padding collator, column filtering, samplers, the dataloaders the Trainer builds, and the per-row
+counts of a training batch taken on the host before it is copied to the device (`RowCounts`).
 
 The default collator is written here rather than taken from transformers because transformers' padding
 collators need a tokenizer and do not pad `labels` (DataCollatorWithPadding) or insist on seq2seq
@@ -7,13 +8,16 @@ conventions (DataCollatorForSeq2Seq); a Trainer must batch variable-length rows 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
+import weakref
 from collections.abc import Mapping
 from functools import partial
 
 import numpy as np
 import torch
+from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 IGNORE_INDEX = -100
@@ -95,6 +99,122 @@ class ColumnFilter:
     def __call__(self, features):
         # `label` and `label_ids` are kept for the collator to rename, as transformers.Trainer keeps them
         return self.collator([{k: v for k, v in f.items() if k in self.keep or k in LABEL_COLUMNS} for f in features])
+
+
+# --- what the host counts of a training batch before it is copied to the device ------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RowCounts:
+    """Counts of one [rows, positions] tensor of a collated batch, one per row, taken on the host before the batch
+    is copied to the device: what the chunked loss (its target count, a shape) and the shared prefix (its length,
+    a slice) need on the host, and would otherwise read back from the device (a host sync each micro-batch, which
+    on a GPU waits for the queue to drain). None where a count does not apply to the tensor."""
+
+    width: int  # positions per row
+    targets: tuple[int, ...] | None = None  # labels: target tokens after the causal shift (labels[:, 1:] != -100)
+    untargeted: tuple[int, ...] | None = None  # labels: leading positions t whose label t + 1 is no target
+    attended: tuple[int, ...] | None = None  # attention mask: leading positions attended to
+    same_as_next: tuple[int, ...] | None = None  # input ids: leading ids equal to the next row's (last row: width)
+
+    def rows(self, start: int, stop: int) -> RowCounts:
+        """The counts of rows [start, stop) as a batch of their own (a micro-batch split by out-of-memory
+        halving)."""
+        def cut(counts):
+            return None if counts is None else counts[start:stop]
+        same = self.same_as_next
+        if same is not None:  # the part's last row has no next row in the part
+            same = same[start:stop - 1] + (self.width,) if stop > start else ()
+        return RowCounts(self.width, cut(self.targets), cut(self.untargeted), cut(self.attended), same)
+
+
+def _row_counts(name: str, tensor, label_name: str | None) -> RowCounts | None:
+    """The counts of a batch's tensor named `name`, from its host copy; None for any other tensor."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.device.type != "cpu":
+        return None
+    width = tensor.shape[1]
+    if name == label_name and not tensor.is_floating_point():
+        targets = tensor[:, 1:] != IGNORE_INDEX
+        return RowCounts(width, targets=tuple(targets.sum(1).tolist()),
+                         untargeted=tuple((~targets).int().cumprod(1).sum(1).tolist()))
+    if name == "attention_mask":
+        return RowCounts(width, attended=tuple((tensor != 0).int().cumprod(1).sum(1).tolist()))
+    if name == "input_ids":
+        return RowCounts(width, same_as_next=(*(tensor[:-1] == tensor[1:]).int().cumprod(1).sum(1).tolist(), width))
+    return None
+
+
+# device tensor's id -> (a weak reference to it, its version when counted, its counts): the entry goes with the
+# tensor, and an in-place write to it (a compute_loss override masking labels) bumps the version, so its counts
+# are no longer handed out
+_COUNTED: dict[int, tuple[weakref.ref, int, RowCounts]] = {}
+
+
+def keep_host_counts(tensor: torch.Tensor, counts: RowCounts) -> None:
+    """Record `counts` as what the host knows of `tensor` as it is now."""
+    key = id(tensor)
+
+    def forget(ref, key=key, counted=_COUNTED):
+        if counted.get(key, (None,))[0] is ref:
+            del counted[key]
+
+    try:
+        version = tensor._version
+    except RuntimeError:  # an inference tensor keeps no version, so a change could not be seen
+        return
+    _COUNTED[key] = (weakref.ref(tensor, forget), version, counts)
+
+
+def host_counts(tensor) -> RowCounts | None:
+    """The counts taken on the host of exactly this tensor, unless it has been written to since; None for any
+    other tensor (a slice of it, a tensor a compute_loss override made): its reader then reads the device."""
+    entry = _COUNTED.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+    if entry is None or entry[0]() is not tensor:
+        return None
+    try:
+        return entry[2] if tensor._version == entry[1] else None
+    except RuntimeError:
+        return None
+
+
+def host_target_count(labels) -> int | None:
+    """Target tokens of `labels` after the causal shift, known on the host (None: not counted there)."""
+    counts = host_counts(labels)
+    return sum(counts.targets) if counts is not None and counts.targets is not None else None
+
+
+class CountedBatch(dict):
+    """A collated training batch that counts its rows on the host as Accelerate copies it to the device (which
+    calls its `to`, as it calls a BatchEncoding's): the device tensors made from it then carry their RowCounts
+    (`host_counts`). A batch that is rebuilt on the way (dispatch_batches broadcasts and slices it) is a new mapping
+    of new tensors, without counts, whose readers fall back on reading the device."""
+
+    label_name: str | None = None  # the batch's labels column (the Trainer's first label name)
+
+    def to(self, device, non_blocking: bool = False) -> CountedBatch:
+        moved = CountedBatch({k: send_to_device(v, device, non_blocking=non_blocking) for k, v in self.items()})
+        moved.label_name = self.label_name
+        for name, host in self.items():
+            counts = _row_counts(name, host, self.label_name)
+            if counts is not None and isinstance(moved[name], torch.Tensor):
+                keep_host_counts(moved[name], counts)
+        return moved
+
+
+class HostCounting:
+    """Wraps a training collator so that its batches are CountedBatch: with chunked_loss or shared_prefix, whose
+    counts per micro-batch would otherwise be read from the device. A collator that returns no mapping is left
+    as it is."""
+
+    def __init__(self, collator, label_name: str):
+        self.collator, self.label_name = collator, label_name
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        if not isinstance(batch, Mapping):
+            return batch
+        counted = CountedBatch(batch)
+        counted.label_name = self.label_name
+        return counted
 
 
 def forward_columns(model: torch.nn.Module) -> set[str]:

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from .data import host_counts, keep_host_counts
 from .outputs import EvalPrediction
 
 
@@ -30,8 +31,17 @@ def split_batch(batch: dict, rows: int) -> list[dict]:
     """Cut a micro-batch into pieces of `rows` rows: the batches a loader with that batch size yields, since a
     sampler's index order nests (batch i of 2n rows = batches 2i and 2i+1 of n rows)."""
     first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
-    return [{k: v[i:i + rows] if isinstance(v, torch.Tensor) and v.shape[:1] == first.shape[:1] else v
-             for k, v in batch.items()} for i in range(0, first.shape[0], rows)]
+    n = first.shape[0]
+
+    def part(value, start: int):
+        if not isinstance(value, torch.Tensor) or value.shape[:1] != first.shape[:1]:
+            return value
+        piece, counted = value[start:start + rows], host_counts(value)
+        if counted is not None:  # what the host counted of the batch's rows, for the piece's rows
+            keep_host_counts(piece, counted.rows(start, min(start + rows, n)))
+        return piece
+
+    return [{k: part(v, i) for k, v in batch.items()} for i in range(0, n, rows)]
 
 
 def genuine_rows(batch: dict, accelerator) -> int | None:

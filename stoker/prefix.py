@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .data import IGNORE_INDEX, forward_columns
+from .data import IGNORE_INDEX, RowCounts, forward_columns, host_counts, keep_host_counts
 from .loss_normalization import model_family
 
 # a prefix that saves fewer tokens than this over the micro-batch is not worth a second forward call
@@ -42,16 +42,31 @@ def shared_prefix_length(inputs: dict, label_name: str) -> int:
         return 0
     if (ids.shape[1] - 1) * (ids.shape[0] - 1) < MIN_SAVED_TOKENS:  # too short to be worth it: nothing to read
         return 0
-    same = (ids == ids[:1]).all(0)
-    if mask is not None:
-        same &= (mask != 0).all(0)
-    # the hidden state at t predicts the label at t + 1: the prefix ends where the first target's predictor is;
-    # the last token is never shared
-    same = same[:-1] & ~(labels[:, 1:] != IGNORE_INDEX).any(0)
-    # the one host sync of a shared prefix, by design: the slices that follow need its length on the host (a
-    # shape), and the batch is on the device by now
-    length = int(same.to(torch.int8).cumprod(0).sum())
+    length = _counted_length(ids, mask, labels)
+    if length is None:  # not counted on the host: read from the device
+        same = (ids == ids[:1]).all(0)
+        if mask is not None:
+            same &= (mask != 0).all(0)
+        # the hidden state at t predicts the label at t + 1: the prefix ends where the first target's predictor is;
+        # the last token is never shared
+        same = same[:-1] & ~(labels[:, 1:] != IGNORE_INDEX).any(0)
+        # a host sync: the slices that follow need the length on the host (a shape)
+        length = int(same.to(torch.int8).cumprod(0).sum())
     return length if length * (ids.shape[0] - 1) >= MIN_SAVED_TOKENS else 0
+
+
+def _counted_length(ids: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor) -> int | None:
+    """The shared length from the counts the host took of a training batch before its copy to the device
+    (stoker.data.RowCounts), without reading the device; None where they are not all known. The same length as
+    the device's: the ids every row shares are those every pair of neighbouring rows shares."""
+    counted = [host_counts(ids), host_counts(labels)] + ([host_counts(mask)] if mask is not None else [])
+    if any(c is None for c in counted):
+        return None
+    same = counted[0].same_as_next
+    runs = [None if same is None else same[:-1], counted[1].untargeted, counted[2].attended if mask is not None else ()]
+    if any(r is None for r in runs):
+        return None
+    return min(ids.shape[1] - 1, *(min(r) for r in runs if r))
 
 
 def with_shared_prefix(decoder: nn.Module, inputs: dict, label_name: str, length: int, cache_name: str) -> dict:
@@ -66,8 +81,13 @@ def with_shared_prefix(decoder: nn.Module, inputs: dict, label_name: str, length
     prefix = decoder(input_ids=ids[:1, :length], attention_mask=mask[:1, :length], use_cache=True)
     cache = prefix[cache_name]  # the output names it as the forward does
     cache.batch_repeat_interleave(rows)  # one copy per row; backward sums the rows' gradients into the prefix's
-    return {**inputs, "input_ids": ids[:, length:], "attention_mask": mask, cache_name: cache,
-            label_name: inputs[label_name][:, length:]}
+    labels = inputs[label_name][:, length:]
+    counted = host_counts(inputs[label_name])
+    if counted is not None and counted.untargeted and min(counted.untargeted) >= length:
+        # no row's label 1..length is a target: the rest of each row holds all of its targets (the chunked loss's
+        # count)
+        keep_host_counts(labels, RowCounts(labels.shape[1], targets=counted.targets))
+    return {**inputs, "input_ids": ids[:, length:], "attention_mask": mask, cache_name: cache, label_name: labels}
 
 
 def shared_prefix_problems(model: nn.Module) -> list[str]:

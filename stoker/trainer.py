@@ -42,6 +42,7 @@ from .checkpointer import Checkpointer, RunObjects, resolve_resume, resume_setti
 from .chunked_loss import output_head
 from .data import (
     ColumnFilter,
+    HostCounting,
     PaddingCollator,
     build_dataloader,
     count_targets,
@@ -358,8 +359,10 @@ class Trainer(TrainerAPI):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset (or a get_train_dataloader that builds "
                              "its own loader)")
-        loader = build_dataloader(self.train_dataset, self.args, self._train_batch_size, self.data_collator,
-                                  train=True)
+        collator = self.data_collator
+        if self.args.chunked_loss or self.args.shared_prefix:  # their counts are taken before the copy to the device
+            collator = HostCounting(collator, self.label_names[0])
+        loader = build_dataloader(self.train_dataset, self.args, self._train_batch_size, collator, train=True)
         return self.accelerator.prepare(loader)
 
     def _prepared(self, loader):

@@ -146,6 +146,53 @@ def test_trainer_chunked_loss_gives_the_same_update_with_exact_accumulation(tmp_
     assert len(shapes.shapes) == 8 and all(s[1] == 0 for s in shapes.shapes)  # no logits in training
 
 
+def counted(batch: dict) -> dict:
+    """`batch` as the Trainer's training loader hands it to the loop with chunked_loss or shared_prefix: counted on
+    the host, then copied to the device (the CPU here, where the copy is the tensor itself)."""
+    from stoker.data import HostCounting
+
+    return dict(HostCounting(lambda rows: rows, "labels")(batch).to("cpu"))
+
+
+def test_the_target_count_is_taken_on_the_host_and_dropped_after_an_in_place_write():
+    from stoker.data import host_target_count
+    from stoker.evaluation import split_batch
+
+    torch.manual_seed(0)
+    labels = torch.randint(0, 5, (6, 9))
+    labels[labels == 0] = IGNORE_INDEX
+    batch = counted({"input_ids": torch.randint(1, 9, (6, 9)), "labels": labels})
+    assert host_target_count(batch["labels"]) == int((labels[:, 1:] != IGNORE_INDEX).sum())
+    halves = split_batch(batch, 4)  # out-of-memory halving: each part keeps its rows' counts
+    assert [host_target_count(h["labels"]) for h in halves] == [
+        int((labels[rows, 1:] != IGNORE_INDEX).sum()) for rows in (slice(0, 4), slice(4, 6))]
+    assert host_target_count(labels.clone()) is None  # another tensor: read from the device
+    batch["labels"][:, -1] = IGNORE_INDEX  # written in place (a compute_loss override masking labels)
+    assert host_target_count(batch["labels"]) is None
+
+
+def test_a_compute_loss_override_that_masks_labels_in_place_gets_the_loss_of_what_it_masked(tmp_path):
+    """The batch's host count no longer holds once an override writes into its labels: the chunked loss then
+    counts them on the device, and gives the model's own loss of the masked labels."""
+
+    class MaskingFirstTargets(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs["labels"][:, :6] = IGNORE_INDEX
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    runs = []
+    for chunked_on in (False, True):
+        trainer = MaskingFirstTargets(llama(), args(tmp_path / str(chunked_on), per_device_train_batch_size=4,
+                                                    max_steps=2, chunked_loss=chunked_on),
+                                      train_dataset=rows(8), callbacks=[rec := GradRecorder()])
+        trainer.train()
+        runs.append(rec.grads)
+    for step in range(2):
+        for name, g in runs[0][step].items():
+            torch.testing.assert_close(runs[1][step][name], g, atol=1e-5, rtol=0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_chunked_loss_trains_a_lora_adapter_like_the_full_loss(tmp_path):
     from peft import LoraConfig
 

@@ -171,6 +171,48 @@ def test_rows_that_differ_are_padded_on_the_left_or_carry_other_inputs_share_not
     assert shared_prefix_length(batch(same[:1], labels[:1]), "labels") == 0  # one row shares with nobody
 
 
+def test_the_length_counted_on_the_host_is_the_one_read_from_the_device(monkeypatch):
+    """Training batches are counted on the host before their copy to the device, and the length comes from those
+    counts without a read: the same length as the device's, for random rows (shared starts, padding on either
+    side, targets anywhere), for the halves of out-of-memory halving, and read from the device again once a
+    tensor is written in place."""
+    from stoker import prefix
+    from stoker.data import host_counts
+    from stoker.evaluation import split_batch
+    from tests.gpu_paths.test_syncs import HostSyncCounter
+    from tests.unit.test_chunked_loss import counted
+
+    monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 0)  # every length, not only those worth sharing
+    rng = random.Random(0)
+    for _ in range(150):
+        rows, width = rng.randint(2, 8), rng.randint(3, 20)
+        ids = torch.randint(1, 3, (rows, width))  # two token values: rows often agree by chance
+        ids[:, :rng.randint(0, width)] = ids[0, :1]
+        labels = ids.clone()
+        for r in range(rows):
+            labels[r, :rng.randint(0, width)] = IGNORE_INDEX
+        mask = torch.ones(rows, width, dtype=torch.long)
+        for r in range(rows):  # padding on the right, now and then on the left
+            pad = rng.randint(0, 3)
+            if pad and rng.random() < 0.2:
+                mask[r, :pad] = 0
+            elif pad:
+                mask[r, width - pad:] = 0
+        plain = {"input_ids": ids, "labels": labels, **({"attention_mask": mask} if rng.random() < 0.7 else {})}
+        moved = counted({k: v.clone() for k, v in plain.items()})
+        for size in (rows, max(rows // 2, 1)):
+            for part, reference in zip(split_batch(moved, size), split_batch(plain, size), strict=True):
+                assert all(host_counts(v) is not None for v in part.values())
+                with HostSyncCounter() as syncs:
+                    length = shared_prefix_length(part, "labels")
+                assert syncs.events == []
+                assert length == shared_prefix_length(reference, "labels"), (part, length)
+    moved = counted(batch([list(range(1, 21))] * 4, [[IGNORE_INDEX] * 20] * 4))
+    assert shared_prefix_length(moved, "labels") == 19
+    moved["input_ids"][1, 5] = 63  # an in-place write: the counts no longer hold
+    assert host_counts(moved["input_ids"]) is None and shared_prefix_length(moved, "labels") == 5
+
+
 @pytest.mark.parametrize("setting, message", [
     ({"packing": True}, "shared_prefix=True with packing=True: packed rows start with different sequences"),
     ({"gradient_checkpointing": True}, "shared_prefix=True with gradient_checkpointing=True: recomputing"),
