@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 import torch
+from accelerate.utils.memory import should_reduce_batch_size
 
 from .data import host_counts, keep_host_counts
 from .outputs import EvalPrediction
@@ -25,6 +26,35 @@ def evaluating(model) -> Iterator[None]:
     finally:
         if was_training:
             model.train()
+
+
+class OutOfMemoryInEvaluation(RuntimeError):
+    """A process ran out of memory in an evaluation batch's forwards, and every process knows it: all of them halve
+    the evaluation batch and start over together."""
+
+
+@contextlib.contextmanager
+def agreeing_on_out_of_memory(accelerator, enabled: bool) -> Iterator[None]:
+    """Around one evaluation batch's forwards: with `enabled` (auto_find_batch_size on several processes, where
+    the forward holds no collective), each process tells the others after them whether it ran out of memory, and if
+    any did, every one raises OutOfMemoryInEvaluation. Halving alone would leave that process starting over while
+    the others wait in the batch's gather (a hang). The cost, there only: a one-number all-reduce and a host sync
+    per evaluation batch. Any other error is raised as it is."""
+    if not enabled:
+        yield
+        return
+    error = None
+    try:
+        yield
+    except Exception as e:
+        if not should_reduce_batch_size(e):
+            raise
+        error = e
+    flag = torch.tensor(float(error is not None), device=accelerator.device)
+    if accelerator.reduce(flag, reduction="sum").item() > 0:
+        where = "this process" if error is not None else "another process"
+        raise OutOfMemoryInEvaluation(f"out of memory in an evaluation batch on {where} (process "
+                                      f"{accelerator.process_index} of {accelerator.num_processes})") from error
 
 
 def split_batch(batch: dict, rows: int) -> list[dict]:

@@ -53,7 +53,17 @@ from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
 from .distributed.fsdp import full_tensor
 from .errors import ConfigError, TrainingPreempted, exit_with_code_after_preemption
-from .evaluation import Collected, eval_prediction, evaluating, genuine_rows, labels_of, predictions_of, split_batch
+from .evaluation import (
+    Collected,
+    OutOfMemoryInEvaluation,
+    agreeing_on_out_of_memory,
+    eval_prediction,
+    evaluating,
+    genuine_rows,
+    labels_of,
+    predictions_of,
+    split_batch,
+)
 from .log import logger, set_log_levels, transformers_logger
 from .loop import (
     LoopPosition,
@@ -882,7 +892,10 @@ class Trainer(TrainerAPI):
                         prefix: str):
         """evaluation_loop over loader_of(dataset) (get_eval_dataloader or get_test_dataloader), plus the speed
         metrics. With auto_find_batch_size, an out-of-memory error halves the evaluation batch (never the training
-        batch) and starts over."""
+        batch) and starts over; on several processes every process halves, or none: one that ran out of memory in a
+        batch's forwards tells the others before the batch's gather (OutOfMemoryInEvaluation), and one anywhere
+        else, where the others may be waiting in a collective, is raised."""
+        acc = self.accelerator
         while True:
             started = time.time()  # wall-clock, as transformers' speed_metrics measures from
             try:
@@ -890,8 +903,16 @@ class Trainer(TrainerAPI):
                 output = self.evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, prefix)
                 break
             except Exception as e:
-                if not (self.args.auto_find_batch_size and should_reduce_batch_size(e) and self._eval_batch_size > 1):
+                agreed = isinstance(e, OutOfMemoryInEvaluation)
+                if not (self.args.auto_find_batch_size and (agreed or should_reduce_batch_size(e))
+                        and self._eval_batch_size > 1):
                     raise
+                if acc.num_processes > 1 and not agreed:
+                    raise RuntimeError(
+                        f"out of memory in evaluation on process {acc.process_index} of {acc.num_processes}, outside "
+                        "an evaluation batch's forwards under DDP, where the processes cannot agree on halving "
+                        f"({self._backend.kind} run; the others may be waiting in a collective). Lower "
+                        f"per_device_eval_batch_size (now {self._eval_batch_size})") from e
                 clear_device_cache(garbage_collection=True)
                 self._eval_batch_size //= 2
                 self._eval_dataloaders.clear()  # built for the old batch size
@@ -970,21 +991,23 @@ class Trainer(TrainerAPI):
         transformers_logger.info(f"  Batch size = {self._eval_batch_size}")
         collected = Collected(acc, a.eval_accumulation_steps, a.eval_use_gather_object, a.eval_do_concat_batches)
         batch_metrics, rows_seen = None, 0  # an IterableDataset has no length to count its samples by
+        # auto_find_batch_size on several processes: an out-of-memory error in a batch's forwards is told to every
+        # process, which then halve the evaluation batch together (_run_evaluation)
+        agree = a.auto_find_batch_size and acc.num_processes > 1 and self._backend.agrees_on_out_of_memory
         for n, batch in enumerate(dataloader, 1):
             batch = dict(batch)  # a transformers collator's BatchEncoding
-            with torch.no_grad():  # also around a subclass's own prediction_step
+            with agreeing_on_out_of_memory(acc, agree), torch.no_grad():  # also around a subclass's prediction_step
                 loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
+                scored, genuine = batch, genuine_rows(batch, acc)
+                if loss is not None and genuine:  # score only this process's real rows: one extra forward, once
+                    scored = split_batch(batch, genuine)[0]  # per pass at most
+                    loss = self.prediction_step(model, scored, True, ignore_keys)[0]
             rows = count_targets(batch, None, False)
             rows_seen += rows
-            if loss is not None:
-                scored, genuine = batch, genuine_rows(batch, acc)
-                if genuine:  # score only this process's real rows: one extra forward, once per pass at most
-                    scored = split_batch(batch, genuine)[0]
-                    loss = self.prediction_step(model, scored, True, ignore_keys)[0]
-                if genuine is None or genuine > 0:
-                    items = self._convention.targets(scored)
-                    loss_sum += loss.double() * items
-                    items_sum += items
+            if loss is not None and (genuine is None or genuine > 0):
+                items = self._convention.targets(scored)
+                loss_sum += loss.double() * items
+                items_sum += items
             if not prediction_loss_only:
                 if logits is not None and self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, label)

@@ -191,3 +191,61 @@ def test_out_of_memory_on_one_rank_halves_every_rank_and_one_in_the_last_backwar
         torch.testing.assert_close(final[name], p, atol=1e-6, rtol=0, msg=name)
     assert proc.returncode != 0
     assert "out of memory on process 1 of 2, in the backward of the window's last micro-batch" in output
+
+
+class TwoProcesses:
+    """Stands for the Accelerator of process 0 of 2, whose reduce adds the other process's flag."""
+
+    num_processes, process_index, device = 2, 0, torch.device("cpu")
+
+    def __init__(self, other: float):
+        self.other, self.reduced = other, 0
+
+    def reduce(self, tensor, reduction):
+        self.reduced += 1
+        return tensor + self.other
+
+
+def test_an_evaluation_batch_runs_out_of_memory_on_every_process_or_on_none():
+    """The evaluation batch's agreement: an out-of-memory error here, or one another process reports, is raised as
+    OutOfMemoryInEvaluation on this process too; a batch without one anywhere goes on; any other error is raised
+    as it is, without the exchange (whose partner would never come)."""
+    from stoker.evaluation import OutOfMemoryInEvaluation, agreeing_on_out_of_memory
+
+    here = TwoProcesses(other=0.0)
+    with pytest.raises(OutOfMemoryInEvaluation, match=r"on this process \(process 0 of 2\)") as raised:
+        with agreeing_on_out_of_memory(here, True):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError) and here.reduced == 1
+    with pytest.raises(OutOfMemoryInEvaluation, match="on another process"):
+        with agreeing_on_out_of_memory(TwoProcesses(other=1.0), True):
+            pass
+    quiet = TwoProcesses(other=0.0)
+    with agreeing_on_out_of_memory(quiet, True):
+        pass
+    assert quiet.reduced == 1
+    other = TwoProcesses(other=0.0)
+    with pytest.raises(ValueError, match="not memory"), agreeing_on_out_of_memory(other, True):
+        raise ValueError("not memory")
+    assert other.reduced == 0
+    with agreeing_on_out_of_memory(alone := TwoProcesses(other=1.0), False):  # one process, or under FSDP
+        pass
+    assert alone.reduced == 0
+
+
+@pytest.mark.distributed
+def test_out_of_memory_in_evaluation_on_one_rank_halves_every_ranks_evaluation_batch(tmp_path):
+    """2 gloo ranks under torchrun: rank 1 alone runs out of memory in evaluation forwards of 4 rows. Both ranks
+    halve their evaluation batch together (halving alone, rank 1 would start over while rank 0 waits in the
+    batch's gather) and report the metrics of an evaluation at batch 2 on every rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+               str(tmp_path), "eval_oom_on_one_rank"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    found = [json.loads((tmp_path / "eval_oom_on_one_rank" / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert [f["eval_batch_size"] for f in found] == [2, 2]
+    for f in found:
+        assert f["halved"].keys() == f["reference"].keys()
+        assert f["halved"] == pytest.approx(f["reference"], abs=1e-6)
+    assert found[0]["halved"] == found[1]["halved"]

@@ -964,11 +964,45 @@ def oom_in_the_last_backward(out: str) -> None:
     trainer.train()
 
 
+def eval_oom_on_one_rank(out: str) -> None:
+    """auto_find_batch_size in evaluation with 2 x eval batch 4, where only rank 1 runs out of memory, in every
+    evaluation forward of more than 2 rows once the first batch's loss-convention probes are done: evaluate() with
+    compute_metrics (a gather per batch) on 7 rows (rank 1's batch holds one row of padding) must halve both ranks'
+    evaluation batch together and give the metrics of an evaluation at batch 2. A process group that falls out of
+    step times out within a minute (ddp_timeout) rather than hanging."""
+    r = Report(out, "eval_oom_on_one_rank")
+
+    def metrics(trainer) -> dict:
+        return {k: v for k, v in trainer.evaluate().items() if not k.endswith(("_runtime", "_per_second"))}
+
+    reference = Trainer(llama(), training_args(os.path.join(r.folder, "reference"), per_device_eval_batch_size=2,
+                                               ddp_timeout=60), eval_dataset=EVAL7, compute_metrics=token_metrics)
+    r.values["reference"] = metrics(reference)
+    model, trainer = llama(), None
+    if r.rank == 1:
+        forward = model.forward
+
+        @functools.wraps(forward)  # keeps the signature, from which unused columns are dropped
+        def guarded(*a, **kw):
+            if not model.training and trainer._convention.settled and kw["input_ids"].shape[0] > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return forward(*a, **kw)
+
+        model.forward = guarded
+    trainer = Trainer(model, training_args(os.path.join(r.folder, "out"), per_device_eval_batch_size=4,
+                                           auto_find_batch_size=True, ddp_timeout=60),
+                      eval_dataset=EVAL7, compute_metrics=token_metrics)
+    r.values["halved"] = metrics(trainer)
+    r.values["eval_batch_size"] = trainer._eval_batch_size
+    r.write()
+
+
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
     guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
     zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
-    placement, oom_on_one_rank, oom_in_the_last_backward, worker_seeds, async_fsdp2, async_kill, async_kill_resume)}
+    placement, oom_on_one_rank, oom_in_the_last_backward, eval_oom_on_one_rank, worker_seeds, async_fsdp2,
+    async_kill, async_kill_resume)}
 
 
 def main() -> None:
