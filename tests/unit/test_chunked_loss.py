@@ -171,6 +171,20 @@ def test_the_target_count_is_taken_on_the_host_and_dropped_after_an_in_place_wri
     assert host_target_count(batch["labels"]) is None
 
 
+def test_batches_collated_in_loader_workers_are_counted_when_copied():
+    """A batch made in a loader worker comes back pickled: still a CountedBatch that knows its labels column, so
+    its copy to the device is counted as one made in the main process."""
+    from torch.utils.data import DataLoader
+
+    from stoker.data import HostCounting, host_counts, host_target_count
+
+    data = [{"input_ids": [1, 2, 3, i + 4], "labels": [IGNORE_INDEX, IGNORE_INDEX, 3, i + 4]} for i in range(4)]
+    loader = DataLoader(data, batch_size=2, num_workers=1, collate_fn=HostCounting(PaddingCollator(), "labels"))
+    for batch in loader:
+        moved = batch.to("cpu")
+        assert host_target_count(moved["labels"]) == 4 and host_counts(moved["input_ids"]).same_as_next == (3, 4)
+
+
 def test_a_compute_loss_override_that_masks_labels_in_place_gets_the_loss_of_what_it_masked(tmp_path):
     """The batch's host count no longer holds once an override writes into its labels: the chunked loss then
     counts them on the device, and gives the model's own loss of the masked labels."""
