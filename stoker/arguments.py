@@ -320,7 +320,8 @@ class TrainingArguments:
     log_on_each_node: bool = field(default=True, metadata=_help(
         "With several nodes, log at log_level on each node's main process, not only on the first node's."))
     logging_nan_inf_filter: bool = field(default=True, metadata=_help(
-        "Leave the losses of non-finite steps out of the logged loss (False logs them, so the log shows nan)."))
+        "Leave the losses of non-finite steps out of the logged loss (False logs them, so the log shows nan). "
+        "A window whose every step was non-finite logs nan either way."))
     skip_memory_metrics: bool = field(default=True, metadata=_help(
         "False adds transformers' memory deltas (*_mem_cpu_alloc_delta, ...) to the train/eval/test metrics."))
     debug: str | list[str] = field(default="", metadata=_help(
