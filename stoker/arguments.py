@@ -453,6 +453,15 @@ class TrainingArguments:
     hub_always_push: bool = field(default=False, metadata=_help("Hub: push even if the previous push is pending."))
     hub_revision: str | None = field(default=None, metadata=_help("Hub: the branch to push to."))
 
+    def __setattr__(self, name: str, value) -> None:
+        # a data_seed not given follows seed, as transformers reads "data_seed, else seed" where it shuffles: a
+        # script that sets args.seed after construction (transformers' own model_init test does) shuffles by it
+        if name == "seed" and self.__dict__.get("_data_seed_is_seed"):
+            self.__dict__["data_seed"] = value
+        elif name == "data_seed":
+            self.__dict__["_data_seed_is_seed"] = False
+        super().__setattr__(name, value)
+
     def __post_init__(self):
         outdated = installed_version_problems()
         if outdated:  # first: a library outside its range fails in ways that do not name it
@@ -495,6 +504,7 @@ class TrainingArguments:
             self.debug = (self.debug or "").split()
         if self.data_seed is None:
             self.data_seed = self.seed
+            self._data_seed_is_seed = True  # until data_seed is set: see __setattr__
         problems = []
         for name in JSON_FIELDS:
             value = getattr(self, name)
@@ -925,7 +935,7 @@ class TrainingArguments:
     # transformers' grouped setters: each sets its fields, validates the result and returns the arguments
 
     def _update(self, **values) -> TrainingArguments:
-        updated = dataclasses.replace(self, **values)  # runs __post_init__: every problem reported at once
+        updated = replaced(self, **values)  # runs __post_init__: every problem reported at once
         self.__dict__.update(updated.__dict__)
         return self
 
@@ -1307,3 +1317,10 @@ def _unknown_flags(rest: list[str], names: list[str]) -> list[str]:
             problems.append(f"{item!r}: unexpected value (config files must come first and end in "
                             f"{', '.join(CONFIG_SUFFIXES)})")
     return problems
+
+
+def replaced(args: TrainingArguments, **values) -> TrainingArguments:
+    """dataclasses.replace, with a data_seed that followed seed following the new one (not kept as it was)."""
+    if args.__dict__.get("_data_seed_is_seed") and "data_seed" not in values:
+        values["data_seed"] = None
+    return dataclasses.replace(args, **values)

@@ -475,6 +475,9 @@ class Trainer(TrainerAPI):
         self.optimizer, self.lr_scheduler = self._given_optimizers  # what create_optimizer builds on
         self.current_flos = 0
         self._seed()
+        # the shuffle of this run: args.seed (and so a data_seed not given) may have changed since the Accelerator
+        # was built (a script setting args.seed, a hyperparameter trial's arguments)
+        acc.dataloader_config.data_seed = a.data_seed
         # every run prepares against a clean Accelerator: it would keep the last run's model, optimizer and loaders
         # in its lists, and with fp16 unscale_gradients() unscales every optimizer listed (the gradients divided by
         # the scale once per run, or an error for the same optimizer given twice); with model_init, the model the
