@@ -320,7 +320,8 @@ class TrainingArguments:
     log_on_each_node: bool = field(default=True, metadata=_help(
         "With several nodes, log at log_level on each node's main process, not only on the first node's."))
     logging_nan_inf_filter: bool = field(default=True, metadata=_help(
-        "Leave the losses of non-finite steps out of the logged loss (False logs them, so the log shows nan)."))
+        "Leave the losses of non-finite steps out of the logged loss (False logs them, so the log shows nan). "
+        "A window whose every step was non-finite logs nan either way."))
     skip_memory_metrics: bool = field(default=True, metadata=_help(
         "False adds transformers' memory deltas (*_mem_cpu_alloc_delta, ...) to the train/eval/test metrics."))
     debug: str | list[str] = field(default="", metadata=_help(
@@ -452,6 +453,15 @@ class TrainingArguments:
     hub_always_push: bool = field(default=False, metadata=_help("Hub: push even if the previous push is pending."))
     hub_revision: str | None = field(default=None, metadata=_help("Hub: the branch to push to."))
 
+    def __setattr__(self, name: str, value) -> None:
+        # a data_seed not given follows seed, as transformers reads "data_seed, else seed" where it shuffles: a
+        # script that sets args.seed after construction (transformers' own model_init test does) shuffles by it
+        if name == "seed" and self.__dict__.get("_data_seed_is_seed"):
+            self.__dict__["data_seed"] = value
+        elif name == "data_seed":
+            self.__dict__["_data_seed_is_seed"] = False
+        super().__setattr__(name, value)
+
     def __post_init__(self):
         outdated = installed_version_problems()
         if outdated:  # first: a library outside its range fails in ways that do not name it
@@ -494,6 +504,7 @@ class TrainingArguments:
             self.debug = (self.debug or "").split()
         if self.data_seed is None:
             self.data_seed = self.seed
+            self._data_seed_is_seed = True  # until data_seed is set: see __setattr__
         problems = []
         for name in JSON_FIELDS:
             value = getattr(self, name)
@@ -924,7 +935,7 @@ class TrainingArguments:
     # transformers' grouped setters: each sets its fields, validates the result and returns the arguments
 
     def _update(self, **values) -> TrainingArguments:
-        updated = dataclasses.replace(self, **values)  # runs __post_init__: every problem reported at once
+        updated = replaced(self, **values)  # runs __post_init__: every problem reported at once
         self.__dict__.update(updated.__dict__)
         return self
 
@@ -1306,3 +1317,10 @@ def _unknown_flags(rest: list[str], names: list[str]) -> list[str]:
             problems.append(f"{item!r}: unexpected value (config files must come first and end in "
                             f"{', '.join(CONFIG_SUFFIXES)})")
     return problems
+
+
+def replaced(args: TrainingArguments, **values) -> TrainingArguments:
+    """dataclasses.replace, with a data_seed that followed seed following the new one (not kept as it was)."""
+    if args.__dict__.get("_data_seed_is_seed") and "data_seed" not in values:
+        values["data_seed"] = None
+    return dataclasses.replace(args, **values)

@@ -126,6 +126,7 @@ class RunningLog:
         self.tokens = torch.zeros(2, dtype=torch.long, device=device)  # non-padding tokens, all tokens
         self.samples_seen, self.samples_at_log, self.tokens_seen = 0, 0, 0
         self.nonfinite_run, self.nonfinite_total = 0, 0
+        self.nonfinite_at_log = 0  # nonfinite_total when the last log was made: the window's skipped steps
         self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(), False, None
         # sum of length^2 over the sequences since the last log (diagnostics.attention_pairs): MFU's attention
         # term; a diagnostic, so not saved with a checkpoint
@@ -174,8 +175,10 @@ class RunningLog:
 
     def window_logs(self, args, accelerator, model, state, learning_rate: float) -> tuple[dict[str, float], dict]:
         """The log of the window since the last one (a host sync), as (logs, diagnostics). `logs` has
-        transformers' keys: the mean loss over its applied steps, the last gradient norm and learning rate
-        (`learning_rate` if no step has recorded one), and the non-finite steps skipped so far if any.
+        transformers' keys: the mean loss over its applied steps (NaN where every step of the window was
+        non-finite and skipped: its loss is not a number, where transformers makes up 0.0), the last gradient norm
+        and learning rate (`learning_rate` if no step has recorded one), and the non-finite steps skipped so far
+        if any.
         `diagnostics` holds stoker's wall-clock figures (throughput, where the time went), which differ between
         two identical runs and so stay out of log_history (metrics.jsonl has them). The sums restart, the
         clock with `restart_clock`."""
@@ -184,7 +187,8 @@ class RunningLog:
         self.total_loss += logged
         tokens, all_tokens = self.fold_tokens(accelerator, state, args.include_num_input_tokens_seen)
         elapsed, samples = self.elapsed(), self.take_samples()
-        logs = {"loss": round(logged / steps, 6)} if steps else {}
+        skipped, self.nonfinite_at_log = self.nonfinite_total - self.nonfinite_at_log, self.nonfinite_total
+        logs = {"loss": round(logged / steps, 6)} if steps else {"loss": math.nan} if skipped else {}
         if self.grad_norm is not None:
             logs["grad_norm"] = float(self.grad_norm)
         if self.nonfinite_total:
@@ -243,7 +247,7 @@ class RunningLog:
         """What a checkpoint keeps of the log in progress."""
         return {"loss": self.loss, "steps": self.steps, "tokens": self.tokens, "total_loss": self.total_loss,
                 "samples": self.samples_seen - self.samples_at_log, "nonfinite_total": self.nonfinite_total,
-                "nonfinite_run": self.nonfinite_run}
+                "nonfinite_run": self.nonfinite_run, "nonfinite_at_log": self.nonfinite_at_log}
 
     def restore(self, pending: dict[str, Any]) -> None:
         """Continue the log in progress that `pending()` returned when the checkpoint was written."""
@@ -252,6 +256,8 @@ class RunningLog:
         self.steps, self.samples_seen = pending["steps"], pending["samples"]
         self.total_loss = pending.get("total_loss", 0.0)
         self.nonfinite_total, self.nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
+        # a checkpoint written before this count: the non-finite steps in a row up to it fall in its window
+        self.nonfinite_at_log = pending.get("nonfinite_at_log", self.nonfinite_total - self.nonfinite_run)
 
     @staticmethod
     def regrouped(pendings: list[dict[str, Any]], world_size: int, rank: int,

@@ -88,6 +88,13 @@ from .report import ReportCallback
 from .trainer_api import TrainerAPI
 from .trainer_checks import train_rows_problems, trainer_input_problems
 
+# the hooks whose override makes the train batches or the loss (TRAIN_HOOKS), or the eval batches, the loss or the
+# evaluation itself (EVAL_HOOKS): where a subclass overrides one, its first rows are not probed against the model's
+# forward, since what reaches the model is the override's business. get_test_dataloader is not one: predict's rows
+# are never probed, and the eval sets do not go through it
+TRAIN_HOOKS = ("get_train_dataloader", "compute_loss")
+EVAL_HOOKS = ("get_eval_dataloader", "compute_loss", "prediction_step", "evaluation_loop", "evaluate")
+
 
 def set_seed(seed: int) -> None:
     random.seed(seed)
@@ -99,6 +106,10 @@ def _label_arguments(model) -> list[str]:
     from transformers.utils import find_labels
 
     return find_labels(type(model))
+
+
+def _defining_class(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in vars(c))
 
 
 def _unwrap_peft(model):
@@ -181,7 +192,7 @@ class Trainer(TrainerAPI):
             self._set_collator(_unwrap_peft(model))
         problems = trainer_input_problems(self.args, model, optimizers, self.train_dataset, self.eval_dataset,
                                           self.data_collator, self.compute_loss_func, self.label_names,
-                                          self._convention.family)
+                                          self._convention.family, self._overridden(EVAL_HOOKS))
         if problems:
             raise ConfigError(problems, "Trainer inputs")
 
@@ -446,16 +457,18 @@ class Trainer(TrainerAPI):
             raise TrainingPreempted(preempted, s.global_step)
         return self._finalize_training(run, time.perf_counter() - started, s.global_step - first_step, memory)
 
+    def _overridden(self, hooks: tuple[str, ...]) -> list[str]:
+        """Those of `hooks` that a class outside stoker defines (stoker's own Seq2SeqTrainer overrides none)."""
+        return [m for m in hooks if _defining_class(type(self), m).__module__.split(".")[0] != "stoker"]
+
     def _start_run(self, resume_dir: str | None, trial, ignore_keys_for_eval) -> Run:
         """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
         the checkpoint resumed from; returns the run."""
         a, acc = self.args, self.accelerator
         # the train rows against the model, before any work of the run (the constructor probes the eval sets)
-        overridden = [m for m in ("get_train_dataloader", "compute_loss")
-                      if getattr(type(self), m) is not getattr(Trainer, m)]
         problems = train_rows_problems(self.model, self.train_dataset,
                                        self.data_collator, self.compute_loss_func, self.label_names,
-                                       self._convention.family, overridden)
+                                       self._convention.family, self._overridden(TRAIN_HOOKS))
         if problems:
             raise ConfigError(problems, "Trainer inputs")
         self._backend.check_new_run()
@@ -475,6 +488,9 @@ class Trainer(TrainerAPI):
         self.optimizer, self.lr_scheduler = self._given_optimizers  # what create_optimizer builds on
         self.current_flos = 0
         self._seed()
+        # the shuffle of this run: args.seed (and so a data_seed not given) may have changed since the Accelerator
+        # was built (a script setting args.seed, a hyperparameter trial's arguments)
+        acc.dataloader_config.data_seed = a.data_seed
         # every run prepares against a clean Accelerator: it would keep the last run's model, optimizer and loaders
         # in its lists, and with fp16 unscale_gradients() unscales every optimizer listed (the gradients divided by
         # the scale once per run, or an error for the same optimizer given twice); with model_init, the model the

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .arguments import ConfigError
+from .arguments import ConfigError, replaced
 from .distributed.accelerator import build_accelerator
 from .distributed.deepspeed import non_embedding_parameters
 from .loop import plan_steps
@@ -343,7 +343,7 @@ class TrainerAPI:
             raise ConfigError([f"{k}: not a TrainingArguments field (hp_space returned {params!r})" for k in unknown],
                               "hyperparameter_search")
         run = self.hp_name(trial) if self.hp_name is not None else f"run-{trial.number}"
-        self.args = dataclasses.replace(base, output_dir=os.path.join(base.output_dir, run), **params)
+        self.args = replaced(base, output_dir=os.path.join(base.output_dir, run), **params)
 
     def _report_to_hp_search(self, metrics: dict[str, float]) -> None:
         """In a search, an evaluation in training: its objective becomes the trial's and is reported to a

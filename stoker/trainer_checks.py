@@ -17,10 +17,12 @@ from .prefix import shared_prefix_problems
 
 
 def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset, collator, compute_loss_func,
-                           label_names: list[str], family: str) -> list[str]:
+                           label_names: list[str], family: str, eval_overridden: list[str] = ()) -> list[str]:
     """Problems of a Trainer's inputs that need the model and data as well as the arguments, all of them: empty or
-    unusable datasets, a model that cannot do what the arguments ask, and the first rows of every dataset
-    collated and checked against the model (`probe_rows`)."""
+    unusable datasets, a model that cannot do what the arguments ask, and the first rows of every eval set
+    collated and checked against the model (`probe_rows`), unless a subclass makes the eval batches or the loss
+    itself (`eval_overridden` names the hooks it overrides): its batches or its loss need not be what the
+    model's forward asks for."""
     a, p = args, []
     datasets = _named_datasets(train_dataset, eval_dataset)
     needs_eval = a.eval_strategy != "no" or a.eval_on_start or a.load_best_model_at_end
@@ -58,7 +60,7 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
     if getattr(model, "hf_quantizer", None) is not None and not is_peft_model(model):
         p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                  "(LoRA) to train an adapter on it (QLoRA)")
-    if isinstance(model, torch.nn.Module):
+    if isinstance(model, torch.nn.Module) and not eval_overridden:
         # the eval sets only: the train set's rows are probed when train() starts (train_rows_problems), so a
         # Trainer that only evaluates is built as transformers builds it, whatever its train rows hold
         for name, ds in datasets:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import math
 import os
 import pickle
 import re
@@ -321,6 +322,27 @@ def test_nonfinite_step_is_skipped_on_a_non_logging_step(tmp_path):
     assert rec.after[3][0]["net.weight"].ne(rec.after[4][0]["net.weight"]).any()  # and training goes on
     log = next(r for r in t.state.log_history if r.get("step") == 5 and "loss" in r)
     assert log["nonfinite_steps_skipped"] == 1 and log["loss"] == log["loss"]  # the NaN is not averaged in
+
+
+def test_a_window_of_skipped_steps_split_by_a_checkpoint_logs_nan_after_the_resume(tmp_path):
+    # steps 3 and 4 (the second logging window) are non-finite; the run is checkpointed at step 3 and resumed:
+    # its log at step 4 is still the window's NaN, and the whole history is the uninterrupted run's
+    def run(out, resume=False):
+        model = Poisonable()
+        model.poison_steps = {3, 4}
+        t = Trainer(model, make_args(out, logging_steps=2, save_steps=3, max_steps=6), train_dataset=regression(),
+                    callbacks=[StepCounter()])
+        if resume:
+            shutil.rmtree(out / "checkpoint-6")
+        t.train(resume_from_checkpoint=str(out / "checkpoint-3") if resume else None)
+        return [(r["step"], r["loss"]) for r in t.state.log_history if "loss" in r]
+
+    whole = run(tmp_path)
+    assert [s for s, _ in whole] == [2, 4, 6] and math.isnan(whole[1][1])
+    assert math.isfinite(whole[0][1]) and math.isfinite(whole[2][1])
+    resumed = run(tmp_path, resume=True)
+    assert [s for s, _ in resumed] == [2, 4, 6] and math.isnan(resumed[1][1])
+    assert resumed[0][1] == whole[0][1] and resumed[2][1] == whole[2][1]
 
 
 def test_nonfinite_stop_policy_and_the_consecutive_limit(tmp_path):

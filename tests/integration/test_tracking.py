@@ -181,6 +181,53 @@ def test_tracker_holds_the_arguments_and_the_model_config(tracked, tracker):
     assert params["hub_token"] in (None, "None")  # a token is never logged (to_dict masks a set one)
 
 
+def test_a_nan_loss_window_reaches_every_tracker_metrics_jsonl_and_the_report_and_the_run_resumes(tmp_path,
+                                                                                                 monkeypatch):
+    """Every step of the first logging window non-finite (skipped): its log's loss is NaN. MLflow, W&B, Trackio,
+    TensorBoard, metrics.jsonl, the printed log and the HTML report take it without failing, the checkpoint
+    that holds it in its log_history resumes, and the next window's finite loss reaches the trackers."""
+    import math
+
+    from tests.integration.test_trainer_api import Scalar  # (w * x)^2, NaN where x is 999
+
+    tracker_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "nan")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    data = [{"x": v} for v in (999.0, 999.0, 1.0, 1.0)]
+
+    def job(max_steps: int):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[*TRACKERS, "tensorboard"],
+                                 run_name="nan", max_steps=max_steps, logging_steps=2, save_steps=2,
+                                 per_device_train_batch_size=1, optim="sgd", learning_rate=0.1,
+                                 lr_scheduler_type="constant", train_sampling_strategy="sequential",
+                                 max_grad_norm=0.0, disable_tqdm=True, training_report=True, use_cpu=True)
+        return Trainer(Scalar(), args, train_dataset=data)
+
+    import wandb
+
+    first = job(2)
+    first.train()
+    assert math.isnan(first.state.log_history[0]["loss"])
+    wandb.finish()  # Trackio's callback finishes its run at the end of training, W&B's leaves it open
+    resumed = job(4)
+    resumed.train(resume_from_checkpoint=True)
+    wandb.finish()
+    history = resumed.state.log_history
+    assert math.isnan(history[0]["loss"]) and history[1]["loss"] == pytest.approx((1.0 + 0.8 ** 2) / 2)
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert math.isnan(losses[0]) and losses[-1] == history[1]["loss"]
+    assert (tmp_path / "out" / "report.html").stat().st_size > 0
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("nan").experiment_id])
+    finite = {(m.step, m.value) for r in runs for m in client.get_metric_history(r.info.run_id, "loss")
+              if math.isfinite(m.value)}
+    assert finite == {(4, history[1]["loss"])}
+
+
 TWO_PROCESSES = """
 import os, sys
 sys.path.insert(0, {root!r})

@@ -143,6 +143,33 @@ def test_model_init_with_dropout_trains_transformers_weights_for_the_seed(tmp_pa
             torch.testing.assert_close(mine, their, rtol=0, atol=0)
 
 
+def test_a_seed_set_after_construction_gives_transformers_model_and_shuffle_for_it(tmp_path):
+    """transformers' own test_model_init: `trainer.args.seed = 314` between two train() calls; the next call's
+    model_init weights and the shuffle of the train rows follow the new seed (data_seed was not given)."""
+    def model_init():
+        return _tiny_llama()
+
+    made = {}
+    for name, module in FRAMEWORKS.items():
+        args = quiet_args(module, tmp_path / name, seed=7, per_device_train_batch_size=2, max_steps=2,
+                          learning_rate=0.05)
+        trainer = module.Trainer(model_init=model_init, args=args, train_dataset=rows("llama", 8, 1),
+                                 data_collator=PaddingCollator())
+        trainer.train()
+        trainer.args.seed = 314
+        trainer.train()
+        made[name] = [p.detach().clone() for p in trainer.model.parameters()]
+    for mine, their in zip(made["stoker"], made["hf"], strict=True):
+        torch.testing.assert_close(mine, their, rtol=1e-6, atol=1e-7)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
 def test_model_and_model_init_together_are_refused_as_transformers(tmp_path):
     for module in FRAMEWORKS.values():
         with pytest.raises(ValueError, match="requires either a `model` or `model_init` argument, but not both"):

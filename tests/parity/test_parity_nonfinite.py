@@ -75,3 +75,33 @@ def test_transformers_filter_test_job_stops_in_stoker_before_the_weights_are_los
         trainer.train()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.state.global_step < trainer.state.max_steps
+
+
+@pytest.mark.parametrize("nan_inf_filter", [True, False], ids=["filter_on", "filter_off"])
+def test_a_window_of_only_non_finite_steps_logs_a_nan_loss_and_the_next_window_a_finite_one(tmp_path,
+                                                                                          nan_inf_filter):
+    """Both steps of the first logging window are NaN: stoker logs loss NaN (those steps had no finite loss),
+    with the filter on or off; transformers makes up 0.0 with the filter on and logs NaN with it off. Either way
+    a script reading log_history[-1]["loss"] finds the key. The second window's steps are finite: with the filter
+    on both log the same loss (the NaN steps' gradients are zero, so transformers' applied update changes
+    nothing); with it off transformers' running sum stays NaN (it resets it by subtracting it from itself), and
+    every later window logs NaN, where stoker logs the window's finite loss."""
+    logged = {}
+    for name in ("hf", "stoker"):
+        module = framework(name)
+        args = module.TrainingArguments(output_dir=str(tmp_path / name), report_to="none", disable_tqdm=True,
+                                        max_steps=4, logging_steps=2, per_device_train_batch_size=1, optim="sgd",
+                                        learning_rate=0.1, lr_scheduler_type="constant", save_strategy="no",
+                                        train_sampling_strategy="sequential", use_cpu=True, max_grad_norm=0.0,
+                                        logging_nan_inf_filter=nan_inf_filter)
+        trainer = module.Trainer(Scalar(), args, train_dataset=[{"x": v} for v in (999.0, 999.0, 1.0, 1.0)])
+        trainer.train()
+        logged[name] = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert len(logged["stoker"]) == 2 and math.isnan(logged["stoker"][0])
+    assert logged["hf"][0] == 0.0 if nan_inf_filter else math.isnan(logged["hf"][0])
+    # w = 1 at step 3, then 1 - 0.1 * 2 = 0.8 at step 4: ((1)^2 + (0.8)^2) / 2
+    assert logged["stoker"][1] == pytest.approx((1.0 + 0.8 ** 2) / 2)
+    if nan_inf_filter:
+        assert logged["stoker"][1] == pytest.approx(logged["hf"][1])
+    else:
+        assert math.isnan(logged["hf"][1])

@@ -322,6 +322,23 @@ def test_data_seed_defaults_to_seed():
     assert TrainingArguments(seed=5, data_seed=9).data_seed == 9
 
 
+def test_a_data_seed_not_given_follows_a_later_seed_and_a_given_one_stays():
+    # transformers shuffles by "data_seed, else seed" when it shuffles, so a seed set after construction counts
+    args = TrainingArguments(seed=5)
+    args.seed = 7
+    assert args.data_seed == 7
+    args.set_training(seed=11)
+    assert (args.seed, args.data_seed) == (11, 11)
+    given = TrainingArguments(seed=5, data_seed=9)
+    given.seed = 7
+    given.set_training(seed=11)
+    assert given.data_seed == 9
+    args.data_seed = 3  # set by hand: it no longer follows
+    args.seed = 1
+    assert args.data_seed == 3
+    assert "_data_seed_is_seed" not in TrainingArguments(seed=5).to_dict()
+
+
 def test_torch_compile_mode_implies_compile():
     plain = TrainingArguments()
     assert plain.torch_compile is False and plain.torch_compile_backend is None
