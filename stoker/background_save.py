@@ -61,16 +61,46 @@ class HostCopies:
     """Copies of a snapshot's tensors in host memory: pinned, and copied without waiting, from an accelerator (the
     writer waits for them; the loop's next kernels on the stream run after them anyway); cloned on the CPU. A
     tensor seen twice (tied weights, one `step` tensor shared by an optimizer's parameters) is copied once, so
-    that the checkpoint's files come out as a synchronous save writes them. The buffers are kept from one
-    checkpoint to the next of the same shapes (allocating pinned memory costs more than copying into it), and
-    released at the end of the run."""
+    that the checkpoint's files come out as a synchronous save writes them.
+
+    The buffers are kept from one checkpoint to the next (matched by shape and dtype) and released at the end of
+    the run: allocating host memory, and pinned memory most of all, costs more than copying into it, and memory
+    touched for the first time faults in page by page. `reserve` allocates and touches them in a thread once the
+    run has taken its first step, so that the first checkpoint's snapshot copies into memory the process already
+    has; buffers the first snapshot does not use are dropped after it."""
 
     def __init__(self):
-        self._buffers: list[torch.Tensor] = []
-        self._used, self._seen, self._event = 0, {}, None
+        self._free: dict[tuple, list[torch.Tensor]] = {}  # buffers the snapshot in progress has not taken
+        self._taken: list[torch.Tensor] = []
+        self._seen, self._event = {}, None
+        self._reserving: threading.Thread | None = None
+        self._snapshots = 0
+        self.copied = self.allocated = 0  # bytes of the last snapshot: copied, and of buffers allocated for it
+
+    def reserve(self, specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool) -> None:
+        """Allocate and touch, in a thread, a buffer for each (shape, dtype) a snapshot is expected to copy."""
+
+        def allocate():
+            for shape, dtype in specs:
+                buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                buffer.zero_()  # its pages mapped now, not during the snapshot
+                self._free.setdefault((shape, dtype), []).append(buffer)
+
+        self._reserving = threading.Thread(target=allocate, name="stoker-checkpoint-buffers", daemon=True)
+        self._reserving.start()
+
+    def _settle(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def begin(self) -> HostCopies:
-        self._used, self._seen, self._event = 0, {}, None
+        """Before a snapshot: every buffer is free again."""
+        self._settle()
+        for buffer in self._taken:
+            self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+        self._taken, self._seen, self._event = [], {}, None
+        self.copied = self.allocated = 0
         return self
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,37 +118,37 @@ class HostCopies:
         return out
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers[self._used] if self._used < len(self._buffers) else None
-        if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype) != (t.shape, t.stride(), t.dtype):
-            buffer = torch.empty_like(t, device="cpu", pin_memory=t.device.type == "cuda")
-            if self._used < len(self._buffers):
-                self._buffers[self._used] = buffer
-            else:
-                self._buffers.append(buffer)
-        self._used += 1
         from_cuda = t.device.type == "cuda"  # into pinned memory: the copy runs on the stream, in order
+        free = self._free.get((tuple(t.shape), t.dtype))
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=from_cuda)
+            self.allocated += buffer.nbytes
+        self.copied += buffer.nbytes
+        self._taken.append(buffer)
         buffer.copy_(t, non_blocking=from_cuda)
         if from_cuda and self._event is None:
             self._event = torch.cuda.Event()
         return buffer
 
     def end(self) -> None:
-        """After the last copy of a snapshot: mark where the accelerator's copies end."""
+        """After the last copy of a snapshot: mark where the accelerator's copies end; after the first, drop the
+        reserved buffers it did not use."""
         if self._event is not None:
             self._event.record()
+        self._snapshots += 1
+        if self._snapshots == 1:
+            self._free = {}
 
     def wait(self) -> None:
         """Writer thread: until the accelerator's copies have landed in host memory."""
         if self._event is not None:
             self._event.synchronize()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers)
-
     def release(self) -> None:
-        self._buffers = []
-        self.begin()
+        self._settle()
+        self._free, self._taken, self._seen, self._event, self._snapshots = {}, [], {}, None, 0
 
 
 class Job:

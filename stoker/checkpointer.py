@@ -194,6 +194,7 @@ class Checkpointer:
         # async_save's writer (the Trainer's, so that save_model waits for the checkpoint in flight too)
         self.writer = writer if writer is not None else BackgroundWriter(backend.accelerator)
         self._waits = 0  # saves that found the previous checkpoint still being written
+        self._reserved = False  # async_save's host buffers (reserved after the first step)
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -316,10 +317,39 @@ class Checkpointer:
                            f"is written (save_steps={self.args.save_steps}); raise save_steps to train without "
                            "waiting")
 
-    def poll(self) -> None:
+    def poll(self, run: RunObjects) -> None:
         """Every rank, every step: advance the checkpoint written in the background, raising its failure
-        (CheckpointError) here (with several processes, one all-reduce while a checkpoint is in flight)."""
+        (CheckpointError) here (with several processes, one all-reduce while a checkpoint is in flight). After the
+        run's first step (the optimizer has its state), async_save's host buffers are reserved."""
         self.writer.poll()
+        if self.args.async_save and not self._reserved:
+            self._reserved = True
+            self.writer.copies.reserve(self._snapshot_specs(run), pinned=self.accelerator.device.type == "cuda")
+
+    def _snapshot_specs(self, run: RunObjects) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The (shape, dtype) of each tensor this process's snapshot is expected to copy, from the model and the
+        optimizer's state: the model's (a peft model's trainable) tensors where this process writes them, whole or
+        as its shards, and the optimizer's state where it writes that. An estimate: the first snapshot's own
+        tensors take over after it."""
+        acc, backend, model = self.accelerator, self.backend, run.model
+        specs = []
+
+        def add(tensors, sharded: bool) -> None:
+            for t in tensors:
+                t = t.to_local() if sharded and hasattr(t, "to_local") else t  # a DTensor's shard
+                specs.append((tuple(t.shape), t.dtype))
+
+        whole = backend.writes_full_model(model)
+        if acc.is_main_process or not whole:
+            module = acc.unwrap_model(model)
+            add([p for p in module.parameters() if p.requires_grad] if ckpt.is_peft_model(module)
+                else list(module.parameters()) + list(module.buffers()), sharded=not whole)
+        if not self.args.save_only_model:
+            sharded = backend.optimizer_state(run.optimizer) is None
+            if acc.is_main_process or sharded:
+                add([v for state in run.optimizer.state.values() for v in state.values()
+                     if isinstance(v, torch.Tensor)], sharded)
+        return specs
 
     @contextlib.contextmanager
     def background_writes(self):

@@ -152,6 +152,33 @@ def test_an_async_checkpoint_holds_what_a_sync_one_holds_bit_for_bit(tmp_path, s
         assert torch.equal(a, b)
 
 
+class SnapshotBytes(TrainerCallback):
+    """At each save: the bytes the snapshot copied and the bytes of host buffers it had to allocate."""
+
+    def __init__(self):
+        self.trainer, self.seen = None, []
+
+    def on_save(self, args, state, control, **kw):
+        copies = self.trainer._checkpoint_writer.copies
+        self.seen.append((copies.copied, copies.allocated))
+
+
+@pytest.mark.parametrize("peft, only_model", [(False, False), (True, False), (False, True)],
+                         ids=["tied-llama", "lora", "save-only-model"])
+def test_the_first_snapshot_copies_into_host_buffers_reserved_after_the_first_step(tmp_path, peft, only_model):
+    spy = SnapshotBytes()
+    trainer = Trainer(tied_llama(), args_for(tmp_path, async_save=True, save_only_model=only_model, max_steps=6),
+                      train_dataset=rows(16, seed=4), peft_config=lora_config() if peft else None, callbacks=[spy])
+    spy.trainer = trainer
+    trainer.train()
+    (first_copied, first_allocated), *later = spy.seen
+    assert len(later) == 2
+    # the reserved buffers hold the model (or adapter) and the optimizer state; only the few small tensors of
+    # the RNG states are allocated by the first snapshot, and nothing by the later ones
+    assert first_allocated <= 8 * 2**10 < first_copied, spy.seen
+    assert all(copied == first_copied and allocated == 0 for copied, allocated in later), spy.seen
+
+
 def test_an_async_lora_checkpoint_resumes_exactly(tmp_path, slow_writes):
     full = train(tmp_path / "run", True, async_save=True)
     resumed = Trainer(tied_llama(), args_for(tmp_path / "resumed", async_save=True), train_dataset=rows(16, seed=4),
