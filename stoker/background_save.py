@@ -29,8 +29,10 @@ A process killed at any moment leaves at most an uncommitted temporary folder, a
 
 from __future__ import annotations
 
+import math
 import shutil
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -88,6 +90,11 @@ class HostCopies:
 
         self._reserving = threading.Thread(target=allocate, name="stoker-checkpoint-buffers", daemon=True)
         self._reserving.start()
+
+    @property
+    def reserving(self) -> bool:
+        """Whether the reserved buffers are still being allocated."""
+        return self._reserving is not None and self._reserving.is_alive()
 
     def _settle(self) -> None:
         if self._reserving is not None:
@@ -151,11 +158,41 @@ class HostCopies:
         self._free, self._taken, self._seen, self._event, self._snapshots = {}, [], {}, None, 0
 
 
-class Job:
-    """A checkpoint in flight: where it is written, and the main process's commit (with the rotation after it)."""
+# the share of the time between two saves that a background write is spread over: the checkpoint is committed
+# half an interval after its step, long before the next save would wait for it
+COMPLETION_TARGET = 0.5
 
-    def __init__(self, step: int, tmp: str, final: str, commit: Callable[[], None]):
-        self.step, self.tmp, self.final, self.commit = step, tmp, final, commit
+
+class Pace:
+    """Spreads a background write of about `nbytes` over COMPLETION_TARGET of `interval` seconds, the time
+    expected until the next save (PostgreSQL spreads a checkpoint's writes over
+    its interval the same way, checkpoint_completion_target): the writer reports each chunk it writes or hashes
+    and sleeps while it is ahead. A write at full speed takes the memory bandwidth and the CPU time the training
+    loop needs (on a 2-core machine, steps during a write took 1.5x a normal step); spread out, it takes them a
+    little at a time. `hurry` lifts it for good, for whoever waits for the write."""
+
+    def __init__(self, nbytes: int, interval: float):
+        seconds = COMPLETION_TARGET * interval
+        self.rate = nbytes / seconds if seconds > 0 else math.inf
+        self._start, self._done = time.perf_counter(), 0
+        self._hurried = threading.Event()
+
+    def __call__(self, nbytes: int) -> None:
+        self._done += nbytes
+        ahead = self._done / self.rate - (time.perf_counter() - self._start)
+        if ahead > 0:
+            self._hurried.wait(ahead)
+
+    def hurry(self) -> None:
+        self._hurried.set()
+
+
+class Job:
+    """A checkpoint in flight: where it is written, the main process's commit (with the rotation after it), and
+    the pace of its write."""
+
+    def __init__(self, step: int, tmp: str, final: str, commit: Callable[[], None], pace: Pace):
+        self.step, self.tmp, self.final, self.commit, self.pace = step, tmp, final, commit, pace
         self.committing = False  # several processes: every rank's files are written, the main one commits
 
 
@@ -212,6 +249,7 @@ class BackgroundWriter:
         if job is None:
             return
         if wait and self._thread is not None:
+            job.pace.hurry()
             self._thread.join()
         busy = self.busy
         failure = None if busy else self._error
@@ -237,6 +275,8 @@ class BackgroundWriter:
 
     def abandon(self) -> None:
         """After an error in the loop: wait for this process's writer, without agreeing with the others."""
+        if self._job is not None:
+            self._job.pace.hurry()
         if self._thread is not None:
             self._thread.join()
         self._job, self._thread, self._error = None, None, None

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import checkpoint_format as ckpt
-from .background_save import BackgroundWriter, HostCopies, Job, any_on_every_process, save_failed
+from .background_save import BackgroundWriter, HostCopies, Job, Pace, any_on_every_process, save_failed
 from .callbacks import TrainerState, callback_states, restore_callback_states
 from .errors import CheckpointError, NonFiniteError
 from .log import logger
@@ -195,6 +195,7 @@ class Checkpointer:
         self.writer = writer if writer is not None else BackgroundWriter(backend.accelerator)
         self._waits = 0  # saves that found the previous checkpoint still being written
         self._reserved = False  # async_save's host buffers (reserved after the first step)
+        self._last_save_at: float | None = None  # async_save: when the last save (or the first step) was
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -242,11 +243,17 @@ class Checkpointer:
         except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
             failure = e
         self._all_saved(failure, tmp, final)
-        best, commit = s.best_model_checkpoint, functools.partial(ckpt.commit, tmp, final, s.global_step)
         self.last_saved_step = s.global_step
+        pace = None
+        if copy is not None:  # the write spread over part of the time to the next save (expected as long as the
+            copy.end()        # time since the last one)
+            now = time.perf_counter()
+            pace, self._last_save_at = Pace(copy.copied, now - (self._last_save_at or now)), now
+        best = s.best_model_checkpoint
+        commit = functools.partial(ckpt.commit, tmp, final, s.global_step, write.hashes, pace)
         if copy is not None:
-            copy.end()
-            self.writer.start(Job(s.global_step, tmp, final, lambda: (commit(), self.rotate(best))), write)
+            self.writer.start(Job(s.global_step, tmp, final, lambda: (commit(), self.rotate(best)), pace),
+                              functools.partial(write, pace))
             return final
         try:
             if acc.is_main_process:
@@ -287,18 +294,19 @@ class Checkpointer:
                 state_dict = copy(state_dict)
             states = [(name, _copied(state, copy)) for name, state in states]
 
-        def write() -> None:
+        def write(pace: Pace | None = None) -> None:
             if copy is not None:
                 copy.wait()
             rank_parts()
             if main:
                 backend.write_model(tmp, run.model, state_dict)
             for name, state in states:
-                ckpt.save_state(tmp, name, state)
+                write.hashes.update(ckpt.save_state(tmp, name, state, pace))
             for name, text in texts.items():
                 with open(os.path.join(tmp, name), "w") as f:
                     f.write(text)
 
+        write.hashes = {}  # the sha256 of the files hashed as they were written, for the manifest
         return write
 
     def _wait_for_previous_write(self, step: int) -> None:
@@ -323,7 +331,7 @@ class Checkpointer:
         run's first step (the optimizer has its state), async_save's host buffers are reserved."""
         self.writer.poll()
         if self.args.async_save and not self._reserved:
-            self._reserved = True
+            self._reserved, self._last_save_at = True, time.perf_counter()
             self.writer.copies.reserve(self._snapshot_specs(run), pinned=self.accelerator.device.type == "cuda")
 
     def _snapshot_specs(self, run: RunObjects) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -179,6 +179,32 @@ def test_the_first_snapshot_copies_into_host_buffers_reserved_after_the_first_st
     assert all(copied == first_copied and allocated == 0 for copied, allocated in later), spy.seen
 
 
+def test_a_paced_write_sleeps_while_ahead_until_hurried():
+    pace = background_save.Pace(nbytes=10, interval=2 / background_save.COMPLETION_TARGET)  # 5 bytes a second
+    started = time.perf_counter()
+    pace(5)  # a second's worth of bytes
+    assert time.perf_counter() - started >= 0.9
+    pace = background_save.Pace(nbytes=10, interval=200 / background_save.COMPLETION_TARGET)
+    threading.Timer(0.2, pace.hurry).start()
+    started = time.perf_counter()
+    pace(10)  # 200 s's worth, cut short by hurry
+    pace(10)
+    assert time.perf_counter() - started < 30
+
+
+def test_whoever_waits_for_a_paced_write_gets_it_at_full_speed(tmp_path, monkeypatch):
+    """Each background write spread over a thousand times the time between saves: the next save, the end of
+    train() and save_model() hurry it instead of waiting that long."""
+    monkeypatch.setattr(background_save, "COMPLETION_TARGET", 1000.0)
+    started = time.perf_counter()
+    trainer = train(tmp_path / "run", False, async_save=True, save_steps=1)
+    trainer.save_model(str(tmp_path / "final"))
+    assert time.perf_counter() - started < 120
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path / "run"))] == [
+        f"checkpoint-{s}" for s in range(1, 5)]
+    assert all(ckpt.verify(p) is None for p in ckpt.list_checkpoints(str(tmp_path / "run")))
+
+
 def test_an_async_lora_checkpoint_resumes_exactly(tmp_path, slow_writes):
     full = train(tmp_path / "run", True, async_save=True)
     resumed = Trainer(tied_llama(), args_for(tmp_path / "resumed", async_save=True), train_dataset=rows(16, seed=4),
@@ -219,10 +245,10 @@ def test_a_full_disk_in_a_background_write_raises_in_the_loop_and_keeps_earlier_
     is gone and the earlier checkpoints are intact."""
     real = ckpt.save_state
 
-    def full_disk(folder, name, obj):
+    def full_disk(folder, name, obj, *rest):
         if name == "scheduler" and folder.endswith(f"checkpoint-{failing}"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(folder, name, obj)
+        return real(folder, name, obj, *rest)
 
     monkeypatch.setattr(ckpt, "save_state", full_disk)
     out = tmp_path / "run"
