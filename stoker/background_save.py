@@ -29,8 +29,10 @@ A process killed at any moment leaves at most an uncommitted temporary folder, a
 
 from __future__ import annotations
 
+import math
 import shutil
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -61,16 +63,51 @@ class HostCopies:
     """Copies of a snapshot's tensors in host memory: pinned, and copied without waiting, from an accelerator (the
     writer waits for them; the loop's next kernels on the stream run after them anyway); cloned on the CPU. A
     tensor seen twice (tied weights, one `step` tensor shared by an optimizer's parameters) is copied once, so
-    that the checkpoint's files come out as a synchronous save writes them. The buffers are kept from one
-    checkpoint to the next of the same shapes (allocating pinned memory costs more than copying into it), and
-    released at the end of the run."""
+    that the checkpoint's files come out as a synchronous save writes them.
+
+    The buffers are kept from one checkpoint to the next (matched by shape and dtype) and released at the end of
+    the run: allocating host memory, and pinned memory most of all, costs more than copying into it, and memory
+    touched for the first time faults in page by page. `reserve` allocates and touches them in a thread once the
+    run has taken its first step, so that the first checkpoint's snapshot copies into memory the process already
+    has; buffers the first snapshot does not use are dropped after it."""
 
     def __init__(self):
-        self._buffers: list[torch.Tensor] = []
-        self._used, self._seen, self._event = 0, {}, None
+        self._free: dict[tuple, list[torch.Tensor]] = {}  # buffers the snapshot in progress has not taken
+        self._taken: list[torch.Tensor] = []
+        self._seen, self._event = {}, None
+        self._reserving: threading.Thread | None = None
+        self._snapshots = 0
+        self.copied = self.allocated = 0  # bytes of the last snapshot: copied, and of buffers allocated for it
+
+    def reserve(self, specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool) -> None:
+        """Allocate and touch, in a thread, a buffer for each (shape, dtype) a snapshot is expected to copy."""
+
+        def allocate():
+            for shape, dtype in specs:
+                buffer = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                buffer.zero_()  # its pages mapped now, not during the snapshot
+                self._free.setdefault((shape, dtype), []).append(buffer)
+
+        self._reserving = threading.Thread(target=allocate, name="stoker-checkpoint-buffers", daemon=True)
+        self._reserving.start()
+
+    @property
+    def reserving(self) -> bool:
+        """Whether the reserved buffers are still being allocated."""
+        return self._reserving is not None and self._reserving.is_alive()
+
+    def _settle(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
 
     def begin(self) -> HostCopies:
-        self._used, self._seen, self._event = 0, {}, None
+        """Before a snapshot: every buffer is free again."""
+        self._settle()
+        for buffer in self._taken:
+            self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+        self._taken, self._seen, self._event = [], {}, None
+        self.copied = self.allocated = 0
         return self
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,44 +125,74 @@ class HostCopies:
         return out
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers[self._used] if self._used < len(self._buffers) else None
-        if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype) != (t.shape, t.stride(), t.dtype):
-            buffer = torch.empty_like(t, device="cpu", pin_memory=t.device.type == "cuda")
-            if self._used < len(self._buffers):
-                self._buffers[self._used] = buffer
-            else:
-                self._buffers.append(buffer)
-        self._used += 1
         from_cuda = t.device.type == "cuda"  # into pinned memory: the copy runs on the stream, in order
+        free = self._free.get((tuple(t.shape), t.dtype))
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=from_cuda)
+            self.allocated += buffer.nbytes
+        self.copied += buffer.nbytes
+        self._taken.append(buffer)
         buffer.copy_(t, non_blocking=from_cuda)
         if from_cuda and self._event is None:
             self._event = torch.cuda.Event()
         return buffer
 
     def end(self) -> None:
-        """After the last copy of a snapshot: mark where the accelerator's copies end."""
+        """After the last copy of a snapshot: mark where the accelerator's copies end; after the first, drop the
+        reserved buffers it did not use."""
         if self._event is not None:
             self._event.record()
+        self._snapshots += 1
+        if self._snapshots == 1:
+            self._free = {}
 
     def wait(self) -> None:
         """Writer thread: until the accelerator's copies have landed in host memory."""
         if self._event is not None:
             self._event.synchronize()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers)
-
     def release(self) -> None:
-        self._buffers = []
-        self.begin()
+        self._settle()
+        self._free, self._taken, self._seen, self._event, self._snapshots = {}, [], {}, None, 0
+
+
+# the share of the time between two saves that a background write is spread over: the checkpoint is committed
+# half an interval after its step, long before the next save would wait for it
+COMPLETION_TARGET = 0.5
+
+
+class Pace:
+    """Spreads a background write of about `nbytes` over COMPLETION_TARGET of `interval` seconds, the time
+    expected until the next save (PostgreSQL spreads a checkpoint's writes over
+    its interval the same way, checkpoint_completion_target): the writer reports each chunk it writes or hashes
+    and sleeps while it is ahead. A write at full speed takes the memory bandwidth and the CPU time the training
+    loop needs (on a 2-core machine, steps during a write took 1.5x a normal step); spread out, it takes them a
+    little at a time. `hurry` lifts it for good, for whoever waits for the write."""
+
+    def __init__(self, nbytes: int, interval: float):
+        seconds = COMPLETION_TARGET * interval
+        self.rate = nbytes / seconds if seconds > 0 else math.inf
+        self._start, self._done = time.perf_counter(), 0
+        self._hurried = threading.Event()
+
+    def __call__(self, nbytes: int) -> None:
+        self._done += nbytes
+        ahead = self._done / self.rate - (time.perf_counter() - self._start)
+        if ahead > 0:
+            self._hurried.wait(ahead)
+
+    def hurry(self) -> None:
+        self._hurried.set()
 
 
 class Job:
-    """A checkpoint in flight: where it is written, and the main process's commit (with the rotation after it)."""
+    """A checkpoint in flight: where it is written, the main process's commit (with the rotation after it), and
+    the pace of its write."""
 
-    def __init__(self, step: int, tmp: str, final: str, commit: Callable[[], None]):
-        self.step, self.tmp, self.final, self.commit = step, tmp, final, commit
+    def __init__(self, step: int, tmp: str, final: str, commit: Callable[[], None], pace: Pace):
+        self.step, self.tmp, self.final, self.commit, self.pace = step, tmp, final, commit, pace
         self.committing = False  # several processes: every rank's files are written, the main one commits
 
 
@@ -182,6 +249,7 @@ class BackgroundWriter:
         if job is None:
             return
         if wait and self._thread is not None:
+            job.pace.hurry()
             self._thread.join()
         busy = self.busy
         failure = None if busy else self._error
@@ -207,6 +275,8 @@ class BackgroundWriter:
 
     def abandon(self) -> None:
         """After an error in the loop: wait for this process's writer, without agreeing with the others."""
+        if self._job is not None:
+            self._job.pace.hurry()
         if self._thread is not None:
             self._thread.join()
         self._job, self._thread, self._error = None, None, None

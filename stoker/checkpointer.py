@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import checkpoint_format as ckpt
-from .background_save import BackgroundWriter, HostCopies, Job, any_on_every_process, save_failed
+from .background_save import BackgroundWriter, HostCopies, Job, Pace, any_on_every_process, save_failed
 from .callbacks import TrainerState, callback_states, restore_callback_states
 from .errors import CheckpointError, NonFiniteError
 from .log import logger
@@ -194,6 +194,8 @@ class Checkpointer:
         # async_save's writer (the Trainer's, so that save_model waits for the checkpoint in flight too)
         self.writer = writer if writer is not None else BackgroundWriter(backend.accelerator)
         self._waits = 0  # saves that found the previous checkpoint still being written
+        self._reserved = False  # async_save's host buffers (reserved after the first step)
+        self._last_save_at: float | None = None  # async_save: when the last save (or the first step) was
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -241,11 +243,17 @@ class Checkpointer:
         except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
             failure = e
         self._all_saved(failure, tmp, final)
-        best, commit = s.best_model_checkpoint, functools.partial(ckpt.commit, tmp, final, s.global_step)
         self.last_saved_step = s.global_step
+        pace = None
+        if copy is not None:  # the write spread over part of the time to the next save (expected as long as the
+            copy.end()        # time since the last one)
+            now = time.perf_counter()
+            pace, self._last_save_at = Pace(copy.copied, now - (self._last_save_at or now)), now
+        best = s.best_model_checkpoint
+        commit = functools.partial(ckpt.commit, tmp, final, s.global_step, write.hashes, pace)
         if copy is not None:
-            copy.end()
-            self.writer.start(Job(s.global_step, tmp, final, lambda: (commit(), self.rotate(best))), write)
+            self.writer.start(Job(s.global_step, tmp, final, lambda: (commit(), self.rotate(best)), pace),
+                              functools.partial(write, pace))
             return final
         try:
             if acc.is_main_process:
@@ -286,18 +294,19 @@ class Checkpointer:
                 state_dict = copy(state_dict)
             states = [(name, _copied(state, copy)) for name, state in states]
 
-        def write() -> None:
+        def write(pace: Pace | None = None) -> None:
             if copy is not None:
                 copy.wait()
             rank_parts()
             if main:
                 backend.write_model(tmp, run.model, state_dict)
             for name, state in states:
-                ckpt.save_state(tmp, name, state)
+                write.hashes.update(ckpt.save_state(tmp, name, state, pace))
             for name, text in texts.items():
                 with open(os.path.join(tmp, name), "w") as f:
                     f.write(text)
 
+        write.hashes = {}  # the sha256 of the files hashed as they were written, for the manifest
         return write
 
     def _wait_for_previous_write(self, step: int) -> None:
@@ -316,10 +325,39 @@ class Checkpointer:
                            f"is written (save_steps={self.args.save_steps}); raise save_steps to train without "
                            "waiting")
 
-    def poll(self) -> None:
+    def poll(self, run: RunObjects) -> None:
         """Every rank, every step: advance the checkpoint written in the background, raising its failure
-        (CheckpointError) here (with several processes, one all-reduce while a checkpoint is in flight)."""
+        (CheckpointError) here (with several processes, one all-reduce while a checkpoint is in flight). After the
+        run's first step (the optimizer has its state), async_save's host buffers are reserved."""
         self.writer.poll()
+        if self.args.async_save and not self._reserved:
+            self._reserved, self._last_save_at = True, time.perf_counter()
+            self.writer.copies.reserve(self._snapshot_specs(run), pinned=self.accelerator.device.type == "cuda")
+
+    def _snapshot_specs(self, run: RunObjects) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The (shape, dtype) of each tensor this process's snapshot is expected to copy, from the model and the
+        optimizer's state: the model's (a peft model's trainable) tensors where this process writes them, whole or
+        as its shards, and the optimizer's state where it writes that. An estimate: the first snapshot's own
+        tensors take over after it."""
+        acc, backend, model = self.accelerator, self.backend, run.model
+        specs = []
+
+        def add(tensors, sharded: bool) -> None:
+            for t in tensors:
+                t = t.to_local() if sharded and hasattr(t, "to_local") else t  # a DTensor's shard
+                specs.append((tuple(t.shape), t.dtype))
+
+        whole = backend.writes_full_model(model)
+        if acc.is_main_process or not whole:
+            module = acc.unwrap_model(model)
+            add([p for p in module.parameters() if p.requires_grad] if ckpt.is_peft_model(module)
+                else list(module.parameters()) + list(module.buffers()), sharded=not whole)
+        if not self.args.save_only_model:
+            sharded = backend.optimizer_state(run.optimizer) is None
+            if acc.is_main_process or sharded:
+                add([v for state in run.optimizer.state.values() for v in state.values()
+                     if isinstance(v, torch.Tensor)], sharded)
+        return specs
 
     @contextlib.contextmanager
     def background_writes(self):

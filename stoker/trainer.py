@@ -778,7 +778,7 @@ class Trainer(TrainerAPI):
         """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
         the logged throughput)."""
         s, log = self.state, run.log  # self.control is read anew after each event: a callback may replace it
-        run.checkpointer.poll()  # a checkpoint written in the background (async_save): committed, or failed
+        run.checkpointer.poll(self._run_objects())  # async_save: the checkpoint in flight committed, or failed
         if self.control.should_log and (log.steps or log.nonfinite_total):
             logs, diagnostics = log.window_logs(self.args, self.accelerator, self.model_wrapped, s,
                                                 self._learning_rate())

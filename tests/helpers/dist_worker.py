@@ -338,9 +338,9 @@ def save_failure(out: str) -> None:
     r = Report(out, "save_failure")
     real = ckpt.save_state
 
-    def unwritable(folder, name, obj):
-        real(os.path.join(folder, "missing") if name == "process_1" and folder.endswith("checkpoint-2") else folder,
-             name, obj)
+    def unwritable(folder, name, obj, *rest):
+        return real(os.path.join(folder, "missing") if name == "process_1" and folder.endswith("checkpoint-2")
+                    else folder, name, obj, *rest)
 
     ckpt.save_state = unwritable
     args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, num_train_epochs=1,
@@ -538,10 +538,10 @@ def async_kill(out: str) -> None:
     r = Report(out, "async_kill")
     real = ckpt.save_state
 
-    def killed(folder, name, obj):
+    def killed(folder, name, obj, *rest):
         if r.rank == 1 and name == "process_1" and folder.endswith("checkpoint-4"):
             os.kill(os.getpid(), signal.SIGKILL)
-        real(folder, name, obj)
+        return real(folder, name, obj, *rest)
 
     ckpt.save_state = killed
     Trainer(dropout_llama(), rng_args(os.path.join(r.folder, "out"), async_save=True), train_dataset=TRAIN,

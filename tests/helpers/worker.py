@@ -33,10 +33,10 @@ def main():
         step = int(sys.argv[sys.argv.index("--kill-in-save") + 1])
         commit = ckpt.commit
 
-        def commit_or_die(tmp, final, at_step):
+        def commit_or_die(tmp, final, at_step, *rest):
             if at_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            commit(tmp, final, at_step)
+            commit(tmp, final, at_step, *rest)
 
         ckpt.commit = commit_or_die
     background = "--async-save" in sys.argv

@@ -152,6 +152,59 @@ def test_an_async_checkpoint_holds_what_a_sync_one_holds_bit_for_bit(tmp_path, s
         assert torch.equal(a, b)
 
 
+class SnapshotBytes(TrainerCallback):
+    """At each save: the bytes the snapshot copied and the bytes of host buffers it had to allocate."""
+
+    def __init__(self):
+        self.trainer, self.seen = None, []
+
+    def on_save(self, args, state, control, **kw):
+        copies = self.trainer._checkpoint_writer.copies
+        self.seen.append((copies.copied, copies.allocated))
+
+
+@pytest.mark.parametrize("peft, only_model", [(False, False), (True, False), (False, True)],
+                         ids=["tied-llama", "lora", "save-only-model"])
+def test_the_first_snapshot_copies_into_host_buffers_reserved_after_the_first_step(tmp_path, peft, only_model):
+    spy = SnapshotBytes()
+    trainer = Trainer(tied_llama(), args_for(tmp_path, async_save=True, save_only_model=only_model, max_steps=6),
+                      train_dataset=rows(16, seed=4), peft_config=lora_config() if peft else None, callbacks=[spy])
+    spy.trainer = trainer
+    trainer.train()
+    (first_copied, first_allocated), *later = spy.seen
+    assert len(later) == 2
+    # the reserved buffers hold the model (or adapter) and the optimizer state; only the few small tensors of
+    # the RNG states are allocated by the first snapshot, and nothing by the later ones
+    assert first_allocated <= 8 * 2**10 < first_copied, spy.seen
+    assert all(copied == first_copied and allocated == 0 for copied, allocated in later), spy.seen
+
+
+def test_a_paced_write_sleeps_while_ahead_until_hurried():
+    pace = background_save.Pace(nbytes=10, interval=2 / background_save.COMPLETION_TARGET)  # 5 bytes a second
+    started = time.perf_counter()
+    pace(5)  # a second's worth of bytes
+    assert time.perf_counter() - started >= 0.9
+    pace = background_save.Pace(nbytes=10, interval=200 / background_save.COMPLETION_TARGET)
+    threading.Timer(0.2, pace.hurry).start()
+    started = time.perf_counter()
+    pace(10)  # 200 s's worth, cut short by hurry
+    pace(10)
+    assert time.perf_counter() - started < 30
+
+
+def test_whoever_waits_for_a_paced_write_gets_it_at_full_speed(tmp_path, monkeypatch):
+    """Each background write spread over a thousand times the time between saves: the next save, the end of
+    train() and save_model() hurry it instead of waiting that long."""
+    monkeypatch.setattr(background_save, "COMPLETION_TARGET", 1000.0)
+    started = time.perf_counter()
+    trainer = train(tmp_path / "run", False, async_save=True, save_steps=1)
+    trainer.save_model(str(tmp_path / "final"))
+    assert time.perf_counter() - started < 120
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(tmp_path / "run"))] == [
+        f"checkpoint-{s}" for s in range(1, 5)]
+    assert all(ckpt.verify(p) is None for p in ckpt.list_checkpoints(str(tmp_path / "run")))
+
+
 def test_an_async_lora_checkpoint_resumes_exactly(tmp_path, slow_writes):
     full = train(tmp_path / "run", True, async_save=True)
     resumed = Trainer(tied_llama(), args_for(tmp_path / "resumed", async_save=True), train_dataset=rows(16, seed=4),
@@ -192,10 +245,10 @@ def test_a_full_disk_in_a_background_write_raises_in_the_loop_and_keeps_earlier_
     is gone and the earlier checkpoints are intact."""
     real = ckpt.save_state
 
-    def full_disk(folder, name, obj):
+    def full_disk(folder, name, obj, *rest):
         if name == "scheduler" and folder.endswith(f"checkpoint-{failing}"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(folder, name, obj)
+        return real(folder, name, obj, *rest)
 
     monkeypatch.setattr(ckpt, "save_state", full_disk)
     out = tmp_path / "run"

@@ -60,10 +60,10 @@ def test_sigterm_checkpoints_the_current_step_exits_75_and_resumes_exactly(tmp_p
     # a second SIGTERM arrives while the checkpoint is being written: the save must still complete
     real_save_state = ckpt.save_state
 
-    def save_state_with_signal(folder, name, obj):
+    def save_state_with_signal(folder, name, obj, *rest):
         if name == "optimizer":
             os.kill(os.getpid(), signal.SIGTERM)
-        real_save_state(folder, name, obj)
+        return real_save_state(folder, name, obj, *rest)
 
     trainer = Trainer(llama(), make_args(tmp_path / "run", save_strategy="no"), train_dataset=data,
                       callbacks=[At(3, lambda: os.kill(os.getpid(), signal.SIGTERM))])
@@ -228,11 +228,11 @@ def test_a_failed_save_leaves_earlier_checkpoints_and_no_partial_folder(tmp_path
     real = ckpt.save_state
     calls = []
 
-    def failing(folder, name, obj):
+    def failing(folder, name, obj, *rest):
         calls.append(name)
         if name == "scheduler" and calls.count("scheduler") == 2:  # the second checkpoint
             raise OSError(code, os.strerror(code))
-        real(folder, name, obj)
+        return real(folder, name, obj, *rest)
 
     monkeypatch.setattr(ckpt, "save_state", failing)
     t = Trainer(llama(), make_args(tmp_path / "run", max_steps=4), train_dataset=rows(8))

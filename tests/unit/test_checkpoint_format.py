@@ -30,6 +30,33 @@ def test_state_without_tensors_is_json_only(tmp_path):
     assert ckpt.load_state(str(tmp_path), "scheduler") == {"last_epoch": 4, "base_lrs": [0.001]}
 
 
+def test_state_files_are_safetensors_save_files_bytes_and_hashed_as_they_are_written(tmp_path):
+    """save_state writes its tensors itself (hashing them on the way, for the manifest): the file is the one
+    safetensors' save_file writes, byte for byte, and the hash is the file's; a paced write reports every byte."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    tensors = {"b.weight": torch.randn(300, 70), "a": torch.arange(5), "z": torch.randn(9).to(torch.bfloat16),
+               "step": torch.tensor(3.0), "empty": torch.zeros(0),
+               "rng": torch.randint(0, 255, (13,), dtype=torch.uint8),
+               "big": torch.randn(3 * 2**20 + 7)}  # more than one chunk of the writer
+    state = {"t": tensors, "n": 1}
+    save_file(ckpt.flatten(state)[1], str(tmp_path / "reference.safetensors"))
+    reported = []
+    hashes = ckpt.save_state(str(tmp_path), "state", state, pace=reported.append)
+    assert (tmp_path / "state.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert hashes == {name: ckpt._sha256(str(tmp_path / name)) for name in ("state.safetensors", "state.json")}
+    assert sum(reported) == sum(t.numel() * t.element_size() for t in tensors.values())
+    loaded = ckpt.load_state(str(tmp_path), "state")
+    assert loaded["n"] == 1 and all(torch.equal(loaded["t"][k], v) for k, v in tensors.items())
+    # the manifest takes the hashes as given and reads back only the files it has none for
+    (tmp_path / "tmp").mkdir()
+    for name in ("state.safetensors", "state.json", "reference.safetensors"):
+        os.rename(tmp_path / name, tmp_path / "tmp" / name)
+    ckpt.commit(str(tmp_path / "tmp"), str(tmp_path / "checkpoint-1"), 1, hashes)
+    assert ckpt.verify(str(tmp_path / "checkpoint-1")) is None
+
+
 def test_a_committed_checkpoint_verifies_until_a_file_changes(tmp_path):
     final = ckpt.checkpoint_dir(str(tmp_path), 5)
     tmp = ckpt.temp_dir_for(final)
