@@ -63,15 +63,17 @@ def test_the_budget_is_what_is_left_of_the_total_less_the_reserve():
     assert budget.left() == 0 == budget.child_timeout()
 
 
-def test_checks_past_the_budget_are_skipped_an_overrunning_one_is_interrupted_and_the_table_is_printed(capsys):
+def test_checks_past_the_budget_are_skipped_an_overrunning_one_is_interrupted_and_the_table_is_printed(
+        capsys, monkeypatch):
     import time
 
     g = gpu_check()
+    monkeypatch.setattr(g, "MIN_START_S", 2)  # the real-time part waits for the budget to run out: 2 s, not 20
     clock = Clock()
     budget = g.Budget(total=100, reserve=10, clock=clock)
 
     def quick():
-        clock.now += 75  # leaves 15 s, under MIN_START_S
+        clock.now += 89  # leaves 1 s, under MIN_START_S
         return [{"name": "quick", "tokens_per_s": 1.0, "peak_gb": 0.5, "note": "fine"}]
 
     table = {"quick": quick, "late": lambda: [], "broken": lambda: 1 / 0}
