@@ -188,7 +188,7 @@ class RunningLog:
         tokens, all_tokens = self.fold_tokens(accelerator, state, args.include_num_input_tokens_seen)
         elapsed, samples = self.elapsed(), self.take_samples()
         skipped, self.nonfinite_at_log = self.nonfinite_total - self.nonfinite_at_log, self.nonfinite_total
-        logs = {"loss": round(logged / steps, 6)} if steps else {"loss": math.nan} if skipped else {}
+        logs = {"loss": logged / steps} if steps else {"loss": math.nan} if skipped else {}
         if self.grad_norm is not None:
             logs["grad_norm"] = float(self.grad_norm)
         if self.nonfinite_total:

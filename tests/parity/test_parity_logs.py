@@ -29,6 +29,15 @@ def test_log_history_has_the_keys_transformers_logs(tmp_path, overrides):
     assert all(("train_tokens_per_second" in k) == counting for k in train_records)
 
 
+def test_the_logged_losses_are_transformers_values_unrounded(tmp_path):
+    """transformers 5 logs each window's mean loss as computed, not rounded: on a job both trainers compute alike
+    the records are equal, so a script comparing log_history (or a threshold on it) sees the same numbers."""
+    hf = run("hf", "llama", str(tmp_path / "hf"), max_steps=3)
+    ours = run("stoker", "llama", str(tmp_path / "ours"), max_steps=3)
+    theirs, mine = ([(r["step"], r["loss"], r["grad_norm"]) for r in x["logs"] if "loss" in r] for x in (hf, ours))
+    assert len(theirs) == 3 and mine == theirs
+
+
 def test_diagnostics_are_written_to_metrics_jsonl(tmp_path):
     ours = run("stoker", "llama", str(tmp_path / "ours"), max_steps=2)
     with open(tmp_path / "ours" / "metrics.jsonl") as f:
