@@ -162,7 +162,7 @@ class Trainer(TrainerAPI):
         preprocess_logits_for_metrics: Callable | None = None,
         peft_config=None,
     ):
-        self.args = args if args is not None else TrainingArguments()
+        self.args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")  # transformers' choice
         self._memory = None  # transformers' TrainerMemoryTracker, with skip_memory_metrics=False
         memory = self._memory_tracker()
         if memory is not None:  # its first stage, "init", is reported with the first train/eval/test metrics

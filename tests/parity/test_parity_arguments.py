@@ -23,6 +23,14 @@ def test_output_dir_with_a_tilde_is_expanded():
     assert ours.output_dir == hf.output_dir == os.path.join(os.path.expanduser("~"), "stoker_parity_out")
 
 
+def test_a_trainer_without_arguments_writes_where_transformers_writes(tmp_path, monkeypatch):
+    """Trainer(model) without args: transformers makes TrainingArguments(output_dir="tmp_trainer"), not the
+    dataclass's own default folder."""
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(2, 1)
+    assert stoker.Trainer(model).args.output_dir == transformers.Trainer(model).args.output_dir == "tmp_trainer"
+
+
 def test_use_cpu_turns_pinned_memory_off():
     hf, ours = both(output_dir="x", use_cpu=True)
     assert ours.dataloader_pin_memory is hf.dataloader_pin_memory is False
