@@ -161,18 +161,22 @@ class HostCopies:
 # the share of the time between two saves that a background write is spread over: the checkpoint is committed
 # half an interval after its step, long before the next save would wait for it
 COMPLETION_TARGET = 0.5
+# the longest a write is spread over, in seconds: a checkpoint not yet committed is lost to a crash, so with saves
+# hours apart it is still committed within a minute of its step; spread over a minute, a write's rate is already
+# too low to slow the loop
+MAX_SPREAD_S = 60.0
 
 
 class Pace:
     """Spreads a background write of about `nbytes` over COMPLETION_TARGET of `interval` seconds, the time
-    expected until the next save (PostgreSQL spreads a checkpoint's writes over
+    expected until the next save, and at most MAX_SPREAD_S (PostgreSQL spreads a checkpoint's writes over
     its interval the same way, checkpoint_completion_target): the writer reports each chunk it writes or hashes
     and sleeps while it is ahead. A write at full speed takes the memory bandwidth and the CPU time the training
     loop needs (on a 2-core machine, steps during a write took 1.5x a normal step); spread out, it takes them a
     little at a time. `hurry` lifts it for good, for whoever waits for the write."""
 
     def __init__(self, nbytes: int, interval: float):
-        seconds = COMPLETION_TARGET * interval
+        seconds = min(COMPLETION_TARGET * interval, MAX_SPREAD_S)
         self.rate = nbytes / seconds if seconds > 0 else math.inf
         self._start, self._done = time.perf_counter(), 0
         self._hurried = threading.Event()

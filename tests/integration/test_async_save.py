@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -190,6 +191,15 @@ def test_a_paced_write_sleeps_while_ahead_until_hurried():
     pace(10)  # 200 s's worth, cut short by hurry
     pace(10)
     assert time.perf_counter() - started < 30
+
+
+def test_a_write_is_spread_over_half_the_save_interval_and_at_most_a_minute():
+    """Saves an hour apart: the checkpoint is still committed within MAX_SPREAD_S of its step, since until then a
+    crash loses it."""
+    gib = 2**30
+    assert background_save.Pace(nbytes=gib, interval=20.0).rate == gib / 10.0
+    assert background_save.Pace(nbytes=gib, interval=3600.0).rate == gib / background_save.MAX_SPREAD_S == gib / 60
+    assert background_save.Pace(nbytes=gib, interval=0.0).rate == math.inf  # the first save: no interval yet
 
 
 def test_whoever_waits_for_a_paced_write_gets_it_at_full_speed(tmp_path, monkeypatch):
