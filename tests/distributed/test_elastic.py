@@ -25,7 +25,7 @@ FSDP1_CASES = [(2, 1), (2, 3)]  # FSDP1 only from 2 processes: its shards into a
 # uninterrupted runs of two layouts differ by up to 1.4e-5 from each other)
 EXACT = 1e-5
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # the module fixture's launches: 44-51 s
 
 
 def launch(out: Path, processes: int, *scenarios: str) -> None:

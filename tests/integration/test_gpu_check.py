@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -139,6 +141,7 @@ def test_the_fp16_overflow_verdict():
                                                     "not advance after the overflow")
 
 
+@pytest.mark.slow
 def test_the_cpu_capable_checks_run_checkpoint_chunked_loss_packing_shared_prefix_and_two_processes():
     script = str(ROOT / "benchmarks" / "gpu_check.py")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
