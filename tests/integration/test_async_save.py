@@ -198,7 +198,7 @@ def test_a_write_is_spread_over_half_the_save_interval_and_at_most_a_minute():
     crash loses it."""
     gib = 2**30
     assert background_save.Pace(nbytes=gib, interval=20.0).rate == gib / 10.0
-    assert background_save.Pace(nbytes=gib, interval=3600.0).rate == gib / background_save.MAX_SPREAD_S == gib / 60
+    assert background_save.Pace(nbytes=gib, interval=3600.0).rate == gib / 60.0
     assert background_save.Pace(nbytes=gib, interval=0.0).rate == math.inf  # the first save: no interval yet
 
 
