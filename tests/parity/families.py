@@ -359,3 +359,6 @@ def train_family(name: str, out: str, n_rows: int, **overrides):
 def params(trainer) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     return {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+
+
+MOE_ROWS = rows("qwen2", 16, 1)  # the MoE models' rows across processes: 2 steps of a global batch of 8
