@@ -13,7 +13,9 @@ i, P_i the mean router probability of expert i. stoker takes that term out of th
                   counted by a routing pass (forward only, no gradients) over the window before its first
                   backward, and one all-reduce; each micro-batch then backpropagates coef x N_E x sum_i f_i(window)
                   x its tokens' probability sums / the window's tokens, which add up over the window to the aux
-                  loss of one batch of the window's rows: B x A x W equals one batch of B*A*W exactly.
+                  loss of one batch of the window's rows: B x A x W equals one batch of B*A*W exactly. A window of
+                  one micro-batch (no accumulation) needs no pass: its training forward routes the whole window,
+                  and its counts are all-reduced between that forward and its backward.
 
 In both the logged loss is the task loss plus coef x the aux loss of that scope (for global_batch, exactly the
 loss transformers' model reports for one batch of the whole window).
@@ -121,6 +123,10 @@ class LoadBalancing:
         Run in training mode under one fork of the random state, so the passes draw the dropout masks (and any
         router jitter) the training forwards will draw after them, in the same order: the routing counted is
         the routing trained on. Buffers are put back."""
+        self.scale = 1 if averaged_across_devices else accelerator.num_processes
+        if len(window) == 1:  # counted from the training forward itself (aux_share)
+            self.fraction = None
+            return
         model.train()
         body = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
         device = accelerator.device
@@ -143,13 +149,16 @@ class LoadBalancing:
                 counts[-1] += rows
             for b, saved in buffers:
                 b.copy_(saved)
+        self.fraction, self.rows = self._window_fraction(counts, accelerator)
+
+    @staticmethod
+    def _window_fraction(counts: torch.Tensor, accelerator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f_i, routed rows) of the window on every process, from this process's counts (assignments per
+        expert, then routed rows)."""
         if accelerator.num_processes > 1:  # the one collective the scope adds to a step
             counts = accelerator.reduce(counts, reduction="sum")
-        self.rows = counts[-1].clamp_min(1)
-        self.fraction = counts[:-1] / self.rows
-        # processes whose loss is not summed over them (average_tokens_across_devices=False: DDP averages each
-        # process's gradient) get the share of the sum times their number
-        self.scale = 1 if averaged_across_devices else accelerator.num_processes
+        rows = counts[-1].clamp_min(1)
+        return counts[:-1] / rows, rows
 
     def task_loss(self, loss: torch.Tensor, outputs) -> torch.Tensor:
         """The model's loss without the aux term it added (coef x its micro-batch's aux loss). The gradient of
@@ -157,11 +166,17 @@ class LoadBalancing:
         aux = getattr(outputs, "aux_loss", None)
         return loss if aux is None else loss - self.coef * aux.to(loss.device)
 
-    def aux_share(self, outputs, inputs: dict, convention, num_items) -> torch.Tensor | float:
+    def aux_share(self, outputs, inputs: dict, convention, num_items, accelerator) -> torch.Tensor | float:
         """The micro-batch's share of coef x the window's aux loss over this scope."""
         if self.scope == GLOBAL_BATCH:
-            sums = expert_probability_sums(outputs.router_logits, inputs.get("attention_mask"))
-            aux = self.num_experts * (self.fraction.to(sums.device) * sums).sum() / self.rows.to(sums.device)
+            mask = inputs.get("attention_mask")
+            fraction, rows = self.fraction, self.rows
+            if fraction is None:  # the window is this micro-batch (on every process): routed by this forward
+                with torch.no_grad():
+                    assigned, routed = expert_assignments(outputs.router_logits, mask, self.num_experts, self.top_k)
+                    fraction, rows = self._window_fraction(torch.cat([assigned, routed.reshape(1)]), accelerator)
+            sums = expert_probability_sums(outputs.router_logits, mask)
+            aux = self.num_experts * (fraction.to(sums.device) * sums).sum() / rows.to(sums.device)
             return self.coef * aux * self.scale
         aux = getattr(outputs, "aux_loss", None)
         return 0.0 if aux is None else convention.share(self.coef * aux, inputs, num_items)

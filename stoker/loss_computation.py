@@ -65,7 +65,7 @@ class ModelLoss:
         if num_items is not None and not divides:
             loss = self.convention.share(loss, inputs, num_items)
         if balancing is not None:
-            loss = loss + balancing.aux_share(outputs, inputs, self.convention, num_items)
+            loss = loss + balancing.aux_share(outputs, inputs, self.convention, num_items, accelerator)
         return loss, outputs
 
 

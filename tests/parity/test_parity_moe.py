@@ -27,13 +27,16 @@ ROWS = rows("qwen2", 8, 1)  # causal rows of 3 to 14 tokens, some labels ignored
 
 def one_step(name: str, out: str, batch: int, accumulation: int, framework: str = "stoker", coef: float = 0.5,
              **overrides) -> tuple[dict, object]:
-    """The first update of MoE model `name` on ROWS, in order, by stoker.Trainer or transformers.Trainer."""
+    """The first update of MoE model `name` on ROWS, in order, by stoker.Trainer or transformers.Trainer. The
+    trainer's `routing_passes` counts the forwards that computed one position's logits only (the routing pass)."""
     import transformers
 
     import stoker
 
     module = stoker if framework == "stoker" else transformers
     model = moe_model(name, coef=coef)
+    passes = []
+    model.register_forward_pre_hook(lambda m, a, kw: passes.append(kw.get("logits_to_keep") == 1), with_kwargs=True)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = module.TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, save_strategy="no",
                                     max_grad_norm=0.0, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
@@ -42,6 +45,7 @@ def one_step(name: str, out: str, batch: int, accumulation: int, framework: str 
                                     train_sampling_strategy="sequential", **overrides)
     trainer = module.Trainer(model, args, train_dataset=ROWS, data_collator=PaddingCollator(0, always_mask=True))
     trainer.train()
+    trainer.routing_passes = sum(passes)
     return {n: p.detach() - start[n] for n, p in model.named_parameters()}, trainer
 
 
@@ -75,7 +79,8 @@ def logged_loss(trainer) -> float:
 @pytest.mark.parametrize("name", list(MOE))
 def test_global_batch_accumulation_updates_like_one_big_batch_and_like_the_hand_computation(tmp_path, name):
     """4 x 2 == 8 x 1 == the gradient of the 8 rows' own loss as one batch, and the logged loss is that loss
-    (cross-entropy over the window + coef x the window's aux loss)."""
+    (cross-entropy over the window + coef x the window's aux loss). 4 x 2 runs a routing pass per micro-batch;
+    8 x 1 none (its training forward routes the whole window)."""
     whole, big = one_step(name, str(tmp_path / "8x1"), 8, 1, moe_aux_loss_scope="global_batch")
     split, accumulated = one_step(name, str(tmp_path / "4x2"), 4, 2, moe_aux_loss_scope="global_batch")
     expected, loss = by_hand(name, [ROWS])
@@ -84,9 +89,10 @@ def test_global_batch_accumulation_updates_like_one_big_batch_and_like_the_hand_
     assert max(v.abs().max().item() for v in split.values()) > 1e-3  # the step moved the weights
     assert logged_loss(accumulated) == pytest.approx(loss, abs=2e-6)  # logged rounded to 6 decimals
     assert logged_loss(big) == pytest.approx(loss, abs=2e-6)
+    assert (accumulated.routing_passes, big.routing_passes) == (2, 0)
     # the scope matters on this split: balancing each micro-batch on its own moves the weights elsewhere
-    per_micro_batch, _ = one_step(name, str(tmp_path / "micro"), 4, 2)
-    assert difference(per_micro_batch, split) > 1e-5
+    per_micro_batch, per_micro_batch_trainer = one_step(name, str(tmp_path / "micro"), 4, 2)
+    assert difference(per_micro_batch, split) > 1e-5 and per_micro_batch_trainer.routing_passes == 0
 
 
 @pytest.mark.parametrize("coef", [0.001, 0.5])
