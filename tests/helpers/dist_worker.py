@@ -817,10 +817,11 @@ def moe_args(out: str, **kw) -> TrainingArguments:
 
 def moe(out: str) -> None:
     """moe_aux_loss_scope='global_batch', 2 x batch 4 (and 2 x 2 x accumulation 2): the MoE models of
-    tests/parity/families.py, compared by the test with one process x batch 8. Then with average_tokens_across_devices=False (each process's cross-entropy a
-    mean over its own tokens, averaged by DDP) for one step, whose update is computed here by hand from the rows
-    each rank trained on: the processes' mean cross-entropy plus coef x the aux loss of all their rows as one
-    batch (transformers' load_balancing_loss_func of the whole window)."""
+    tests/parity/families.py, compared by the test with one process x batch 8. Then with
+    average_tokens_across_devices=False (each process's cross-entropy a mean over its own tokens, averaged by DDP)
+    for one step, whose update is computed here by hand from the rows each rank trained on: the processes' mean
+    cross-entropy plus coef x the aux loss of all their rows as one batch (transformers' load_balancing_loss_func
+    of the whole window)."""
     import copy
 
     from stoker.data import PaddingCollator
@@ -828,9 +829,11 @@ def moe(out: str) -> None:
 
     r = Report(out, "moe")
     # batch 4 (the window's routing counted in its training forward), and 2 x accumulation 2 (a routing pass)
-    for run, name, layout in [*((n, n, {}) for n in MOE),
-                              ("qwen2_moe_accumulation", "qwen2_moe", {"gradient_accumulation_steps": 2})]:
-        args = moe_args(os.path.join(r.folder, run), per_device_train_batch_size=4 // (1 + bool(layout)), **layout)
+    layouts = [(n, n, {"per_device_train_batch_size": 4}) for n in MOE]
+    layouts.append(("qwen2_moe_accumulation", "qwen2_moe",
+                    {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}))
+    for run, name, layout in layouts:
+        args = moe_args(os.path.join(r.folder, run), **layout)
         trainer = Trainer(moe_model(name), args, train_dataset=MOE_ROWS)
         trainer.train()
         r.values[run] = {"global_step": trainer.state.global_step, "params": param_digest(trainer.model),
