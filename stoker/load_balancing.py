@@ -139,7 +139,7 @@ class LoadBalancing:
             for batch in window:
                 inputs = {k: v for k, v in batch.items() if k not in self.label_names}
                 router_logits = getattr(body(**inputs, **extra), "router_logits", None)
-                if not router_logits:
+                if router_logits is None or len(router_logits) == 0:
                     raise ValueError(f"moe_aux_loss_scope='global_batch': {type(body).__name__} returned no "
                                      "router_logits with output_router_logits=True; a model without a router's "
                                      "logits cannot balance its experts over the global batch")
