@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from .distributed.accelerator import argument_problems
-from .distributed.launch import wants_cpu
+from .distributed.launch import launcher_world_size, wants_cpu
 from .errors import ConfigError, suggest
 from .optim import OPTIMIZERS
 from .requirements import installed_version_problems
@@ -647,6 +647,10 @@ class TrainingArguments:
         elif self.moe_aux_loss_scope == "global_batch":
             p += [f"moe_aux_loss_scope='global_batch' with {name}={getattr(self, name)!r}: {reason}; use one or "
                   "the other" for name, reason in GLOBAL_BALANCE_CONFLICTS.items() if getattr(self, name)]
+            if self.auto_find_batch_size and launcher_world_size() > 1:
+                p.append(f"moe_aux_loss_scope='global_batch' with auto_find_batch_size=True on "
+                         f"{launcher_world_size()} processes: the processes agree on an out-of-memory error at a "
+                         "collective that the window's routing all-reduce would meet instead; use one or the other")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             bad("peak_tflops", "must be a positive number of TFLOPS, or None to look it up")
         if self.include_num_input_tokens_seen not in TOKEN_COUNTS:

@@ -146,13 +146,19 @@ def test_the_window_aux_loss_is_transformers_load_balancing_loss_of_the_whole_wi
                                                                                           rel=1e-6)
 
 
-def test_a_bad_scope_and_models_without_router_logits_are_refused_before_any_work(tmp_path):
+def test_a_bad_scope_and_models_without_router_logits_are_refused_before_any_work(tmp_path, monkeypatch):
     from tests.parity.families import FAMILIES
 
     with pytest.raises(ConfigError, match=r"moe_aux_loss_scope='global': accepted: micro_batch, global_batch"):
         TrainingArguments(output_dir=str(tmp_path), moe_aux_loss_scope="global")
     with pytest.raises(ConfigError, match=r"moe_aux_loss_scope='global_batch' with chunked_loss=True"):
         TrainingArguments(output_dir=str(tmp_path), moe_aux_loss_scope="global_batch", chunked_loss=True)
+    # one process halves on its own; several agree on an out-of-memory error at a collective of their own
+    TrainingArguments(output_dir=str(tmp_path), moe_aux_loss_scope="global_batch", auto_find_batch_size=True)
+    with monkeypatch.context() as m:
+        m.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match=r"auto_find_batch_size=True on 2 processes"):
+            TrainingArguments(output_dir=str(tmp_path), moe_aux_loss_scope="global_batch", auto_find_batch_size=True)
     args = TrainingArguments(output_dir=str(tmp_path), moe_aux_loss_scope="global_batch", report_to="none")
     with pytest.raises(ConfigError, match=r"LlamaForCausalLM has no router load-balancing loss"):
         Trainer(FAMILIES["llama"](0), args, train_dataset=ROWS)
