@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from .distributed.accelerator import argument_problems
-from .distributed.launch import wants_cpu
+from .distributed.launch import launcher_world_size, wants_cpu
 from .errors import ConfigError, suggest
 from .optim import OPTIMIZERS
 from .requirements import installed_version_problems
@@ -52,6 +52,12 @@ HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 METRIC_INPUTS = ("inputs", "loss")
 DEBUG_OPTIONS = ("underflow_overflow",)
 RESUME_MISMATCH = ("error", "warn")
+MOE_AUX_LOSS_SCOPES = ("micro_batch", "global_batch")
+# the settings moe_aux_loss_scope='global_batch' cannot go with, and why
+GLOBAL_BALANCE_CONFLICTS = {
+    "chunked_loss": "computes the loss from hidden states, without the router's load-balancing term",
+    "label_smoothing_factor": "replaces the model's loss, which carries the load-balancing term",
+    "shared_prefix": "runs the prefix tokens through the routers once, outside the micro-batch's routing"}
 # Dict-valued fields that may arrive as a JSON string from the command line.
 JSON_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "accelerator_config", "fsdp_config",
                "deepspeed", "activation_checkpointing_kwargs", "liger_kernel_config", "parallelism_config")
@@ -163,6 +169,11 @@ class TrainingArguments:
     average_tokens_across_devices: bool = field(default=True, metadata=_help(
         "Normalise the loss over the target tokens of every process (an exact global mean). False normalises "
         "over each process's own tokens, and the processes' gradients are averaged (transformers' False)."))
+    moe_aux_loss_scope: str = field(default="micro_batch", metadata=_help(
+        "What a Mixture-of-Experts model's load-balancing loss (router_aux_loss_coef, output_router_logits) "
+        "balances: 'micro_batch', each micro-batch's own, weighed by its share of the window's items; "
+        "'global_batch', the expert loads of the whole window on every process (Qiu et al., ACL 2025), counted "
+        "by a forward-only routing pass before the first backward, so B x A x N equals one batch of B*A*N."))
 
     # --- optimizer and schedule -----------------------------------------------------------------
     learning_rate: float = field(default=5e-5, metadata=_help("Peak learning rate."))
@@ -631,6 +642,15 @@ class TrainingArguments:
             bad("max_nonfinite_steps", "must be >= 1")
         if self.resume_mismatch not in RESUME_MISMATCH:
             bad("resume_mismatch", f"accepted: {', '.join(RESUME_MISMATCH)}")
+        if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
+            bad("moe_aux_loss_scope", f"accepted: {', '.join(MOE_AUX_LOSS_SCOPES)}")
+        elif self.moe_aux_loss_scope == "global_batch":
+            p += [f"moe_aux_loss_scope='global_batch' with {name}={getattr(self, name)!r}: {reason}; use one or "
+                  "the other" for name, reason in GLOBAL_BALANCE_CONFLICTS.items() if getattr(self, name)]
+            if self.auto_find_batch_size and launcher_world_size() > 1:
+                p.append(f"moe_aux_loss_scope='global_batch' with auto_find_batch_size=True on "
+                         f"{launcher_world_size()} processes: the processes agree on an out-of-memory error at a "
+                         "collective that the window's routing all-reduce would meet instead; use one or the other")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             bad("peak_tflops", "must be a positive number of TFLOPS, or None to look it up")
         if self.include_num_input_tokens_seen not in TOKEN_COUNTS:
@@ -1034,7 +1054,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "output": ("output_dir", "overwrite_output_dir", "run_name", "do_train", "do_eval", "do_predict"),
     "duration": ("num_train_epochs", "max_steps"),
     "batch": ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-        "auto_find_batch_size", "average_tokens_across_devices"),
+        "auto_find_batch_size", "average_tokens_across_devices", "moe_aux_loss_scope"),
     "optimizer": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
         "optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
         "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),

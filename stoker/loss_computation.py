@@ -13,7 +13,8 @@ every process), so that B x A micro-batches give exactly the update of one batch
     ChunkedLoss     chunked_loss: a causal LM's loss from its hidden states, a chunk at a time (stoker.chunked_loss)
 
 With shared_prefix, a training micro-batch's common leading tokens are run once first (stoker.prefix), whichever
-kind computes the loss.
+kind computes the loss. A Mixture-of-Experts model's load-balancing loss is weighed over the scope that
+moe_aux_loss_scope names (stoker.load_balancing) where the model's own loss carries it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from .chunked_loss import chunked_causal_lm_loss, head_bypass
 from .evaluation import logits_of
+from .load_balancing import LoadBalancing
 from .loss_normalization import LossConvention, loss_of, smoothed_label_loss
 from .prefix import shared_prefix_length, with_shared_prefix
 
@@ -32,10 +34,12 @@ class ModelLoss:
     """The model's own loss, normalised over the window's items. The base of the other kinds, which fall back on it
     where they do not apply (a batch without labels; the logits wanted)."""
 
-    def __init__(self, convention: LossConvention, forward_kwargs: dict, prefix_body=None):
+    def __init__(self, convention: LossConvention, forward_kwargs: dict, prefix_body=None,
+                 balancing: LoadBalancing | None = None):
         self.convention, self.forward_kwargs = convention, forward_kwargs
         self.label_name = convention.label_name
         self.prefix_body = prefix_body  # (decoder, cache argument name) with shared_prefix
+        self.balancing = balancing  # a MoE model's load-balancing loss, in training
 
     def __call__(self, model, inputs: dict, accelerator, num_items_in_batch=None,
                  return_outputs: bool = False) -> tuple[Any, Any]:
@@ -50,13 +54,18 @@ class ModelLoss:
         return self.compute(model, inputs, accelerator, num_items_in_batch, return_outputs)
 
     def compute(self, model, inputs: dict, accelerator, num_items, return_outputs: bool) -> tuple[Any, Any]:
-        if num_items is not None and self.convention.divides_by_num_items(model, inputs, accelerator):
-            outputs = model(**inputs, num_items_in_batch=num_items)
-            return loss_of(outputs), outputs
-        outputs = model(**inputs)
+        divides = num_items is not None and self.convention.divides_by_num_items(model, inputs, accelerator)
+        outputs = model(**inputs, num_items_in_batch=num_items) if divides else model(**inputs)
         loss = loss_of(outputs)
-        if num_items is not None:
+        # a MoE model's own aux term is per micro-batch, and is not divided by num_items_in_batch: in training it
+        # is taken out, and the scope's share added back (evaluation reports the model's own loss)
+        balancing = self.balancing if num_items is not None and model.training else None
+        if balancing is not None:
+            loss = balancing.task_loss(loss, outputs)
+        if num_items is not None and not divides:
             loss = self.convention.share(loss, inputs, num_items)
+        if balancing is not None:
+            loss = loss + balancing.aux_share(outputs, inputs, self.convention, num_items, accelerator)
         return loss, outputs
 
 
@@ -111,9 +120,11 @@ class ChunkedLoss(ModelLoss):
 
 
 def loss_computation(convention: LossConvention, forward_kwargs: dict, *, chunked_head=None, compute_loss_func=None,
-                     label_smoothing: float = 0.0, base_model=None, prefix_body=None) -> ModelLoss:
+                     label_smoothing: float = 0.0, base_model=None, prefix_body=None,
+                     balancing: LoadBalancing | None = None) -> ModelLoss:
     """The one way a model's loss is computed in this Trainer (chunked_loss with compute_loss_func, or with label
-    smoothing, is refused before this by trainer_checks)."""
+    smoothing, is refused before this by trainer_checks). `balancing` weighs a MoE model's load-balancing loss,
+    which only the model's own loss carries (the other kinds leave it out, as transformers does)."""
     common = (convention, forward_kwargs, prefix_body)
     if chunked_head is not None:
         return ChunkedLoss(chunked_head, *common)
@@ -121,4 +132,4 @@ def loss_computation(convention: LossConvention, forward_kwargs: dict, *, chunke
         return FunctionLoss(compute_loss_func, *common)
     if label_smoothing:
         return SmoothedLoss(label_smoothing, base_model, *common)
-    return ModelLoss(*common)
+    return ModelLoss(*common, balancing=balancing)

@@ -64,6 +64,7 @@ from .evaluation import (
     predictions_of,
     split_batch,
 )
+from .load_balancing import LoadBalancing, has_router_loss
 from .log import logger, set_log_levels, transformers_logger
 from .loop import (
     LoopPosition,
@@ -281,13 +282,21 @@ class Trainer(TrainerAPI):
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
         chunked_head = output_head(model) if a.chunked_loss else None
-        self._convention = LossConvention(model, base, self.label_names[0], self._forward_kwargs,
+        # a MoE model's load-balancing loss, weighed over moe_aux_loss_scope (stoker.load_balancing); the probes
+        # of its loss convention see the task loss alone, which a per-micro-batch aux term would blur
+        balancing = (LoadBalancing(base, a.moe_aux_loss_scope, self.label_names, self._forward_kwargs)
+                     if has_router_loss(base) else None)
+        probe_kwargs = {**self._forward_kwargs, **({"output_router_logits": False} if balancing is not None else {})}
+        self._convention = LossConvention(model, base, self.label_names[0], probe_kwargs,
                                           loss_func=self.compute_loss_func is not None,
                                           chunked=chunked_head is not None)
+        # global_batch's routing pass, run before each window's first backward (None: no pass)
+        self._window_routing = balancing if balancing is not None and balancing.routes_windows else None
         # how compute_loss computes the loss, decided here once (stoker.loss_computation)
         self._loss = loss_computation(self._convention, self._forward_kwargs, chunked_head=chunked_head,
                                       compute_loss_func=self.compute_loss_func, label_smoothing=label_smoothing,
-                                      base_model=base, prefix_body=prefix_body(model) if a.shared_prefix else None)
+                                      base_model=base, prefix_body=prefix_body(model) if a.shared_prefix else None,
+                                      balancing=balancing)
         self._set_collator(base)
         return model
 
@@ -712,6 +721,8 @@ class Trainer(TrainerAPI):
         if not self._convention.settled:  # once, on the first window
             self._convention.decide(model, window[0], acc)
         num_items = self._convention.window_items(window, acc, self.args.average_tokens_across_devices)
+        if self._window_routing is not None:  # global_batch: the window's expert loads, before any backward
+            self._window_routing.route(model, window, acc, self.args.average_tokens_across_devices)
         window_loss = torch.zeros((), device=acc.device)
         for i, batch in enumerate(window):
             last = i == len(window) - 1

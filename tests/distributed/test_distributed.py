@@ -127,6 +127,30 @@ def test_two_processes_sharing_a_prefix_update_like_one_process_without(two_rank
                                                          abs=2e-6)
 
 
+def test_two_processes_balance_experts_over_the_global_batch_like_one(two_ranks, tmp_path):
+    """moe_aux_loss_scope='global_batch': 2 x batch 4 == 1 x batch 8 over 2 steps for a tiny Qwen2-MoE and Mixtral
+    (the window's expert loads all-reduced before the first backward), and 2 x 2 x accumulation 2 for Qwen2-MoE
+    (a routing pass); with average_tokens_across_devices=False
+    the update is the processes' mean cross-entropy plus the global batch's aux loss, computed by hand on each rank
+    (tests/helpers/dist_worker.py::moe)."""
+    from tests.parity.families import MOE, MOE_ROWS, moe_model, params
+
+    r0, r1 = ranks(two_ranks, "moe")
+    for name in MOE:
+        one = Trainer(moe_model(name), w.moe_args(str(tmp_path / name), per_device_train_batch_size=8),
+                      train_dataset=MOE_ROWS)
+        one.train()
+        for run in [name] + ([f"{name}_accumulation"] if f"{name}_accumulation" in r0 else []):
+            assert r0[run]["global_step"] == r1[run]["global_step"] == one.state.global_step == 2
+            assert r0[run]["params"] == r1[run]["params"]
+            assert_params_close(load_file(str(two_ranks / "moe" / f"{run}.safetensors")), params(one), atol=1e-6)
+            assert [x for _, x in r0[run]["losses"]] == pytest.approx(
+                [r["loss"] for r in one.state.log_history if "loss" in r], abs=2e-6)
+    assert "qwen2_moe_accumulation" in r0
+    assert r0["per_process"]["tokens"] != r1["per_process"]["tokens"]  # else both settings give one update
+    assert r0["per_process"]["max_difference"] < 1e-6 and r1["per_process"]["max_difference"] < 1e-6
+
+
 def test_an_iterable_dataset_trains_and_predicts_over_two_processes_like_one(two_ranks, tmp_path):
     """Each process reads the stream and keeps its share of every global batch (rows of different lengths)."""
     r0, r1 = ranks(two_ranks, "iterable")

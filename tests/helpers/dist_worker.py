@@ -809,6 +809,72 @@ def shared_prefix(out: str) -> None:
     r.write()
 
 
+def moe_args(out: str, **kw) -> TrainingArguments:
+    """moe_aux_loss_scope='global_batch' over 2 steps of 8 rows of MOE_ROWS (the test's single-process runs too)."""
+    return training_args(out, **{**dict(max_steps=2, moe_aux_loss_scope="global_batch", learning_rate=0.1,
+                                         max_grad_norm=0.0, lr_scheduler_type="constant"), **kw})
+
+
+def moe(out: str) -> None:
+    """moe_aux_loss_scope='global_batch', 2 x batch 4 (and 2 x 2 x accumulation 2): the MoE models of
+    tests/parity/families.py, compared by the test with one process x batch 8. Then with
+    average_tokens_across_devices=False (each process's cross-entropy a mean over its own tokens, averaged by DDP)
+    for one step, whose update is computed here by hand from the rows each rank trained on: the processes' mean
+    cross-entropy plus coef x the aux loss of all their rows as one batch (transformers' load_balancing_loss_func
+    of the whole window)."""
+    import copy
+
+    from stoker.data import PaddingCollator
+    from tests.parity.families import MOE, MOE_ROWS, moe_model, params
+
+    r = Report(out, "moe")
+    # batch 4 (the window's routing counted in its training forward), and 2 x accumulation 2 (a routing pass)
+    layouts = [(n, n, {"per_device_train_batch_size": 4}) for n in MOE]
+    layouts.append(("qwen2_moe_accumulation", "qwen2_moe",
+                    {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}))
+    for run, name, layout in layouts:
+        args = moe_args(os.path.join(r.folder, run), **layout)
+        trainer = Trainer(moe_model(name), args, train_dataset=MOE_ROWS)
+        trainer.train()
+        r.values[run] = {"global_step": trainer.state.global_step, "params": param_digest(trainer.model),
+                         "losses": losses(trainer)}
+        r.save_tensors(run, params(trainer))
+
+    seen = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items()})
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = moe_args(os.path.join(r.folder, "per_process"), per_device_train_batch_size=4, max_steps=1,
+                    average_tokens_across_devices=False)
+    by_hand = moe_model("qwen2_moe")
+    trainer = Recording(copy.deepcopy(by_hand), args, train_dataset=MOE_ROWS)
+    trainer.train()
+    batch, coef = seen[0], by_hand.router_aux_loss_coef
+    own = by_hand(**batch)
+    (own.loss - coef * own.aux_loss).backward()  # this rank's mean cross-entropy
+    with torch.no_grad():
+        for p in by_hand.parameters():
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= 2
+    mine = [{k: batch[k][i][batch["attention_mask"][i].bool()].tolist() for k in ("input_ids", "labels")}
+            for i in range(len(batch["input_ids"]))]
+    everyone = [None, None]
+    torch.distributed.all_gather_object(everyone, mine)
+    window = PaddingCollator(0, always_mask=True)([row for rows_of in everyone for row in rows_of])
+    (coef * by_hand(**window).aux_loss).backward()  # the same on every rank: the global batch's
+    with torch.no_grad():
+        for p in by_hand.parameters():
+            p -= args.learning_rate * p.grad
+    trained = dict(trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters())
+    r.values["per_process"] = {
+        "tokens": int((batch["labels"][:, 1:] != -100).sum()),
+        "max_difference": max((p - trained[n]).abs().max().item() for n, p in by_hand.named_parameters())}
+    r.write()
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __init__(self, data):
         self.data = data
@@ -1001,7 +1067,7 @@ SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
     guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
     zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
-    placement, oom_on_one_rank, oom_in_the_last_backward, eval_oom_on_one_rank, worker_seeds, async_fsdp2,
+    moe, placement, oom_on_one_rank, oom_in_the_last_backward, eval_oom_on_one_rank, worker_seeds, async_fsdp2,
     async_kill, async_kill_resume)}
 
 

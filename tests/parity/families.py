@@ -258,6 +258,38 @@ HEADS = {
     "bert_multiple_choice": _seeded(_bert_multiple_choice), "whisper": _seeded(_whisper), "vit": _seeded(_vit),
     "wav2vec2_ctc_mean": _seeded(_wav2vec2_ctc("mean")), "wav2vec2_ctc_sum": _seeded(_wav2vec2_ctc("sum")),
 }
+
+
+def _moe_config(config_class, coef: float, **kw):
+    """A tiny MoE decoder (4 experts, top 2) that adds its router's load-balancing loss (output_router_logits=True)
+    with coefficient `coef`, large enough here for the aux term to move the weights measurably."""
+    return config_class(**{**dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
+                                  output_router_logits=True, router_aux_loss_coef=coef, pad_token_id=0), **kw})
+
+
+def _qwen2_moe(coef: float):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(_moe_config(Qwen2MoeConfig, coef, intermediate_size=64, moe_intermediate_size=16,
+                                           shared_expert_intermediate_size=32, num_experts=4))
+
+
+def _mixtral(coef: float):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(_moe_config(MixtralConfig, coef, intermediate_size=16, num_local_experts=4))
+
+
+# Mixture-of-Experts models with their router's aux loss on: MOE[name](seed, coef) (tests/parity/test_parity_moe.py)
+MOE = {"qwen2_moe": _qwen2_moe, "mixtral": _mixtral}
+
+
+def moe_model(name: str, seed: int = 0, coef: float = 0.5):
+    torch.manual_seed(seed)
+    return MOE[name](coef)
+
+
 # a smaller step where the default 0.5 moves these heads' weights by more than 1 (a CTC sum: by thousands), so that
 # float rounding, not the normalisation, would set the difference between the runs
 HEAD_LEARNING_RATES = {"llama_sequence": 0.1, "wav2vec2_ctc_mean": 0.05, "wav2vec2_ctc_sum": 0.01}
@@ -327,3 +359,6 @@ def train_family(name: str, out: str, n_rows: int, **overrides):
 def params(trainer) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     return {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+
+
+MOE_ROWS = rows("qwen2", 16, 1)  # the MoE models' rows across processes: 2 steps of a global batch of 8
