@@ -1,0 +1,196 @@
+"""hyperparameter_search(backend="ray") with a real local Ray on 2 CPU workers (ray.init(num_cpus=2): real worker
+processes): the same search through transformers.Trainer and stoker.Trainer finds the same best trial, ASHA prunes
+through the reported objective, a trial a scheduler paused resumes from its stoker checkpoint and ends as the same
+trial never paused, a failing trial is reported beside the others; W&B sweeps are refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ray_tune_worker as w  # Ray's workers import model_init by this name
+
+ROOT = Path(__file__).resolve().parents[2]
+# the trials of the search (BasicVariantGenerator's points_to_evaluate, in this order: the same trials for both
+# trainers): 1.0 learns fastest, 0.05 and 0.005 are worse than 0.2 and 1.0 at the first evaluation
+RATES = (0.2, 1.0, 0.05, 0.005)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    # ray.init installs signal handlers of its own in this process, which ray.shutdown leaves: put the test
+    # process's back, or every later test that sends itself SIGTERM meets Ray's handler
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def search(framework: str, out: Path, storage: Path, rates, scheduler, **kwargs):
+    """One search of `rates` (a dict per trial) through `framework`'s Trainer; returns its BestRun."""
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    trainer = w.trainer(framework, str(out))
+    return trainer.hyperparameter_search(
+        hp_space=kwargs.pop("hp_space", w.hp_space), compute_objective=w.objective, n_trials=len(rates),
+        direction="minimize", backend="ray", scheduler=scheduler,
+        search_alg=BasicVariantGenerator(points_to_evaluate=list(rates)), storage_path=str(storage), verbose=0,
+        reuse_actors=True, **kwargs)
+
+
+def iterations(trial) -> int:
+    return trial.last_result["training_iteration"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_search_with_pruning_finds_transformers_best_trial(local_ray, tmp_path):
+    from ray.tune.schedulers import ASHAScheduler
+
+    def asha():
+        return ASHAScheduler(metric="objective", mode="min", max_t=4, grace_period=1, reduction_factor=2)
+
+    rates = [{"learning_rate": r} for r in RATES]
+    hf = search("hf", tmp_path / "hf", tmp_path / "ray_hf", rates, asha())
+    best = search("stoker", tmp_path / "out", tmp_path / "ray", rates, asha())
+
+    assert best.hyperparameters == hf.hyperparameters == {"learning_rate": 1.0}
+    assert best.objective == pytest.approx(hf.objective, rel=1e-6)
+    trials = sorted(best.run_summary.trials, key=lambda t: RATES.index(t.config["learning_rate"]))
+    assert best.run_id == trials[1].trial_id and best.objective == trials[1].last_result["objective"]
+    # ASHA stopped both slow learners at their first evaluation, from the objective reported there; the best ran
+    # its 4 evaluations (0.2 is stopped or not depending on which of the first two reported first)
+    assert [iterations(t) for t in trials[1:]] == [4, 1, 1]
+    assert all(t.status == "TERMINATED" for t in trials)
+    # each trial trained in a Ray worker process into output_dir/run-<trial id>, a stoker checkpoint per
+    # evaluation, and Ray holds the last one reported: stoker's files, no pickle
+    for t in trials:
+        run = tmp_path / "out" / f"run-{t.trial_id}"
+        assert sorted(os.listdir(run)) == [f"checkpoint-{s}" for s in range(1, iterations(t) + 1)] + ["metrics.jsonl"]
+        assert t.last_result["pid"] != os.getpid()
+        with t.checkpoint.as_directory() as folder:
+            files = sorted(os.listdir(folder))
+            assert "model.safetensors" in files and "trainer_state.json" in files
+            assert not [f for f in files if f.endswith((".pt", ".pth", ".bin", ".pkl"))]
+            with open(os.path.join(folder, "trainer_state.json")) as f:
+                assert json.load(f)["global_step"] == iterations(t)
+
+
+class PauseFirstTrial:
+    """A FIFO scheduler that pauses the first trial once, after its second result (as HyperBand pauses a trial at
+    a rung), and writes down every result it sees."""
+
+    def __new__(cls):
+        from ray.tune.schedulers import FIFOScheduler
+
+        class Scheduler(FIFOScheduler):
+            def __init__(self):
+                super().__init__()
+                self.paused, self.results = [], []
+
+            def on_trial_result(self, tune_controller, trial, result):
+                self.results.append((trial.trial_id, result["training_iteration"],
+                                     result["iterations_since_restore"], result["objective"]))
+                first = tune_controller.get_trials()[0]
+                if trial is first and result["training_iteration"] == 2 and not self.paused:
+                    self.paused.append(trial.trial_id)
+                    return self.PAUSE
+                return self.CONTINUE
+
+        return Scheduler()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_paused_trial_resumes_exactly_and_a_failed_trial_is_reported(local_ray, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    scheduler = PauseFirstTrial()
+    trials = [{"learning_rate": 0.5, "fail": False}, {"learning_rate": 0.5, "fail": False},
+              {"learning_rate": 0.5, "fail": True}]
+    best = search("stoker", tmp_path / "out", tmp_path / "ray", trials, scheduler, hp_space=w.hp_space_with_failure)
+
+    paused, same, failed = best.run_summary.trials
+    assert scheduler.paused == [paused.trial_id]
+    # the failing trial is reported (Ray's error, logged by the search) and the others ran to their end
+    assert [paused.status, same.status, failed.status] == ["TERMINATED", "TERMINATED", "ERROR"]
+    with open(os.path.join(failed.local_path, "error.txt")) as f:
+        assert "model_init refuses the config" in f.read()
+    assert f"[stoker] warning: hyperparameter_search: trial {failed.trial_id} failed" in capsys.readouterr().err
+    assert best.run_id in (paused.trial_id, same.trial_id)
+
+    # the paused trial restarted from its step-2 checkpoint (its third result is the first since the restore) ...
+    seen = {t: [(i, since) for tid, i, since, _ in scheduler.results if tid == t] for t in (paused.trial_id,
+                                                                                         same.trial_id)}
+    assert seen[paused.trial_id] == [(1, 1), (2, 2), (3, 1), (4, 2)]
+    assert seen[same.trial_id] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    # ... and ends as the trial with the same config never paused: every objective, the weights and the log
+    objectives = {t: [o for tid, _, _, o in scheduler.results if tid == t] for t in (paused.trial_id, same.trial_id)}
+    assert objectives[paused.trial_id] == objectives[same.trial_id]
+    runs = [tmp_path / "out" / f"run-{t.trial_id}" for t in (paused, same)]
+    weights = [load_file(run / "checkpoint-4" / "model.safetensors") for run in runs]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    states = [json.loads((run / "checkpoint-4" / "trainer_state.json").read_text()) for run in runs]
+    logged = [[{k: v for k, v in r.items() if "runtime" not in k and "per_second" not in k} for r in s["log_history"]]
+              for s in states]
+    assert logged[0] == logged[1] and len(logged[0]) == 8
+    # no step trained twice in the paused trial's run folder
+    steps = [[json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    assert steps[0] == steps[1] == [1, 1, 2, 2, 3, 3, 4, 4, 4]
+
+
+def test_search_backends_refused_before_any_work(tiny_llama, make_args):
+    from stoker import ConfigError, Trainer
+
+    made = []
+
+    def model_init():
+        made.append(1)
+        return tiny_llama()
+
+    t = Trainer(args=make_args(), model_init=model_init)
+    made.clear()
+    with pytest.raises(ConfigError, match=r"backend='wandb': a W&B sweep is driven by the W&B service.*stoker never "
+                                          r"uses; accepted: 'optuna', 'ray' or None") as e:
+        t.hyperparameter_search(backend="wandb", n_trials=1)
+    assert len(e.value.problems) == 1
+    from transformers.trainer_utils import HPSearchBackend
+
+    with pytest.raises(ConfigError, match="backend='wandb'"):
+        t.hyperparameter_search(backend=HPSearchBackend.WANDB, n_trials=1)
+    with pytest.raises(ConfigError, match=r"backend='sigopt': not a search backend; accepted: 'optuna', 'ray' or "
+                                          r"None"):
+        t.hyperparameter_search(backend="sigopt", n_trials=1)
+    assert made == [] and t.args.output_dir == make_args().output_dir
+
+
+def test_ray_search_problems_refused_before_ray_starts(tiny_llama, make_args):
+    from ray.tune.schedulers import ASHAScheduler
+
+    from stoker import ConfigError, Trainer
+
+    t = Trainer(args=make_args(), model_init=lambda: tiny_llama())
+    with pytest.raises(ConfigError) as e:
+        t.hyperparameter_search(backend="ray", direction=["minimize", "maximize"], n_trials=0,
+                                scheduler=ASHAScheduler(metric="objective", mode="min"))
+    assert e.value.problems == [
+        "direction=['minimize', 'maximize']: a Ray Tune search has one objective; pass 'minimize' or 'maximize' "
+        "(several objectives: backend='optuna')",
+        "n_trials=0: the number of trials to run, an int of at least 1",
+        "eval_strategy='no': the scheduler AsyncHyperBandScheduler acts on the objective reported after each "
+        "evaluation in training, and there is none; set eval_strategy='steps' (or 'epoch')"]
+    import ray
+
+    assert not ray.is_initialized()
+    assert t.hp_search_backend is None
