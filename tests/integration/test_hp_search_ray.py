@@ -36,11 +36,11 @@ def local_ray():
         signal.signal(sig, handler)
 
 
-def search(framework: str, out: Path, storage: Path, rates, scheduler, **kwargs):
+def search(framework: str, out: Path, storage: Path, rates, scheduler, settings=None, **kwargs):
     """One search of `rates` (a dict per trial) through `framework`'s Trainer; returns its BestRun."""
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    trainer = w.trainer(framework, str(out))
+    trainer = w.trainer(framework, str(out), **(settings or {}))
     return trainer.hyperparameter_search(
         hp_space=kwargs.pop("hp_space", w.hp_space), compute_objective=w.objective, n_trials=len(rates),
         direction="minimize", backend="ray", scheduler=scheduler,
@@ -118,7 +118,9 @@ def test_paused_trial_resumes_exactly_and_a_failed_trial_is_reported(local_ray, 
     scheduler = PauseFirstTrial()
     trials = [{"learning_rate": 0.5, "fail": False}, {"learning_rate": 0.5, "fail": False},
               {"learning_rate": 0.5, "fail": True}]
-    best = search("stoker", tmp_path / "out", tmp_path / "ray", trials, scheduler, hp_space=w.hp_space_with_failure)
+    # with async_save: each report waits for its checkpoint's background write to be committed
+    best = search("stoker", tmp_path / "out", tmp_path / "ray", trials, scheduler, {"async_save": True},
+                  hp_space=w.hp_space_with_failure)
 
     paused, same, failed = best.run_summary.trials
     assert scheduler.paused == [paused.trial_id]
@@ -175,12 +177,16 @@ def test_search_backends_refused_before_any_work(tiny_llama, make_args):
     assert made == [] and t.args.output_dir == make_args().output_dir
 
 
-def test_ray_search_problems_refused_before_ray_starts(tiny_llama, make_args):
+def test_ray_search_problems_refused_before_ray_starts(tiny_llama, make_args, monkeypatch):
     from ray.tune.schedulers import ASHAScheduler
 
-    from stoker import ConfigError, Trainer
+    from stoker import ConfigError, Trainer, TrainingArguments
+
+    import ray.tune
 
     t = Trainer(args=make_args(), model_init=lambda: tiny_llama())
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))  # as under torchrun
+    monkeypatch.setattr(ray.tune, "run", lambda *a, **k: pytest.fail("the search started"))
     with pytest.raises(ConfigError) as e:
         t.hyperparameter_search(backend="ray", direction=["minimize", "maximize"], n_trials=0,
                                 scheduler=ASHAScheduler(metric="objective", mode="min"))
@@ -189,8 +195,31 @@ def test_ray_search_problems_refused_before_ray_starts(tiny_llama, make_args):
         "(several objectives: backend='optuna')",
         "n_trials=0: the number of trials to run, an int of at least 1",
         "eval_strategy='no': the scheduler AsyncHyperBandScheduler acts on the objective reported after each "
-        "evaluation in training, and there is none; set eval_strategy='steps' (or 'epoch')"]
-    import ray
+        "evaluation in training, and there is none; set eval_strategy='steps' (or 'epoch')",
+        "world_size=2: a Ray Tune search runs its trials in Ray's workers, one process each; start the script as "
+        "one process (not under torchrun)"]
+    assert t.hp_search_backend is None and not os.path.exists(os.path.join(t.args.output_dir, "ray_results"))
 
-    assert not ray.is_initialized()
-    assert t.hp_search_backend is None
+
+def test_a_ray_trials_config_sets_the_fields_and_the_rest_is_model_inits(tiny_llama, make_args):
+    """What a Ray trial's config does to its Trainer (the worker's part, called here without Ray): fields set,
+    cast to the field's type as transformers casts them, the rest left to a model_init that takes the trial and
+    refused with one that does not."""
+    from stoker import ConfigError, Trainer
+
+    def prepare(model_init):
+        t = Trainer(args=make_args(), model_init=model_init)
+        t.hp_search_backend, t._hp_search_args, t.hp_name = "ray", t.args, lambda trial: "run-x"
+        return t
+
+    t = prepare(lambda trial: tiny_llama())
+    old = t.accelerator
+    t._hp_search_setup({"learning_rate": 0.01, "seed": 3.7, "num_train_epochs": 2, "dropout": 0.1, "wandb": {}})
+    assert (t.args.learning_rate, t.args.seed, t.args.num_train_epochs) == (0.01, 3, 2.0)
+    assert type(t.args.seed) is int
+    assert t.args.output_dir == os.path.join(make_args().output_dir, "run-x")
+    assert t.accelerator is not old  # built again for the trial's arguments, in the trial's process
+
+    t = prepare(lambda: tiny_llama())
+    with pytest.raises(ConfigError, match="dropout: not a TrainingArguments field, and model_init takes no trial"):
+        t._hp_search_setup({"learning_rate": 0.01, "dropout": 0.1})
