@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from . import checkpoint_format as ckpt
 from .errors import ConfigError
 from .log import logger
 
@@ -68,14 +69,24 @@ def run_hp_search_ray(trainer, n_trials: int, direction: str, **kwargs):
         kwargs["progress_reporter"] = ray.tune.CLIReporter(metric_columns=["objective"])
     kwargs.setdefault("raise_on_failed_trial", False)
     kwargs.setdefault("storage_path", os.path.join(os.path.abspath(trainer.args.output_dir), "ray_results"))
-    # the trainer goes to every worker through Ray's object store (tune.with_parameters); its model is left out, as
-    # transformers leaves it out: each trial builds its own from model_init, and a model can be gigabytes
-    kept = trainer.model, trainer.model_wrapped, trainer.callback_handler.model
-    trainer.model = trainer.model_wrapped = trainer.callback_handler.model = None
+    # the trainer goes to every worker through Ray's object store (tune.with_parameters, which pickles it now);
+    # its model is left out, as transformers leaves it out: each trial builds its own from model_init, and a model
+    # can be gigabytes. So is what holds the model or a process's resources (an earlier train()'s optimizer and
+    # loaders, the memory tracker's process handle): a trial builds them anew
+    handler = trainer.callback_handler
+    held = [(trainer, "model"), (trainer, "model_wrapped"), (trainer, "optimizer"), (trainer, "lr_scheduler"),
+            (trainer, "_memory"), (handler, "model"), (handler, "optimizer"), (handler, "lr_scheduler"),
+            (handler, "train_dataloader"), (handler, "eval_dataloader")]
+    kept, loaders = [getattr(o, name, None) for o, name in held], trainer._eval_dataloaders
+    for o, name in held:
+        setattr(o, name, None)
+    trainer._eval_dataloaders = {}
     try:
         trainable = ray.tune.with_parameters(run_trial, trainer=trainer)
     finally:
-        trainer.model, trainer.model_wrapped, trainer.callback_handler.model = kept
+        for (o, name), value in zip(held, kept, strict=True):
+            setattr(o, name, value)
+        trainer._eval_dataloaders = loaders
     analysis = ray.tune.run(trainable, config=trainer.hp_space(None), num_samples=n_trials, **kwargs)
     failed = [t for t in analysis.trials if t.status == "ERROR"]
     for t in failed:
@@ -116,7 +127,5 @@ def run_trial(config: dict, trainer) -> None:
         metrics = trainer.evaluate()
         trainer.objective = trainer.compute_objective(dict(metrics))
         metrics.update({"objective": trainer.objective, "done": True})
-        saved = sorted(Path(trainer.args.output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
-                       if p.name.split("-")[-1].isdigit() else -1)
-        last = saved[-1] if saved and saved[-1].name.split("-")[-1].isdigit() else None
-        ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(str(last)) if last else None)
+        saved = [c for c in ckpt.list_checkpoints(trainer.args.output_dir) if ckpt.verify(c, hashes=False) is None]
+        ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(saved[-1]) if saved else None)

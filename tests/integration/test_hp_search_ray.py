@@ -178,11 +178,10 @@ def test_search_backends_refused_before_any_work(tiny_llama, make_args):
 
 
 def test_ray_search_problems_refused_before_ray_starts(tiny_llama, make_args, monkeypatch):
+    import ray.tune
     from ray.tune.schedulers import ASHAScheduler
 
     from stoker import ConfigError, Trainer, TrainingArguments
-
-    import ray.tune
 
     t = Trainer(args=make_args(), model_init=lambda: tiny_llama())
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))  # as under torchrun
@@ -223,3 +222,59 @@ def test_a_ray_trials_config_sets_the_fields_and_the_rest_is_model_inits(tiny_ll
     t = prepare(lambda: tiny_llama())
     with pytest.raises(ConfigError, match="dropout: not a TrainingArguments field, and model_init takes no trial"):
         t._hp_search_setup({"learning_rate": 0.01, "dropout": 0.1})
+
+
+class FakeSession:
+    """Ray Tune's session functions as a trial's worker sees them, recorded in this process: the trial id, the
+    checkpoint Ray restores (None: a fresh trial), and every report with the folder of its checkpoint."""
+
+    def __init__(self, monkeypatch, restore: str | None = None):
+        import ray.tune
+
+        self.reports = []
+        context = type("Context", (), {"get_trial_id": lambda _: "t0"})()
+        monkeypatch.setattr(ray.tune, "get_context", lambda: context)
+        monkeypatch.setattr(ray.tune, "get_checkpoint",
+                            lambda: ray.tune.Checkpoint.from_directory(restore) if restore else None)
+        monkeypatch.setattr(ray.tune, "report", lambda metrics, checkpoint=None: self.reports.append(
+            (dict(metrics), checkpoint and os.path.basename(checkpoint.path))))
+
+
+def searching(trainer):
+    """The trainer as hyperparameter_search(backend="ray") hands it to a worker."""
+    trainer.hp_search_backend, trainer._hp_search_args, trainer.hp_name = "ray", trainer.args, None
+    trainer.hp_space, trainer.compute_objective = w.hp_space, w.objective
+    return trainer
+
+
+def test_a_trial_reports_each_evaluation_with_its_steps_checkpoint(tmp_path, monkeypatch):
+    from stoker.hp_search import run_trial
+
+    session = FakeSession(monkeypatch)
+    run_trial({"learning_rate": 0.5}, searching(w.trainer("stoker", str(tmp_path), eval_steps=2, save_steps=4)))
+    assert [(m["objective"], c) for m, c in session.reports] == [(m["eval_loss"], c) for m, c in session.reports]
+    assert [c for _, c in session.reports] == [None, "checkpoint-4"]  # step 2 evaluated, saved nothing
+    assert sorted(os.listdir(tmp_path / "run-t0")) == ["checkpoint-4", "metrics.jsonl"]
+
+
+def test_a_trial_without_evaluations_reports_a_final_one(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from stoker.hp_search import run_trial
+
+    session = FakeSession(monkeypatch)
+    trainer = searching(w.trainer("stoker", str(tmp_path), eval_strategy="no", save_steps=3))
+    run_trial({"learning_rate": 0.5}, trainer)
+    [(metrics, checkpoint)] = session.reports
+    assert metrics["done"] is True and metrics["objective"] == metrics["eval_loss"] == trainer.evaluate()["eval_loss"]
+    assert checkpoint == "checkpoint-4"  # the newest the trial saved: its last step's
+
+    # restored by Ray from an earlier checkpoint (a lost worker): the rest of the run, the same weights at its
+    # end, and the final evaluation is not reported a second time (as transformers)
+    restored = FakeSession(monkeypatch, restore=str(tmp_path / "run-t0" / "checkpoint-3"))
+    again = tmp_path / "again"
+    run_trial({"learning_rate": 0.5}, searching(w.trainer("stoker", str(again), eval_strategy="no", save_steps=3)))
+    assert restored.reports == []
+    assert {json.loads(line)["step"] for line in (again / "run-t0" / "metrics.jsonl").read_text().splitlines()} == {4}
+    weights = [load_file(folder / "run-t0" / "checkpoint-4" / "model.safetensors") for folder in (tmp_path, again)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
