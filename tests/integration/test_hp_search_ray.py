@@ -52,29 +52,62 @@ def iterations(trial) -> int:
     return trial.last_result["training_iteration"]
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_search_with_pruning_finds_transformers_best_trial(local_ray, tmp_path):
+def asha_pausing(rate: float | None):
+    """ASHA (stop a trial whose first, second or fourth objective is below the median of those reported there
+    before it) that also pauses the trial of learning rate `rate` once, after its second result (as HyperBand
+    pauses a trial at a rung), and writes down every result it sees."""
     from ray.tune.schedulers import ASHAScheduler
 
-    def asha():
-        return ASHAScheduler(metric="objective", mode="min", max_t=4, grace_period=1, reduction_factor=2)
+    class Scheduler(ASHAScheduler):
+        def __init__(self):
+            super().__init__(metric="objective", mode="min", max_t=4, grace_period=1, reduction_factor=2)
+            self.paused, self.results = [], []
 
-    rates = [{"learning_rate": r} for r in RATES]
-    hf = search("hf", tmp_path / "hf", tmp_path / "ray_hf", rates, asha())
-    best = search("stoker", tmp_path / "out", tmp_path / "ray", rates, asha())
+        def on_trial_result(self, tune_controller, trial, result):
+            self.results.append((trial.trial_id, result["training_iteration"], result["iterations_since_restore"]))
+            decision = super().on_trial_result(tune_controller, trial, result)
+            if (decision == self.CONTINUE and trial.config["learning_rate"] == rate and not self.paused
+                    and result["training_iteration"] == 2):
+                self.paused.append(trial.trial_id)
+                return self.PAUSE
+            return decision
 
-    assert best.hyperparameters == hf.hyperparameters == {"learning_rate": 1.0}
+    return Scheduler()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_search_with_pruning_a_pause_and_a_failure_finds_transformers_best_trial(local_ray, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    # the four rates, and a trial whose model_init raises ("fail": no TrainingArguments field, model_init's alone);
+    # transformers' search is told not to raise at the end for it (stoker's default)
+    trials = [{"learning_rate": r, "fail": False} for r in RATES] + [{"learning_rate": 0.5, "fail": True}]
+    hf = search("hf", tmp_path / "hf", tmp_path / "ray_hf", trials, asha_pausing(None),
+                hp_space=w.hp_space_with_failure, raise_on_failed_trial=False)
+    scheduler = asha_pausing(1.0)
+    # with async_save: each report waits for its checkpoint's background write to be committed
+    best = search("stoker", tmp_path / "out", tmp_path / "ray", trials, scheduler, {"async_save": True},
+                  hp_space=w.hp_space_with_failure)
+
+    assert best.hyperparameters == hf.hyperparameters == {"learning_rate": 1.0, "fail": False}
     assert best.objective == pytest.approx(hf.objective, rel=1e-6)
-    trials = sorted(best.run_summary.trials, key=lambda t: RATES.index(t.config["learning_rate"]))
-    assert best.run_id == trials[1].trial_id and best.objective == trials[1].last_result["objective"]
+    *ran, failed = best.run_summary.trials
+    ran.sort(key=lambda t: RATES.index(t.config["learning_rate"]))
+    assert best.run_id == ran[1].trial_id and best.objective == ran[1].last_result["objective"]
     # ASHA stopped both slow learners at their first evaluation, from the objective reported there; the best ran
     # its 4 evaluations (0.2 is stopped or not depending on which of the first two reported first)
-    assert [iterations(t) for t in trials[1:]] == [4, 1, 1]
-    assert all(t.status == "TERMINATED" for t in trials)
+    assert [iterations(t) for t in ran[1:]] == [4, 1, 1]
+    assert [t.status for t in ran] == ["TERMINATED"] * 4
+    # the failing trial is reported (Ray's error file, named in the search's warning) and the others ran on
+    assert failed.status == "ERROR" and [t.status for t in hf.run_summary.trials][-1] == "ERROR"
+    with open(os.path.join(failed.local_path, "error.txt")) as f:
+        assert "model_init refuses the config" in f.read()
+    assert f"[stoker] warning: hyperparameter_search: trial {failed.trial_id} failed" in capsys.readouterr().err
+
     # each trial trained in a Ray worker process into output_dir/run-<trial id>, a stoker checkpoint per
     # evaluation, and Ray holds the last one reported: stoker's files, no pickle
-    for t in trials:
+    for t in ran:
         run = tmp_path / "out" / f"run-{t.trial_id}"
         assert sorted(os.listdir(run)) == [f"checkpoint-{s}" for s in range(1, iterations(t) + 1)] + ["metrics.jsonl"]
         assert t.last_result["pid"] != os.getpid()
@@ -85,71 +118,30 @@ def test_search_with_pruning_finds_transformers_best_trial(local_ray, tmp_path):
             with open(os.path.join(folder, "trainer_state.json")) as f:
                 assert json.load(f)["global_step"] == iterations(t)
 
-
-class PauseFirstTrial:
-    """A FIFO scheduler that pauses the first trial once, after its second result (as HyperBand pauses a trial at
-    a rung), and writes down every result it sees."""
-
-    def __new__(cls):
-        from ray.tune.schedulers import FIFOScheduler
-
-        class Scheduler(FIFOScheduler):
-            def __init__(self):
-                super().__init__()
-                self.paused, self.results = [], []
-
-            def on_trial_result(self, tune_controller, trial, result):
-                self.results.append((trial.trial_id, result["training_iteration"],
-                                     result["iterations_since_restore"], result["objective"]))
-                first = tune_controller.get_trials()[0]
-                if trial is first and result["training_iteration"] == 2 and not self.paused:
-                    self.paused.append(trial.trial_id)
-                    return self.PAUSE
-                return self.CONTINUE
-
-        return Scheduler()
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_paused_trial_resumes_exactly_and_a_failed_trial_is_reported(local_ray, tmp_path, capsys):
-    from safetensors.torch import load_file
-
-    scheduler = PauseFirstTrial()
-    trials = [{"learning_rate": 0.5, "fail": False}, {"learning_rate": 0.5, "fail": False},
-              {"learning_rate": 0.5, "fail": True}]
-    # with async_save: each report waits for its checkpoint's background write to be committed
-    best = search("stoker", tmp_path / "out", tmp_path / "ray", trials, scheduler, {"async_save": True},
-                  hp_space=w.hp_space_with_failure)
-
-    paused, same, failed = best.run_summary.trials
-    assert scheduler.paused == [paused.trial_id]
-    # the failing trial is reported (Ray's error, logged by the search) and the others ran to their end
-    assert [paused.status, same.status, failed.status] == ["TERMINATED", "TERMINATED", "ERROR"]
-    with open(os.path.join(failed.local_path, "error.txt")) as f:
-        assert "model_init refuses the config" in f.read()
-    assert f"[stoker] warning: hyperparameter_search: trial {failed.trial_id} failed" in capsys.readouterr().err
-    assert best.run_id in (paused.trial_id, same.trial_id)
-
-    # the paused trial restarted from its step-2 checkpoint (its third result is the first since the restore) ...
-    seen = {t: [(i, since) for tid, i, since, _ in scheduler.results if tid == t] for t in (paused.trial_id,
-                                                                                         same.trial_id)}
-    assert seen[paused.trial_id] == [(1, 1), (2, 2), (3, 1), (4, 2)]
-    assert seen[same.trial_id] == [(1, 1), (2, 2), (3, 3), (4, 4)]
-    # ... and ends as the trial with the same config never paused: every objective, the weights and the log
-    objectives = {t: [o for tid, _, _, o in scheduler.results if tid == t] for t in (paused.trial_id, same.trial_id)}
-    assert objectives[paused.trial_id] == objectives[same.trial_id]
-    runs = [tmp_path / "out" / f"run-{t.trial_id}" for t in (paused, same)]
-    weights = [load_file(run / "checkpoint-4" / "model.safetensors") for run in runs]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    states = [json.loads((run / "checkpoint-4" / "trainer_state.json").read_text()) for run in runs]
-    logged = [[{k: v for k, v in r.items() if "runtime" not in k and "per_second" not in k} for r in s["log_history"]]
-              for s in states]
-    assert logged[0] == logged[1] and len(logged[0]) == 8
-    # no step trained twice in the paused trial's run folder
-    steps = [[json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
-    assert steps[0] == steps[1] == [1, 1, 2, 2, 3, 3, 4, 4, 4]
+    # the best trial was paused after its second evaluation and restarted from its step-2 checkpoint (its third
+    # result is the first since the restore) ...
+    winner = ran[1]
+    assert scheduler.paused == [winner.trial_id]
+    assert [(i, since) for tid, i, since in scheduler.results if tid == winner.trial_id] == [(1, 1), (2, 2), (3, 1),
+                                                                                          (4, 2)]
+    # ... and ended as transformers' trial never paused (its objective, above) and as the same trial trained in one
+    # go here, on one thread as the workers: the same weights and logged losses, no step trained twice
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = w.trainer("stoker", str(tmp_path / "reference"), learning_rate=1.0)
+        reference.train()
+    finally:
+        torch.set_num_threads(threads)
+    run = tmp_path / "out" / f"run-{winner.trial_id}"
+    weights = load_file(run / "checkpoint-4" / "model.safetensors")
+    assert weights.keys() == reference.model.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in reference.model.state_dict().items())
+    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+    assert [r.get("loss", r.get("eval_loss")) for r in state["log_history"]] == \
+        [r.get("loss", r.get("eval_loss")) for r in reference.state.log_history[:8]]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 1, 2, 2, 3, 3, 4, 4]  # ASHA stops every trial at max_t: no end-of-run record
 
 
 def test_search_backends_refused_before_any_work(tiny_llama, make_args):
