@@ -243,9 +243,12 @@ def test_a_trial_reports_each_evaluation_with_its_steps_checkpoint(tmp_path, mon
     from stoker.hp_search import run_trial
 
     session = FakeSession(monkeypatch)
-    run_trial({"learning_rate": 0.5}, searching(w.trainer("stoker", str(tmp_path), eval_steps=2, save_steps=4)))
+    run_trial({"learning_rate": 0.5}, searching(w.trainer("stoker", str(tmp_path), eval_steps=2, save_steps=4,
+                                                          eval_on_start=True)))
     assert [(m["objective"], c) for m, c in session.reports] == [(m["eval_loss"], c) for m, c in session.reports]
-    assert [c for _, c in session.reports] == [None, "checkpoint-4"]  # step 2 evaluated, saved nothing
+    # before the first step, at step 2 (evaluated, saved nothing), at step 4 with its checkpoint
+    assert [c for _, c in session.reports] == [None, None, "checkpoint-4"]
+    assert session.reports[0][0]["eval_loss"] > session.reports[1][0]["eval_loss"] > session.reports[2][0]["eval_loss"]
     assert sorted(os.listdir(tmp_path / "run-t0")) == ["checkpoint-4", "metrics.jsonl"]
 
 
