@@ -197,10 +197,8 @@ class Trainer(TrainerAPI):
         if problems:
             raise ConfigError(problems, "Trainer inputs")
 
-        self.accelerator = build_accelerator(self.args, model, optimizers)
-        self._backend = backend_for(self.accelerator, self.args)
-        # async_save's writer: one checkpoint in flight at most, which save_model waits for as the run's end does
-        self._checkpoint_writer = BackgroundWriter(self.accelerator)
+        self._given_optimizers = optimizers  # built anew by each train() call unless given here
+        self._build_accelerator(model)
         set_log_levels(self.args)
         self._enable_gradient_checkpointing(model)
         self.model = model
@@ -209,8 +207,8 @@ class Trainer(TrainerAPI):
         self.is_in_train = False
         self._initial_num_input_tokens_seen = 0  # when this train() call started (transformers' name)
         self.optimizer, self.lr_scheduler = optimizers
-        self._given_optimizers = optimizers  # built anew by each train() call unless given here
         self._trial, self._flops_model, self._flops_parameters = None, None, None  # TrainerAPI's, empty at first
+        self._ray_report = None
         # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
         self._train_batch_size = self.args.per_device_train_batch_size
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
@@ -238,6 +236,13 @@ class Trainer(TrainerAPI):
 
     # ------------------------------------------------------------------------------------------
     # set-up
+
+    def _build_accelerator(self, model=None) -> None:
+        # built again in a Ray worker for a search trial's arguments (an Accelerator belongs to its process)
+        self.accelerator = build_accelerator(self.args, model, self._given_optimizers)
+        self._backend = backend_for(self.accelerator, self.args)
+        # async_save's writer: one checkpoint in flight at most, which save_model waits for as the run's end does
+        self._checkpoint_writer = BackgroundWriter(self.accelerator)
 
     def _set_up_model(self, model):
         """What depends on the model (its loss convention, forward's columns, LoRA, debug hooks); run again for
@@ -450,6 +455,8 @@ class Trainer(TrainerAPI):
         self._fire("on_train_begin")
         if a.eval_on_start and not run.resumed:
             self._evaluate_and_track(run)
+            if self._ray_report is not None:
+                self._report_to_ray(None)
 
         started, first_step, preempted = time.perf_counter(), s.global_step, None
         run.started, self._initial_num_input_tokens_seen = time.time(), s.num_input_tokens_seen
@@ -474,12 +481,10 @@ class Trainer(TrainerAPI):
         """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
         the checkpoint resumed from; returns the run."""
         a, acc = self.args, self.accelerator
-        # the train rows against the model, before any work of the run (the constructor probes the eval sets)
-        problems = train_rows_problems(self.model, self.train_dataset,
-                                       self.data_collator, self.compute_loss_func, self.label_names,
-                                       self._convention.family, self._overridden(TRAIN_HOOKS))
-        if problems:
-            raise ConfigError(problems, "Trainer inputs")
+        # the train rows against the model, before any work of the run (the constructor probes the eval sets); a
+        # search trial in a Ray worker has no model until model_init builds its own, which is checked then
+        if self.model is not None:
+            self._check_train_rows(self.model)
         self._backend.check_new_run()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
                            accumulation=a.gradient_accumulation_steps)
@@ -492,7 +497,7 @@ class Trainer(TrainerAPI):
         if trial is not None:
             s.is_hyper_param_search = True
             s.trial_params = dict(getattr(trial, "params", trial))
-            s.trial_name = str(getattr(trial, "number", ""))
+            s.trial_name = self._trial_id(trial)
         self.control = TrainerControl()
         self.optimizer, self.lr_scheduler = self._given_optimizers  # what create_optimizer builds on
         self.current_flos = 0
@@ -508,7 +513,10 @@ class Trainer(TrainerAPI):
         if self._backend.runs or self.model_init is not None:
             acc.free_memory()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
+            unchecked = self.model is None
             model = self._set_up_model(self.call_model_init(trial))
+            if unchecked:
+                self._check_train_rows(model)
             self._enable_gradient_checkpointing(model)
             self.model = self.model_wrapped = model
         if a.use_liger_kernel:
@@ -553,6 +561,12 @@ class Trainer(TrainerAPI):
                    steps_per_epoch=per_epoch, halver=halver,
                    nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
                    resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _check_train_rows(self, model) -> None:
+        problems = train_rows_problems(model, self.train_dataset, self.data_collator, self.compute_loss_func,
+                                       self.label_names, self._convention.family, self._overridden(TRAIN_HOOKS))
+        if problems:
+            raise ConfigError(problems, "Trainer inputs")
 
     def _train_loader(self, micro_batch: int):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
@@ -805,6 +819,8 @@ class Trainer(TrainerAPI):
             self.control.should_save = False
             if run.checkpointer.last_saved_step != s.global_step:  # epoch end right after a step save
                 self._save_checkpoint(run)
+        if self._ray_report is not None:  # a Ray search trial's evaluation, with this step's checkpoint if saved
+            self._report_to_ray(self._committed_checkpoint(run))
         log.excluded += time.perf_counter() - paused
 
     def log(self, logs: dict[str, float], start_time: float | None = None, diagnostics: dict | None = None) -> None:
@@ -1085,6 +1101,13 @@ class Trainer(TrainerAPI):
         path = run.checkpointer.save(self._run_objects(), run.position, run.log)
         self._fire("on_save")
         return path
+
+    def _committed_checkpoint(self, run: Run) -> str | None:
+        """This step's checkpoint, committed (async_save's write waited for), or None if the step saved none."""
+        if run.checkpointer.last_saved_step != self.state.global_step:
+            return None
+        run.checkpointer.writer.finish()
+        return ckpt.checkpoint_dir(self.args.output_dir, self.state.global_step)
 
     def _run_objects(self) -> RunObjects:
         """What a checkpoint holds of the run in progress."""

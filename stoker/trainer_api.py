@@ -21,6 +21,7 @@ import torch
 from .arguments import ConfigError, replaced
 from .distributed.accelerator import build_accelerator
 from .distributed.deepspeed import non_embedding_parameters
+from .hp_search import run_hp_search_ray
 from .loop import plan_steps
 from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kwargs, parameter_groups
 
@@ -41,14 +42,19 @@ class TrainerAPI:
     # optimizers given to the constructor (create_accelerator_and_postprocess builds with them)
     _convention: Any  # stoker.loss_normalization.LossConvention
     _given_optimizers: tuple
-    # ... and, empty at first, this mixin's own: the trial of the last train() call, and floating_point_ops'
-    # parameter count of the model it was counted for
+    # ... and, empty at first, this mixin's own: the trial of the last train() call, a Ray trial's evaluation
+    # waiting for its step's checkpoint, and floating_point_ops' parameter count of the model it was counted for
     _trial: Any
+    _ray_report: dict | None
     _flops_model: Any
     _flops_parameters: int | None
 
     def _evaluation_loader(self, dataset):
         """The prepared evaluation loader of `dataset` (get_test_dataloader's)."""
+        raise NotImplementedError
+
+    def _build_accelerator(self) -> None:
+        """The Accelerator (and what hangs on it) built anew for the current arguments."""
         raise NotImplementedError
 
     def _fire(self, event: str, **kwargs) -> None:
@@ -295,64 +301,123 @@ class TrainerAPI:
     # ------------------------------------------------------------------------------------------
     # hyperparameter search
 
-    hp_search_backend = None  # "optuna" while hyperparameter_search runs (as transformers' attribute)
+    hp_search_backend = None  # "optuna" or "ray" while hyperparameter_search runs (as transformers' attribute)
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction: str | list[str] = "minimize", backend=None, hp_name=None, **kwargs):
-        """Search hyperparameters with Optuna, through transformers' own search (run_hp_search_optuna): each trial
-        trains a fresh model from model_init with the arguments hp_space(trial) sets (transformers' default space
-        without one), writing into output_dir/run-<trial number> (or hp_name(trial)); its objective is
-        compute_objective (default: eval_loss, or the sum of the other metrics) of its last evaluation, reported to
-        Optuna after every evaluation in training so that a pruner may stop it. A trial whose arguments are
-        invalid fails alone (Optuna logs the ConfigError) and the search goes on. `kwargs` go to
-        optuna.create_study, and timeout / n_jobs / gc_after_trial / catch to study.optimize. Returns a BestRun (a
-        list of them for several directions); the Trainer's arguments are the search's again afterwards."""
-        if backend not in (None, "optuna"):
-            raise ConfigError([f"backend={backend!r}: stoker searches with Optuna only; pass backend='optuna' or "
-                               "None"], "hyperparameter_search")
+        """Search hyperparameters with Optuna (backend None or "optuna") or Ray Tune ("ray"): each trial trains a
+        fresh model from model_init with the arguments the trial sets (transformers' default space of the backend
+        without hp_space), writing into output_dir/run-<trial> (or hp_name(trial)); its objective is
+        compute_objective (default: eval_loss, or the sum of the other metrics) of its last evaluation, reported
+        after every evaluation in training so that a pruner or scheduler may stop it. A trial that fails (invalid
+        arguments, an error in model_init or training) fails alone and the search goes on.
+
+        Optuna runs through transformers' own search (run_hp_search_optuna), in this process: hp_space(trial)
+        returns the arguments, `kwargs` go to optuna.create_study, and timeout / n_jobs / gc_after_trial / catch
+        to study.optimize; several directions give a list of BestRun.
+
+        Ray Tune runs each trial in a Ray worker process (stoker.hp_search): hp_space(None) returns a Ray search
+        space whose sampled config is the trial (its TrainingArguments fields set the arguments, any other key
+        goes to model_init(trial) only), `kwargs` go to ray.tune.run (scheduler, search_alg,
+        resources_per_trial (default 1 CPU), storage_path (default output_dir/ray_results), ...). A trial reports
+        the checkpoint of an evaluation's step when it saves one (stoker's, safetensors and JSON), and a trial a
+        scheduler paused resumes from it exactly. BestRun.run_summary is Ray's ExperimentAnalysis.
+
+        backend="wandb" (a W&B sweep, which needs the W&B service) is refused before any work. Returns a BestRun;
+        the Trainer's arguments are the search's again afterwards."""
+        backend = getattr(backend, "value", backend)  # transformers' HPSearchBackend members are accepted too
+        if backend == "wandb":
+            raise ConfigError(["backend='wandb': a W&B sweep is driven by the W&B service (wandb.sweep creates it "
+                               "on W&B's server, wandb.agent asks it for every trial), which stoker never "
+                               "uses; accepted: 'optuna', 'ray' or None (Optuna)"], "hyperparameter_search")
+        if backend not in (None, "optuna", "ray"):
+            raise ConfigError([f"backend={backend!r}: not a search backend; accepted: 'optuna', 'ray' or None "
+                               "(Optuna)"], "hyperparameter_search")
+        backend = backend or "optuna"
         try:
-            import optuna  # noqa: F401
+            if backend == "optuna":
+                import optuna  # noqa: F401
+            else:
+                import ray.tune  # noqa: F401
         except ImportError as e:
-            raise ImportError("hyperparameter_search needs Optuna, which is not installed: pip install optuna") from e
+            if backend == "optuna":
+                raise ImportError("hyperparameter_search needs Optuna, which is not installed: pip install optuna") \
+                    from e
+            raise ImportError("hyperparameter_search(backend='ray') needs Ray Tune, which is not installed: "
+                              "pip install 'ray[tune]'") from e
         if self.model_init is None:
             raise ConfigError(["model_init: hyperparameter_search trains a fresh model per trial; pass "
                                "Trainer(model_init=...)"], "hyperparameter_search")
-        from transformers.hyperparameter_search import OptunaBackend
+        from transformers.hyperparameter_search import OptunaBackend, RayTuneBackend
         from transformers.trainer_utils import default_compute_objective
 
-        search = OptunaBackend()
+        search = OptunaBackend() if backend == "optuna" else RayTuneBackend()
         self.hp_space = hp_space or search.default_hp_space
         self.hp_name = hp_name
         self.compute_objective = compute_objective or default_compute_objective
-        kwargs["catch"] = (*tuple(kwargs.get("catch", ())), ConfigError)
-        self.hp_search_backend, self._hp_search_args = "optuna", self.args
+        if backend == "optuna":
+            kwargs["catch"] = (*tuple(kwargs.get("catch", ())), ConfigError)
+        self.hp_search_backend, self._hp_search_args = backend, self.args
         try:
+            if backend == "ray":
+                return run_hp_search_ray(self, n_trials, direction, **kwargs)
             return search.run(self, n_trials, direction, **kwargs)
         finally:
             self.hp_search_backend, self.args = None, self._hp_search_args
 
     def _hp_search_setup(self, trial) -> None:
-        """In a search, the trial's arguments: the search's with hp_space(trial) set and the trial's run folder as
-        output_dir, validated as any arguments are (a ConfigError fails this trial only)."""
+        """In a search, the trial's arguments: the search's with the trial's values set (hp_space(trial) for
+        Optuna, the config's fields for Ray) and the trial's run folder as output_dir, validated as any arguments
+        are (a ConfigError fails this trial only). A Ray trial runs in a worker process of its own: the Accelerator
+        is built there, for the trial's arguments."""
         self._trial = trial
         if self.hp_search_backend is None or trial is None:
             return
-        base, params = self._hp_search_args, self.hp_space(trial)
-        unknown = [k for k in params if k not in {f.name for f in dataclasses.fields(base)}]
-        if unknown:
-            raise ConfigError([f"{k}: not a TrainingArguments field (hp_space returned {params!r})" for k in unknown],
-                              "hyperparameter_search")
-        run = self.hp_name(trial) if self.hp_name is not None else f"run-{trial.number}"
+        base = self._hp_search_args
+        fields = {f.name: f for f in dataclasses.fields(base)}
+        if self.hp_search_backend == "ray":
+            takes_trial = len(inspect.signature(self.model_init).parameters) == 1
+            trial.pop("wandb", None)  # as transformers: a W&B logging setting of the config, no argument
+            unknown = [k for k in trial if k not in fields]
+            if unknown and not takes_trial:
+                raise ConfigError([f"{k}: not a TrainingArguments field, and model_init takes no trial to read it "
+                                   f"from (the config is {trial!r})" for k in unknown], "hyperparameter_search")
+            # as transformers: a value of another type than the field's default is cast (tune.uniform gives a
+            # float seed, tune.choice an int num_train_epochs)
+            params = {k: type(getattr(base, k))(v) if isinstance(getattr(base, k), (int, float))
+                      and not isinstance(getattr(base, k), bool) and isinstance(v, (int, float)) else v
+                      for k, v in trial.items() if k in fields}
+        else:
+            params = self.hp_space(trial)
+            unknown = [k for k in params if k not in fields]
+            if unknown:
+                raise ConfigError([f"{k}: not a TrainingArguments field (hp_space returned {params!r})"
+                                   for k in unknown], "hyperparameter_search")
+        run = self.hp_name(trial) if self.hp_name is not None else f"run-{self._trial_id(trial)}"
         self.args = replaced(base, output_dir=os.path.join(base.output_dir, run), **params)
+        if self.hp_search_backend == "ray":
+            self._build_accelerator()
+
+    def _trial_id(self, trial) -> str:
+        """The trial's name in its run folder and TrainerState.trial_name: Optuna's trial number, Ray's trial id."""
+        if self.hp_search_backend == "ray":
+            import ray.tune
+
+            return ray.tune.get_context().get_trial_id()
+        return str(getattr(trial, "number", ""))
 
     def _report_to_hp_search(self, metrics: dict[str, float]) -> None:
-        """In a search, an evaluation in training: its objective becomes the trial's and is reported to a
-        single-objective Optuna study, whose pruner may stop the trial (on_train_end fires, then
-        optuna.TrialPruned is raised, as transformers does)."""
+        """In a search, an evaluation in training: its objective becomes the trial's. Optuna: reported to a
+        single-objective study, whose pruner may stop the trial (on_train_end fires, then optuna.TrialPruned is
+        raised, as transformers does). Ray: reported once this step's checkpoint, if it saves one, is written
+        (_report_to_ray, after the save)."""
         trial = self._trial
         if self.hp_search_backend is None or trial is None:
             return
         self.objective = self.compute_objective(dict(metrics))
+        if self.hp_search_backend == "ray":
+            self._ray_report = {**metrics, "objective": self.objective}
+            return
         study = getattr(trial, "study", None)  # an optuna.Trial; other processes hold a FixedTrial
         if study is not None and len(study.directions) == 1:
             trial.report(self.objective, self.state.global_step)
@@ -361,3 +426,13 @@ class TrainerAPI:
 
                 self._fire("on_train_end")
                 raise optuna.TrialPruned(f"pruned at step {self.state.global_step}")
+
+    def _report_to_ray(self, checkpoint: str | None) -> None:
+        """A Ray trial's evaluation reported to Ray Tune, with `checkpoint` (stoker's checkpoint of this step,
+        committed) when the step saved one. Ray copies the folder into the trial's storage; a scheduler may stop
+        or pause the trial here: the worker then never returns from the report (a paused trial restarts in
+        another worker from this checkpoint, stoker.hp_search.run_trial)."""
+        import ray.tune
+
+        report, self._ray_report = self._ray_report, None
+        ray.tune.report(report, checkpoint=ray.tune.Checkpoint.from_directory(checkpoint) if checkpoint else None)

@@ -119,7 +119,8 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
 # whose prefixes it starts with.
 LAYERS = (
     ("entry points", ("stoker", "stoker.cli", "stoker.recipes")),
-    ("the Trainer", ("stoker.trainer", "stoker.trainer_api", "stoker.trainer_checks", "stoker.seq2seq")),
+    ("the Trainer", ("stoker.trainer", "stoker.trainer_api", "stoker.trainer_checks", "stoker.seq2seq",
+                     "stoker.hp_search")),
     ("the Trainer's services", ("stoker.checkpointer", "stoker.report", "stoker.lora", "stoker.preflight")),
     ("callbacks", ("stoker.callbacks",)),
     ("arguments", ("stoker.arguments",)),
