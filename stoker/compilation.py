@@ -26,7 +26,7 @@ import contextlib
 import torch
 from torch import nn
 
-# torch_compile_scope's values: "auto" compiles the repeated blocks where the model has them, else the whole model
+# compile_scope's values: "auto" compiles the repeated blocks where the model has them, else the whole model
 COMPILE_SCOPES = ("auto", "blocks", "model")
 
 
@@ -47,13 +47,13 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def compile_scope(args, model: nn.Module) -> str | None:
+def resolved_scope(args, model: nn.Module) -> str | None:
     """What a run compiles: "blocks", "model", or None (torch_compile off). "auto" is "blocks" where the model has
     repeated blocks, else "model"."""
     if not args.torch_compile:
         return None
-    if args.torch_compile_scope != "auto":
-        return args.torch_compile_scope
+    if args.compile_scope != "auto":
+        return args.compile_scope
     return "blocks" if repeated_blocks(model) else "model"
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..compilation import compile_scope, dynamic_shapes
+from ..compilation import dynamic_shapes, resolved_scope
 from ..data import pins_memory
 from ..errors import ConfigError
 from ..log import logger
@@ -128,13 +128,13 @@ def sharded_by_launcher() -> bool:
 
 def dynamo_plugin(args, model, sharded: bool):
     """Accelerate's TorchDynamoPlugin for the run, or None where Accelerate compiles nothing. The whole model
-    (torch_compile_scope "model") is Accelerate's torch.compile, as in transformers. Blocks are compiled by the
+    (compile_scope "model") is Accelerate's torch.compile, as in transformers. Blocks are compiled by the
     plain backend in place (stoker.compilation) where the run is not sharded; FSDP and DeepSpeed runs use
     Accelerate's regional compilation instead, which compiles each block in place where their preparation needs
     it (after activation checkpointing, before sharding)."""
     from accelerate.utils import TorchDynamoPlugin
 
-    scope = compile_scope(args, model)
+    scope = resolved_scope(args, model)
     if scope is None or scope == "blocks" and not (sharded or sharded_by_launcher()):
         return None
     return TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode,

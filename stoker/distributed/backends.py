@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint_format as ckpt
-from ..compilation import compile_blocks, compile_scope
+from ..compilation import compile_blocks, resolved_scope
 from ..errors import CheckpointError, ConfigError
 from ..optim import create_scheduler, parameter_groups
 from .accelerator import async_save_refusal, check_sharding_active
@@ -145,7 +145,7 @@ class Backend:
         compiles nothing itself (one process or DDP; sharded runs use Accelerate's regional compilation, given
         its plugin by build_accelerator). Before DDP wraps it: DDP's hooks sit on the parameters, outside the
         blocks' graphs."""
-        if compile_scope(self.args, model) == "blocks" and self.accelerator.state.dynamo_plugin.backend.value == "NO":
+        if resolved_scope(self.args, model) == "blocks" and self.accelerator.state.dynamo_plugin.backend.value == "NO":
             compile_blocks(model, self.args)
         return model
 

@@ -48,9 +48,9 @@ def test_padded_rows_keep_their_mask_and_unpadded_ones_drop_it(tmp_path, compile
 
 
 def test_the_whole_model_compiled_gets_the_causal_path_for_unpadded_rows(tmp_path, compiled_graphs):
-    """torch_compile_scope='model' (transformers' whole-model compile): transformers cannot take its causal shortcut
+    """compile_scope='model' (transformers' whole-model compile): transformers cannot take its causal shortcut
     while tracing, but the rows the host counted as unpadded still reach sdpa without a mask."""
-    trainer = _train(tmp_path, _llama("sdpa"), rows(8, lo=16, hi=16), max_steps=2, torch_compile_scope="model",
+    trainer = _train(tmp_path, _llama("sdpa"), rows(8, lo=16, hi=16), max_steps=2, compile_scope="model",
                      torch_compile_backend="eager")
     assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
     assert compiled_graphs.attention and all(calls == [(True, True)] * 2 for calls in compiled_graphs.attention)
@@ -124,7 +124,7 @@ def test_a_lora_model_compiles_its_layers_in_place(tmp_path, compiled_graphs):
 
 
 def test_a_model_without_repeated_blocks_is_compiled_whole(tmp_path, compiled_graphs):
-    """torch_compile_scope='auto' (the default) compiles the whole model where it has no repeated blocks (a plain
+    """compile_scope='auto' (the default) compiles the whole model where it has no repeated blocks (a plain
     module), as transformers.Trainer compiles every model."""
     trainer = Trainer(Regressor(), args(tmp_path, per_device_train_batch_size=2, max_steps=2,
                                         torch_compile_backend="eager"), train_dataset=regression_rows(8))
@@ -133,7 +133,7 @@ def test_a_model_without_repeated_blocks_is_compiled_whole(tmp_path, compiled_gr
 
 
 def test_the_scope_is_checked_and_implies_compiling():
-    assert TrainingArguments(torch_compile_scope="blocks").torch_compile is True
-    assert TrainingArguments().torch_compile is False and TrainingArguments().torch_compile_scope == "auto"
-    with pytest.raises(ConfigError, match=r"torch_compile_scope='layers': accepted: 'auto', 'blocks', 'model'"):
-        TrainingArguments(torch_compile_scope="layers")
+    assert TrainingArguments(compile_scope="blocks").torch_compile is True
+    assert TrainingArguments().torch_compile is False and TrainingArguments().compile_scope == "auto"
+    with pytest.raises(ConfigError, match=r"compile_scope='layers': accepted: 'auto', 'blocks', 'model'"):
+        TrainingArguments(compile_scope="layers")

@@ -273,7 +273,7 @@ def test_torch_compile_trains_like_eager(tmp_path):
     b, _ = train(llama(), tmp_path / "b", data, per_device_train_batch_size=4, max_steps=2,
                  torch_compile_backend="eager")
     assert b.args.torch_compile
-    # the decoder layers, compiled in place (torch_compile_scope "auto": the model has repeated blocks)
+    # the decoder layers, compiled in place (compile_scope "auto": the model has repeated blocks)
     assert all(layer._compiled_call_impl is not None for layer in b.model_wrapped.model.layers)
     assert_close_params(a.model, b.model, atol=1e-5)
 
