@@ -57,9 +57,9 @@ def test_the_whole_model_compiled_gets_the_causal_path_for_unpadded_rows(tmp_pat
 
 
 def test_many_lengths_compile_a_fixed_number_of_graphs(tmp_path, compiled_graphs):
-    """Micro-batches of 12 different lengths (and a last one of fewer rows): the layers' graphs are dynamic in
-    the batch and sequence dimensions, so after the first few no batch compiles another."""
-    data = [r for n in range(4, 16) for r in rows(4, seed=n, lo=n, hi=n)] + rows(2, lo=9, hi=9)
+    """Micro-batches of 9 different lengths (and a last one of fewer rows): the layers' graphs are dynamic in
+    the batch and sequence dimensions, so after the first two no batch compiles another."""
+    data = [r for n in range(4, 13) for r in rows(4, seed=n, lo=n, hi=n)] + rows(2, lo=9, hi=9)
     seen = []
 
     class Count(__import__("stoker").TrainerCallback):
@@ -70,7 +70,7 @@ def test_many_lengths_compile_a_fixed_number_of_graphs(tmp_path, compiled_graphs
                                            train_sampling_strategy="sequential", num_train_epochs=1),
                       train_dataset=data, callbacks=[Count()])
     trainer.train()
-    assert len(seen) == 13 and seen[-1] <= 2 and seen[2:] == [seen[-1]] * 11, seen
+    assert len(seen) == 10 and seen[-1] <= 2 and seen[2:] == [seen[-1]] * 8, seen
 
 
 def test_the_probes_compile_nothing(tmp_path, compiled_graphs):
@@ -88,6 +88,7 @@ def test_the_probes_compile_nothing(tmp_path, compiled_graphs):
     assert compiled_graphs == []
 
 
+@pytest.mark.slow
 def test_regional_compilation_trains_like_eager(tmp_path, compiled_graphs):
     """aot_eager (Dynamo and AOTAutograd's joint graph, as inductor gets it, without code generation): padded rows,
     accumulation 2, dropout off: the same losses and parameters as the eager run."""
@@ -101,6 +102,7 @@ def test_regional_compilation_trains_like_eager(tmp_path, compiled_graphs):
         torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_a_lora_model_compiles_its_layers_in_place(tmp_path, compiled_graphs):
     """peft LoRA on every linear layer: the base model's decoder layers are the compiled blocks (with the adapters
     inside their graph), the losses are the eager run's, and the saved adapter has the same keys."""
