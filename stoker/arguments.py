@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .compilation import COMPILE_SCOPES
 from .distributed.accelerator import argument_problems
 from .distributed.launch import launcher_world_size, wants_cpu
 from .errors import ConfigError, suggest
@@ -222,11 +223,18 @@ class TrainingArguments:
         "activation_checkpointing; resolves to False).") | BARE_FLAG)
     gradient_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
         "Passed to model.gradient_checkpointing_enable, as a dict or a JSON string."))
-    torch_compile: bool = field(default=False, metadata=_help("Compile the model with torch.compile."))
+    torch_compile: bool = field(default=False, metadata=_help(
+        "Compile the model with torch.compile: its repeated blocks (decoder layers) or the whole model, as "
+        "compile_scope says."))
     torch_compile_backend: str | None = field(default=None, metadata=_help(
         "torch.compile backend (default 'inductor'); setting it implies torch_compile."))
     torch_compile_mode: str | None = field(default=None, metadata=_help(
         "torch.compile mode, e.g. 'reduce-overhead' or 'max-autotune'; setting it implies torch_compile."))
+    compile_scope: str = field(default="auto", metadata=_help(
+        "What torch_compile compiles: 'blocks' (each repeated block, e.g. every decoder layer, in place; the "
+        "attention mask and rotary tables stay outside the graph, so sdpa keeps its causal kernel), 'model' (the "
+        "whole model, as transformers.Trainer does) or 'auto' (blocks where the model has repeated blocks, else the "
+        "whole model); 'blocks' or 'model' implies torch_compile."))
     chunked_loss: bool = field(default=False, metadata=_help(
         "Compute a causal LM's loss from its final hidden states a chunk of tokens at a time, never holding the "
         "[batch, seq, vocab] logits (same loss and gradients; stoker.chunked_loss). Evaluation still computes "
@@ -488,7 +496,8 @@ class TrainingArguments:
             stamp = datetime.now().strftime("%b%d_%H-%M-%S")
             self.logging_dir = os.path.join(self.output_dir, "runs", f"{stamp}_{socket.gethostname()}")
         self.report_to = resolve_report_to(self.report_to)
-        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None or \
+                self.compile_scope in ("blocks", "model"):
             self.torch_compile = True
         if self.torch_compile and self.torch_compile_backend is None:
             self.torch_compile_backend = "inductor"
@@ -560,6 +569,8 @@ class TrainingArguments:
             bad("warmup_ratio", "must be in [0, 1)")
         if self.warmup_ratio and self.warmup_steps:
             p.append(f"warmup_steps={self.warmup_steps!r} and warmup_ratio={self.warmup_ratio!r}: set only one")
+        if self.compile_scope not in COMPILE_SCOPES:
+            bad("compile_scope", f"accepted: {', '.join(map(repr, COMPILE_SCOPES))}")
         if self.optim not in OPTIMIZERS:
             bad("optim", f"unknown optimizer{suggest(self.optim, OPTIMIZERS)}; "
                          f"accepted: {', '.join(OPTIMIZERS)}")
@@ -1060,9 +1071,9 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
         "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),
     "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval"),
     "memory": ("gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_compile",
-        "torch_compile_backend", "torch_compile_mode", "chunked_loss", "shared_prefix", "activation_checkpointing",
-        "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config", "use_cache",
-        "torch_empty_cache_steps"),
+        "torch_compile_backend", "torch_compile_mode", "compile_scope", "chunked_loss", "shared_prefix",
+        "activation_checkpointing", "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config",
+        "use_cache", "torch_empty_cache_steps"),
     "data": ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
         "dataloader_prefetch_factor", "dataloader_drop_last", "remove_unused_columns", "label_names",
         "group_by_length", "length_column_name", "seed", "data_seed", "dataloader_multiprocessing_context",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compilation import uncompiled
 from .data import IGNORE_INDEX, count_targets
 
 
@@ -262,12 +263,11 @@ def _probe_forwards(model, device):
     reproducible and resumable. The model stays in training mode: an eval-mode forward repacks bitsandbytes'
     4-bit CPU weights for inference only."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    # a compiled model is probed through the module it wraps: the probes' two rows without gradients would
-    # compile a graph that training never reuses, and make the batch size dynamic in the graph it compiles next
-    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
 
+    # uncompiled, whether the whole model or its blocks are compiled: the probes' two rows without gradients
+    # would compile graphs that training never reuses
     def forward(**inputs):
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), uncompiled():
             return model(**inputs)
 
     try:

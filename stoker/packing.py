@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .compilation import uncompiled
 from .errors import ConfigError
 
 IGNORE_INDEX = -100
@@ -206,7 +207,7 @@ def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting
     training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), uncompiled():  # a model compiled by an earlier run: no graph for the check
             outs = [model(input_ids=b, position_ids=positions, **forward_kwargs) for b in batches]
         logits = [o["logits"] if isinstance(o, Mapping) else getattr(o, "logits", None) for o in outs]
     except Exception as e:  # a model that needs more than input_ids and position_ids (encoder-decoder, ...)

@@ -27,6 +27,7 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import checkpoint_format as ckpt
 from .arguments import TrainingArguments
+from .attention import unpadded_attention
 from .background_save import BackgroundWriter
 from .callbacks import (
     DEFAULT_CALLBACKS,
@@ -394,9 +395,9 @@ class Trainer(TrainerAPI):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset (or a get_train_dataloader that builds "
                              "its own loader)")
-        collator = self.data_collator
-        if self.args.chunked_loss or self.args.shared_prefix:  # their counts are taken before the copy to the device
-            collator = HostCounting(collator, self.label_names[0])
+        # counted on the host before the copy to the device: what the chunked loss, the shared prefix and sdpa's
+        # choice of the causal kernel (stoker.attention) would otherwise read back from the device
+        collator = HostCounting(self.data_collator, self.label_names[0])
         loader = build_dataloader(self.train_dataset, self.args, self._train_batch_size, collator, train=True)
         return self.accelerator.prepare(loader)
 
@@ -789,8 +790,9 @@ class Trainer(TrainerAPI):
         changes the inputs or adds to the loss and calls this keeps the update exact."""
         model.train()
         self._loss_is_window_share = False
-        loss = self._window_share(self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch),
-                                  inputs, num_items_in_batch)
+        with unpadded_attention(inputs):  # rows counted unpadded on the host: sdpa's causal path without a read
+            loss = self._window_share(self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch),
+                                      inputs, num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
         self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices

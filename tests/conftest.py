@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny Llama built from a config (no hub), variable-length causal-LM rows, and arguments.
+"""Shared fixtures: a tiny Llama built from a config (no hub), variable-length causal-LM rows, arguments, and the
+graphs torch.compile builds.
 
 Every fixture is a factory so that a test can ask for several models / datasets / argument sets.
 """
@@ -100,3 +101,48 @@ def two_ranks(tmp_path_factory):
                  "iterable", "shared_prefix", "moe", "fsdp1", "lora_fsdp2", "fsdp2", "async_fsdp2", "fsdp_save_failure",
                  "placement"))
     return out
+
+
+class CompiledGraphs(list):
+    """The graphs torch.compile built, each as the (shape, dtype) of its tensor inputs; `attention[i]` holds graph
+    i's sdpa calls as (attn_mask is None, is_causal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention: list[list[tuple[bool, object]]] = []
+
+
+def _sdpa_calls(gm) -> list[tuple[bool, object]]:
+    calls = []
+    for node in gm.graph.nodes:
+        if "scaled_dot_product_attention" in str(node.target):
+            mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+            calls.append((mask is None, node.kwargs.get("is_causal", False)))
+    return calls
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """Every graph that torch.compile(backend="eager") or backend="aot_eager" builds from here on (a
+    CompiledGraphs)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.backends import registry
+
+    graphs = CompiledGraphs()
+
+    def counting(name):
+        backend = registry.lookup_backend(name)
+
+        def compile_graph(gm, example_inputs, **kw):
+            graphs.append([(tuple(x.shape), x.dtype) for x in example_inputs if isinstance(x, torch.Tensor)])
+            graphs.attention.append(_sdpa_calls(gm))
+            return backend(gm, example_inputs, **kw)
+
+        return compile_graph
+
+    for name in ("eager", "aot_eager"):
+        monkeypatch.setitem(registry._COMPILER_FNS, name, counting(name))
+    torch._dynamo.reset()
+    yield graphs
+    torch._dynamo.reset()

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..compilation import dynamic_shapes, resolved_scope
 from ..data import pins_memory
 from ..errors import ConfigError
 from ..log import logger
@@ -118,6 +119,28 @@ def check_sharding_active(args, distributed_type) -> None:
                            "on GPUs; refusing to train unsharded"], "distributed configuration")
 
 
+def sharded_by_launcher() -> bool:
+    """Whether accelerate launch's configuration turns FSDP or DeepSpeed on (its environment variables), which the
+    Accelerator then sets up without a plugin from the arguments."""
+    return any(os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() in ("1", "true", "yes")
+               for name in ("FSDP", "DEEPSPEED"))
+
+
+def dynamo_plugin(args, model, sharded: bool):
+    """Accelerate's TorchDynamoPlugin for the run, or None where Accelerate compiles nothing. The whole model
+    (compile_scope "model") is Accelerate's torch.compile, as in transformers. Blocks are compiled by the
+    plain backend in place (stoker.compilation) where the run is not sharded; FSDP and DeepSpeed runs use
+    Accelerate's regional compilation instead, which compiles each block in place where their preparation needs
+    it (after activation checkpointing, before sharding)."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    scope = resolved_scope(args, model)
+    if scope is None or scope == "blocks" and not (sharded or sharded_by_launcher()):
+        return None
+    return TorchDynamoPlugin(backend=args.torch_compile_backend, mode=args.torch_compile_mode,
+                             dynamic=dynamic_shapes(args), use_regional_compilation=scope == "blocks")
+
+
 def build_accelerator(args, model, optimizers=(None, None)):
     """The Accelerator of a run: mixed precision, DDP options, the FSDP or DeepSpeed plugin (refusing what
     cannot run here, before any work), data loading that is resumable (seedable samplers), and no gradient
@@ -126,7 +149,7 @@ def build_accelerator(args, model, optimizers=(None, None)):
 
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, TorchDynamoPlugin
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     a = args
     # AcceleratorState is a process-wide singleton that refuses a second configuration. A new Trainer
@@ -162,8 +185,7 @@ def build_accelerator(args, model, optimizers=(None, None)):
         kwargs_handlers=[DistributedDataParallelKwargs(**ddp),
                          InitProcessGroupKwargs(backend=distributed.process_group_backend,
                                                 timeout=timedelta(seconds=a.ddp_timeout))],
-        dynamo_plugin=TorchDynamoPlugin(backend=a.torch_compile_backend, mode=a.torch_compile_mode)
-        if a.torch_compile else None,
+        dynamo_plugin=dynamo_plugin(a, model, sharded=bool(distributed.plugins)),
         step_scheduler_with_optimizer=False,
         **distributed.plugins,
     )

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint_format as ckpt
+from ..compilation import compile_blocks, resolved_scope
 from ..errors import CheckpointError, ConfigError
 from ..optim import create_scheduler, parameter_groups
 from .accelerator import async_save_refusal, check_sharding_active
@@ -137,7 +138,16 @@ class Backend:
         for `max_steps` steps from `source`."""
         self.runs += 1
         self._restart_loss_scale()
-        return self._prepare(self._unplaced(model), source, max_steps)
+        return self._prepare(self._compiled(self._unplaced(model)), source, max_steps)
+
+    def _compiled(self, model):
+        """`model` with its repeated blocks compiled in place where torch_compile asks for them and Accelerate
+        compiles nothing itself (one process or DDP; sharded runs use Accelerate's regional compilation, given
+        its plugin by build_accelerator). Before DDP wraps it: DDP's hooks sit on the parameters, outside the
+        blocks' graphs."""
+        if resolved_scope(self.args, model) == "blocks" and self.accelerator.state.dynamo_plugin.backend.value == "NO":
+            compile_blocks(model, self.args)
+        return model
 
     def _restart_loss_scale(self) -> None:
         """Every run starts from the fp16 scaler's initial scale, as a fresh Trainer's does (a resumed run then
@@ -153,7 +163,7 @@ class Backend:
     def place_for_evaluation(self, model):
         """The model as evaluate() and predict() run it before any train() call: Accelerate's evaluation-only
         preparation (on the device, mixed precision patched into its forward, compiled if asked), not wrapped."""
-        self._placed_for_evaluation = self.accelerator.prepare_model(model, evaluation_mode=True)
+        self._placed_for_evaluation = self.accelerator.prepare_model(self._compiled(model), evaluation_mode=True)
         return self._placed_for_evaluation
 
     def _unplaced(self, model):

@@ -256,13 +256,38 @@ def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_
 
 @pytest.mark.parametrize("lengths", ["padded", "equal"])
 def test_with_sdpa_only_transformers_kernel_choice_reads_the_mask(tmp_path, lengths):
-    """sdpa reads the padding mask once per forward to pick its causal kernel (transformers' own); nothing else
-    is read, the packed-rows check of mask-free rows (find_packed_sequence_indices) included."""
+    """sdpa reads the padding mask of a padded micro-batch once per forward to pick its causal kernel
+    (transformers' own); a micro-batch the host counted as unpadded is not read at all (stoker.attention); nothing
+    else is read, the packed-rows check of mask-free rows (find_packed_sequence_indices) included."""
     for events in _step_syncs(tmp_path, "sdpa", "model_loss", lengths)[1:]:
         kernel = [e for e in events if any(f" {name}" in e[2] for name in KERNEL_CHOICE)]
         others = [e for e in events if e not in kernel and " agree_on_step" not in e[2]]
         assert others == [], "\n".join(map(str, others))
-        assert len(kernel) <= 4  # two micro-batches, at most two reads each (padded: whole mask, then its start)
+        assert len(kernel) <= (4 if lengths == "padded" else 0)  # two micro-batches, at most two reads each
+
+
+class OnesMaskCollator:
+    """A script's collator that always hands the model an attention mask (of ones, for rows of one length)."""
+
+    def __call__(self, features):
+        ids = torch.tensor([f["input_ids"] for f in features])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor(
+            [f["labels"] for f in features])}
+
+
+def test_unpadded_rows_from_a_scripts_collator_read_no_mask(tmp_path):
+    """A script's collator passing an attention mask of ones: the host counts it before the copy to the device, so
+    sdpa takes its causal path without a read of the mask. (Under this counter's dispatch mode torch.compile runs
+    eagerly; tests/gpu_paths/test_compilation.py checks the compiled layers' attention.)"""
+    from stoker import Trainer
+    from tests.integration.test_trainer import args
+
+    counter = StepSyncs()
+    Trainer(_llama("sdpa"), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                 max_steps=3, logging_steps=1000),
+            train_dataset=_data("model_loss", "equal"), data_collator=OnesMaskCollator(), callbacks=[counter]).train()
+    for events in counter.steps[1:]:
+        assert [e[0] for e in events] == ["read"] and " agree_on_step" in events[0][2], events
 
 
 def test_the_counter_sees_each_kind_of_host_sync():
@@ -304,25 +329,6 @@ def test_pinned_batches_are_copied_to_the_device_without_waiting(tmp_path, monke
 
 # --- torch.compile -------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def compiled_graphs(monkeypatch):
-    """Every graph that torch.compile(backend="eager") builds from here on, as the (shape, dtype) of its tensor
-    inputs."""
-    import torch._dynamo
-    from torch._dynamo.backends import registry
-
-    eager, graphs = registry.lookup_backend("eager"), []
-
-    def counting(gm, example_inputs, **kw):
-        graphs.append([(tuple(x.shape), x.dtype) for x in example_inputs if isinstance(x, torch.Tensor)])
-        return eager(gm, example_inputs, **kw)
-
-    monkeypatch.setitem(registry._COMPILER_FNS, "eager", counting)
-    torch._dynamo.reset()
-    yield graphs
-    torch._dynamo.reset()
-
-
 def test_a_compiled_model_evaluates_with_the_chunked_loss_after_predicting(tmp_path, compiled_graphs):
     """predict() on rows without labels compiles the forward without the chunked loss's lm_head hook; the
     loss-only evaluate() after it must not reuse that graph (Dynamo does not guard on a module's hooks)."""
@@ -359,8 +365,8 @@ def test_a_compiled_model_trains_with_the_chunked_loss_as_the_uncompiled_one(tmp
 
 
 def test_the_loss_probe_compiles_no_graph_that_training_cannot_reuse(tmp_path, compiled_graphs):
-    """The loss convention's probe (2 rows) runs the module under the compiled one: training at batch 8 compiles
-    its forward once, for 8 rows, and the probe's verdicts are those of the uncompiled run."""
+    """The loss convention's probe (2 rows) runs uncompiled: training at batch 8 compiles its decoder layers once,
+    for 8 rows, and the probe's verdicts are those of the uncompiled run."""
     from stoker import Trainer
     from tests.integration.test_trainer import args, llama, rows
 
@@ -371,9 +377,7 @@ def test_the_loss_probe_compiles_no_graph_that_training_cannot_reuse(tmp_path, c
         return trainer._convention
 
     compiled = run(torch_compile=True, torch_compile_backend="eager")
-    # the batch's [rows, tokens] inputs (input ids, attention mask, labels) are its integer tensors
-    rows_in = [{shape[0] for shape, dtype in graph if len(shape) == 2 and not dtype.is_floating_point}
-               for graph in compiled_graphs]
-    assert rows_in == [{8}], compiled_graphs
+    # one graph, shared by both decoder layers, whose first input is the hidden states of the 8 training rows
+    assert [graph[0][0][0] for graph in compiled_graphs] == [8], compiled_graphs
     plain = run()
     assert (compiled.causal, compiled.honours_num_items) == (plain.causal, plain.honours_num_items) == (True, True)

@@ -273,8 +273,8 @@ def test_torch_compile_trains_like_eager(tmp_path):
     b, _ = train(llama(), tmp_path / "b", data, per_device_train_batch_size=4, max_steps=2,
                  torch_compile_backend="eager")
     assert b.args.torch_compile
-    assert hasattr(b.model_wrapped, "_orig_mod") or hasattr(b.model_wrapped.forward, "_torchdynamo_orig_callable") \
-        or "Optimized" in type(b.model_wrapped).__name__
+    # the decoder layers, compiled in place (compile_scope "auto": the model has repeated blocks)
+    assert all(layer._compiled_call_impl is not None for layer in b.model_wrapped.model.layers)
     assert_close_params(a.model, b.model, atol=1e-5)
 
 
