@@ -265,6 +265,35 @@ def test_with_sdpa_only_transformers_kernel_choice_reads_the_mask(tmp_path, leng
         assert len(kernel) <= 4  # two micro-batches, at most two reads each (padded: whole mask, then its start)
 
 
+# transformers' own check, once per forward, that mask-free rows with position_ids are packed (it reads whether any
+# row restarts its positions, whatever attention then runs)
+PACKED_CHECK = ("find_packed_sequence_indices",)
+
+
+@pytest.mark.parametrize("setting", ["packing", "padding_free"])
+def test_packed_rows_attend_within_their_sequences_without_reading_the_boundaries(tmp_path, monkeypatch, setting):
+    """packing and padding_free with sdpa, 4 rows a micro-batch: the attention within each sequence
+    (stoker.attention) gets its boundaries from the collator, computed on the host, so its GPU kernels read
+    nothing. Run with the dense kernel (the GPU's fallback, made on the device from the boundaries; the others have
+    no CPU kernel): nothing is read but agree_on_step and transformers' packed-rows check."""
+    from stoker import Trainer, attention
+    from tests.integration.test_trainer import args
+    from tests.unit.test_packing import sft_rows
+
+    monkeypatch.setattr(attention, "kernel_for", lambda *a, **k: "dense")
+    counter = StepSyncs()
+    trainer = Trainer(_llama("sdpa"), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                           max_steps=3, logging_steps=1000, **{setting: True}),
+                      train_dataset=sft_rows(48, seed=3), callbacks=[counter])
+    assert trainer.model.config._attn_implementation == attention.NAME
+    trainer.train()
+    for step, events in enumerate(counter.steps[1:], start=2):
+        packed_check = [e for e in events if any(f" {name}" in e[2] for name in PACKED_CHECK)]
+        others = [e for e in events if e not in packed_check and " agree_on_step" not in e[2]]
+        assert others == [], f"step {step}:\n" + "\n".join(map(str, others))
+        assert len(packed_check) <= 2  # one per micro-batch
+
+
 def test_the_counter_sees_each_kind_of_host_sync():
     """The helper itself: every kind it promises to count is counted, and kernel arguments are not."""
     x = torch.arange(6.0)
