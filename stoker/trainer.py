@@ -64,6 +64,7 @@ from .evaluation import (
     predictions_of,
     split_batch,
 )
+from .float8 import use_float8
 from .log import logger, set_log_levels, transformers_logger
 from .loop import (
     LoopPosition,
@@ -196,6 +197,7 @@ class Trainer(TrainerAPI):
         if problems:
             raise ConfigError(problems, "Trainer inputs")
 
+        use_float8(model, self.args)  # fp8: linear layers to torchao's Float8Linear, before Accelerate wraps them
         self.accelerator = build_accelerator(self.args, model, optimizers)
         self._backend = backend_for(self.accelerator, self.args)
         # async_save's writer: one checkpoint in flight at most, which save_model waits for as the run's end does

@@ -124,11 +124,10 @@ LAYERS = (
     ("callbacks", ("stoker.callbacks",)),
     ("arguments", ("stoker.arguments",)),
     ("helpers", ("stoker.attention", "stoker.background_save", "stoker.checkpoint_format", "stoker.chunked_loss",
-                 "stoker.data",
-                 "stoker.diagnostics", "stoker.distributed", "stoker.evaluation", "stoker.gguf", "stoker.log",
-                 "stoker.loop", "stoker.loss_computation", "stoker.loss_normalization", "stoker.memory_plan",
-                 "stoker.optim", "stoker.outputs", "stoker.packing", "stoker.prefix", "stoker.requirements",
-                 "stoker.tasks", "stoker.tracking")),
+                 "stoker.data", "stoker.diagnostics", "stoker.distributed", "stoker.evaluation", "stoker.float8",
+                 "stoker.gguf", "stoker.log", "stoker.loop", "stoker.loss_computation", "stoker.loss_normalization",
+                 "stoker.memory_plan", "stoker.optim", "stoker.outputs", "stoker.packing", "stoker.prefix",
+                 "stoker.requirements", "stoker.tasks", "stoker.tracking")),
     ("errors", ("stoker.errors",)),
 )
 
