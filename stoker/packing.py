@@ -206,11 +206,13 @@ def _joined(features: list[Mapping]) -> dict[str, list[int]]:
     return row
 
 
-def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting: str, rows: int = 1) -> list[str]:
+def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting: str, rows: int = 1,
+                        boundaries: bool | None = None) -> list[str]:
     """Why `model` cannot train on packed rows (empty if it can): it must take position_ids and keep two
     sequences of one row apart in a batch of `rows` rows, the micro-batch's shape (transformers keeps them apart
     in some attention implementations only when the batch has one row). Runs the model twice on `rows` rows of 7
-    tokens, in eval mode (no dropout), without gradients."""
+    tokens, in eval mode (no dropout), without gradients. The rows carry their sequence boundaries as training's
+    collator does (`boundaries`; by default where the forward takes them)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     attention = getattr(config, "_attn_implementation", None)
@@ -220,7 +222,9 @@ def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting
     if "position_ids" not in inspect.signature(base.forward).parameters:
         return [f"{setting}=True: {what}.forward takes no position_ids, so the sequences of a packed row would "
                 f"attend to each other; {setting} needs {accepted}"]
-    boundaries = hands_on_boundaries(base)
+    if boundaries is None:  # the Trainer's own collator hands them on where the forward takes them
+        boundaries = hands_on_boundaries(base)
+    boundaries = boundaries and hands_on_boundaries(base)
     if rows > 1 and isinstance(attention, str) and "flash" in attention and not boundaries:
         # transformers' flash attention finds packed sequences from position_ids only in a batch of one row
         # (modeling_flash_attention_utils._is_packed_sequence) and its mask ignores them, so in [rows, length]
@@ -229,7 +233,8 @@ def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting
         # probe below would find it too, where flash-attn is installed)
         return [f"{setting}=True with per_device_train_batch_size={rows}: {what} keeps packed sequences apart "
                 "only in a batch of one row (transformers' flash attention reads their boundaries from "
-                "position_ids only then, and this forward takes no **kwargs to hand on the collator's cu_seq_lens), so "
+                "position_ids only then, and these batches carry no cu_seq_lens: a data_collator without them, or a "
+                "forward without **kwargs to hand them on), so "
                 "the sequences of each row would attend to each other; use "
                 "per_device_train_batch_size=1 (with a longer packing_length), padding_free=True (one row per "
                 "micro-batch), or attn_implementation='sdpa'"]
@@ -309,7 +314,8 @@ def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: in
     rows = 1 if args.padding_free else args.per_device_train_batch_size
     if data_collator is None:
         use_packed_attention(model)  # before the probe, which then checks the attention training runs
-    problems += separation_problems(model, forward_kwargs, setting, rows)
+    given = getattr(data_collator, "boundaries", None)  # a PackingCollator passed in: as it batches
+    problems += separation_problems(model, forward_kwargs, setting, rows, boundaries=given)
     if args.packing and hasattr(train_dataset, "__len__"):
         lengths = [len(r["input_ids"]) for r in train_dataset]
         length = max(args.packing_length or max(lengths, default=2), 2)

@@ -105,6 +105,10 @@ def test_packing_with_flash_attention_and_several_rows_per_micro_batch_needs_the
                               "batch of one row")
     for remedy in ("per_device_train_batch_size=1", "padding_free=True", "attn_implementation='sdpa'"):
         assert remedy in problem
+    with pytest.raises(ConfigError) as e:  # a collator of the user's that carries no boundaries: the same refusal
+        Trainer(model, args(tmp_path, packing=True, per_device_train_batch_size=4), train_dataset=sft_rows(8),
+                data_collator=PackingCollator())
+    assert "keeps packed sequences apart only in a batch of one row" in str(e.value)
 
 
 # --- QLoRA: the GPU each process loads its 4-bit model onto -------------------------------------------------
