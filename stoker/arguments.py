@@ -25,6 +25,7 @@ from .compilation import COMPILE_SCOPES
 from .distributed.accelerator import argument_problems
 from .distributed.launch import launcher_world_size, wants_cpu
 from .errors import ConfigError, suggest
+from .float8 import float8_problems
 from .optim import OPTIMIZERS
 from .requirements import installed_version_problems
 from .tracking import report_to_problems, resolve_report_to
@@ -212,6 +213,10 @@ class TrainingArguments:
         "float16 mixed precision with loss scaling (needs a GPU)."))
     tf32: bool | None = field(default=None, metadata=_help(
         "Allow TF32 matmuls on NVIDIA Ampere or newer (None leaves torch's setting alone)."))
+    fp8: str | None = field(default=None, metadata=_help(
+        "float8 training through torchao on GPUs of compute capability 8.9+ (Ada, Hopper, Blackwell): 'tensorwise' "
+        "(fastest) or 'rowwise' (more accurate), torchao's recipes; the output layer and layers with a dimension "
+        "not a multiple of 16 stay in bfloat16. Needs bf16=True; fast with torch_compile=True (stoker.float8)."))
     bf16_full_eval: bool = field(default=False, metadata=_help(
         "Evaluate outside training with the model cast to bfloat16 (faster, less memory, less exact)."))
     fp16_full_eval: bool = field(default=False, metadata=_help(
@@ -805,6 +810,7 @@ class TrainingArguments:
                      "GPU, or bf16=True on an Ampere or newer GPU (compute capability 8.0 or more)")
         if self.tf32 and not (on_cuda and torch.cuda.get_device_capability()[0] >= 8):
             p.append("tf32=True: TF32 needs an NVIDIA Ampere or newer GPU; leave tf32 unset")
+        p += float8_problems(self.fp8, self.bf16, torch.cuda.get_device_capability() if on_cuda else None)
         return p
 
     # ------------------------------------------------------------------------------------------
@@ -1069,7 +1075,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "optimizer": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
         "optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
         "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),
-    "precision": ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval"),
+    "precision": ("bf16", "fp16", "tf32", "fp8", "bf16_full_eval", "fp16_full_eval"),
     "memory": ("gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_compile",
         "torch_compile_backend", "torch_compile_mode", "compile_scope", "chunked_loss", "shared_prefix",
         "activation_checkpointing", "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config",

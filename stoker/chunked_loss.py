@@ -3,9 +3,10 @@ chunk of tokens at a time, so the [batch, seq, vocab] logits never exist (in flo
 
 At vocab 32k and 4k tokens a micro-batch, transformers' loss holds the float32 logits, their log-softmax
 and, in backward, their gradient: three tensors of 0.5 GiB each, usually the largest allocation of a small
-model's step. Here each chunk's logits (CHUNK_ELEMENTS floats, 32 MiB) are computed, turned into the
+model's step. Here each chunk's logits (a budget of memory, `chunk_tokens_for`) are computed, turned into the
 chunk's loss and, when gradients are wanted, straight into the gradients of the hidden states and of the
-weight, and dropped: the same three matmuls as the full loss, and none of its [tokens, vocab] tensors.
+weight (summed in float32 in place, `_add_weight_gradient`), and dropped: the same three matmuls as the
+full loss, and none of its [tokens, vocab] tensors.
 Only target tokens (labels != -100 after the causal shift) are computed at all, so prompt tokens and
 padding cost nothing here. How many there are is a shape, so the host must know it: the Trainer's training batches
 are counted on the host before they are copied to the device (stoker.data.RowCounts), so a training step reads
@@ -17,7 +18,8 @@ for a copy queued before the forward, never for the forward itself (the GPU's qu
 positions: for chat rows whose answer is a tenth of the tokens, ten times that work.
 
 Written by hand because the fused linear-cross-entropy kernels that exist (Liger's, Apple's
-cut-cross-entropy) are Triton, GPU-only; this is plain torch and runs wherever the model does.
+cut-cross-entropy) are Triton, GPU-only; this is plain torch and runs wherever the model does. Where Liger is
+installed and the model is on a GPU, its kernel computes the same sum instead (`fused_kernel`).
 
 The Trainer uses it with `chunked_loss=True`: `chunked_causal_lm_loss` runs the whole (possibly DDP-wrapped,
 compiled, peft) model with its lm_head short-circuited, so every wrapper still sees its forward, then
@@ -27,6 +29,7 @@ applies the chunked loss to the hidden states the lm_head would have received.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -34,7 +37,50 @@ from torch import nn
 from .data import IGNORE_INDEX, host_target_count
 from .loss_normalization import model_family
 
-CHUNK_ELEMENTS = 2**23  # logits per chunk: 32 MiB in float32 (262 tokens at vocab 32k, 65 at 128k)
+# A chunk is as many target tokens as their logits fit in a memory budget: each token's row of logits costs
+# vocab x (4 + 2) bytes (the float32 logits, turned in place into the softmax's gradient, and its 16-bit copy for
+# the matmuls; 8 bytes in a float32 run). On a GPU the budget is an eighth of the memory free at the first call
+# (cached per device), so that the output layer's matmuls run over thousands of rows: 2,790 tokens at a 128k
+# vocabulary with 2 GiB, against 65 with the fixed 2**23 logits this used to take. Every chunk reads the whole
+# output layer's weight, so fewer chunks are less memory traffic: at a Llama-3-8B head (128k x 4096, 1 GiB in
+# bfloat16) and 16k target tokens, 6 chunks instead of 250. Larger chunks would save little more traffic and
+# take memory the activations need.
+CPU_CHUNK_BYTES = 2**28        # 256 MiB on a CPU (256 tokens at 128k in float32, 4,096 at 8k in bfloat16)
+GPU_CHUNK_BYTES = (2**28, 2**31)  # an eighth of the free memory, clamped to 256 MiB .. 2 GiB
+MAX_CHUNK_TOKENS = 16384       # beyond this the matmuls are as efficient as they get, and the budget is wasted
+
+
+@functools.cache
+def _gpu_chunk_budget(index: int) -> int:
+    free, _ = torch.cuda.mem_get_info(index)  # a driver query, no wait for the stream
+    low, high = GPU_CHUNK_BYTES
+    return int(min(max(free // 8, low), high))
+
+
+def chunk_tokens_for(vocab: int, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
+    """Target tokens per chunk at this vocabulary: the chunk's logits within the device's budget."""
+    budget = _gpu_chunk_budget(device.index or 0) if device.type == "cuda" else CPU_CHUNK_BYTES
+    per_token = vocab * (4 + (dtype.itemsize if dtype.itemsize < 4 else 4))
+    return max(1, min(MAX_CHUNK_TOKENS, budget // per_token))
+
+
+_OUT_DTYPE_MATMUL = [True]  # torch.addmm(out_dtype=float32) on CUDA; set False if this torch refuses it
+
+
+def _add_weight_gradient(grad_w: torch.Tensor, probs: torch.Tensor, low: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w += probs.T @ h, summed in grad_w's (float32) precision without a [vocab, hidden] temporary: a
+    16-bit product cast and added would be one per chunk, the size of the output layer's weight."""
+    if h.dtype == grad_w.dtype:
+        grad_w.addmm_(probs.t(), h)
+        return
+    if h.is_cuda and _OUT_DTYPE_MATMUL[0]:
+        try:  # cuBLAS: 16-bit inputs, the float32 accumulator read and written in place (beta = 1)
+            torch.addmm(grad_w, low.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+            return
+        except (RuntimeError, TypeError):
+            _OUT_DTYPE_MATMUL[0] = False
+    # a float32 matmul from the float32 softmax gradient: a [chunk, hidden] copy of h, no [vocab, hidden] one
+    grad_w.addmm_(probs.t(), h.to(grad_w.dtype))
 
 
 def _accumulation_dtype(t: torch.Tensor) -> torch.dtype:
@@ -77,11 +123,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs[torch.arange(h.shape[0], device=h.device), t] -= 1
             if need_b:
                 grad_b += probs.sum(0)
-            probs = probs.to(hidden.dtype)
+            low = probs.to(hidden.dtype)
             if need_h:
-                grad_h[s:s + chunk] = probs @ weight
+                grad_h[s:s + chunk] = low @ weight
             if need_w:
-                grad_w += (probs.t() @ h).to(acc)
+                _add_weight_gradient(grad_w, probs, low, h)
+            del low
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if need_w else None,
                               grad_b.to(bias.dtype) if need_b else None)
         return total
@@ -128,6 +175,28 @@ class TargetCount:
         return int(self._count)  # a host tensor on a GPU run
 
 
+@functools.cache
+def _liger():
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+
+    def loss_sum(hidden, weight, targets, bias):
+        out = liger_fused_linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=IGNORE_INDEX,
+                                               reduction="sum")
+        return (out[0] if isinstance(out, tuple) else out).float()  # (loss, z_loss) in some versions
+
+    return loss_sum
+
+
+def fused_kernel(device_type: str):
+    """Liger's fused linear cross-entropy (Triton) where it is installed and the tensors are on a GPU: the same sum
+    of token losses over the same target rows, with its chunks and its gradients made in its kernels. None
+    otherwise (then stoker's own chunks)."""
+    return _liger() if device_type == "cuda" else None
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           num_items_in_batch=None, bias: torch.Tensor | None = None, shift: bool = True,
                           chunk_tokens: int | None = None, compute_dtype: torch.dtype | None = None,
@@ -152,8 +221,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if compute_dtype is not None:
         hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
         bias = bias.to(compute_dtype) if bias is not None else None
-    chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
+    fused = fused_kernel(hidden.device.type) if chunk_tokens is None else None
+    if fused is not None:
+        total = fused(hidden, weight, targets, bias)
+    else:
+        chunk = chunk_tokens or chunk_tokens_for(weight.shape[0], hidden.device, hidden.dtype)
+        total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
     if num_items_in_batch is None:
         return total / targets.numel()  # NaN for no targets, as torch's mean
     if isinstance(num_items_in_batch, torch.Tensor):

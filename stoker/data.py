@@ -107,7 +107,7 @@ class ColumnFilter:
 class RowCounts:
     """Counts of one [rows, positions] tensor of a collated batch, one per row, taken on the host before the batch
     is copied to the device: what the chunked loss (its target count, a shape), the shared prefix (its length,
-    a slice) and sdpa's choice of its causal kernel (no padding: stoker.attention) need on the host, and would
+    a slice) and sdpa's choice of its causal kernel (no padding: stoker.sdpa_mask) need on the host, and would
     otherwise read back from the device (a host sync each micro-batch, which
     on a GPU waits for the queue to drain). None where a count does not apply to the tensor."""
 
@@ -203,7 +203,7 @@ class CountedBatch(dict):
 
 class HostCounting:
     """Wraps a training collator so that its batches are CountedBatch, whose counts per micro-batch the chunked loss,
-    the shared prefix and sdpa's choice of kernel (stoker.attention) would otherwise read from the device. A
+    the shared prefix and sdpa's choice of kernel (stoker.sdpa_mask) would otherwise read from the device. A
     collator that returns no mapping is left as it is."""
 
     def __init__(self, collator, label_name: str):

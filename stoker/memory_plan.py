@@ -71,7 +71,9 @@ ALLOCATOR_HEADROOM = 0.10
 NCCL_BUFFERS = 0.25 * GIB
 # optimizers whose torch implementation defaults to foreach on a GPU, allocating a copy of the parameters
 FOREACH_COPY = ("adamw_torch", "adagrad", "rmsprop")
-CHUNK_ELEMENTS = 2**23  # stoker.chunked_loss.CHUNK_ELEMENTS, repeated so that planning imports no torch
+# stoker.chunked_loss's budget for one chunk's logits on a GPU (at most; an eighth of the free memory), and its
+# longest chunk, repeated so that planning imports no torch
+CHUNK_BYTES, MAX_CHUNK_TOKENS = 2**31, 16384
 
 
 # values an MLP activation keeps per intermediate unit: a gated SiLU keeps gate, up, silu(gate) and the product;
@@ -311,9 +313,10 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         # keeps those copies for backward: 2 bytes per parameter of them on top of the float32 master weights
         kept += 2 * (shape.linear_params + shape.vocab * shape.hidden)
     if setup.chunked_loss:
-        chunk = max(1, CHUNK_ELEMENTS // shape.vocab)
-        # one chunk of float32 logits, and the gradients of the hidden states and of the output layer
-        logits = min(chunk, tokens) * shape.vocab * 4 + tokens * shape.hidden * 4 + shape.vocab * shape.hidden * 4
+        chunk = max(1, min(MAX_CHUNK_TOKENS, CHUNK_BYTES // (shape.vocab * 6)))
+        # one chunk of float32 logits and their 16-bit copy, and the gradients of the hidden states and of the
+        # output layer
+        logits = min(chunk, tokens) * shape.vocab * 6 + tokens * shape.hidden * 4 + shape.vocab * shape.hidden * 4
     else:
         logits = 3 * tokens * shape.vocab * 4 + (tokens * shape.vocab * 2 if act_bytes < 4 else 0)
     # transient buffers of backward: gradients of the largest activations of one layer

@@ -8,11 +8,13 @@ which does, once, before training (`packed_train_set`), what a hand-written loop
     collator = PackingCollator(tokenizer.pad_token_id)
 
 A packed row holds several sequences one after the other, with `position_ids` that restart at 0 at each
-sequence and NO `attention_mask`. From those position_ids transformers' masking utilities
-(`masking_utils.find_packed_sequence_indices`) build a block-diagonal causal mask for sdpa and eager
-attention, and flash-attention derives its cu_seqlens, so no sequence attends to another. Flash attention does
-so only in a batch of one row: packing with it needs per_device_train_batch_size=1 or padding_free (refused
-otherwise). The label of
+sequence and NO `attention_mask`. The Trainer's collator also hands the model each micro-batch's sequence
+boundaries (`cu_seq_lens_q`, computed here on the host), and switches a model that attends with sdpa to stoker's
+attention within each sequence (stoker.attention: torch's varlen or flash kernel on a GPU, no [T, T] mask);
+transformers' flash attention reads the same boundaries, at any number of rows per micro-batch. Without them,
+transformers' masking utilities (`masking_utils.find_packed_sequence_indices`) build a block-diagonal causal mask
+from the position_ids for sdpa and eager attention, and flash attention derives its cu_seqlens from them only in a
+batch of one row. The label of
 the first token of every sequence is -100: in a causal LM the last token of one sequence would otherwise be
 trained to predict the first token of the next. With that, a packed batch gives the same per-example losses
 as the rows run one by one, and the same number of target tokens (so accumulation stays exact).
@@ -38,6 +40,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .attention import register as register_attention
 from .compilation import uncompiled
 from .errors import ConfigError
 
@@ -133,13 +136,18 @@ class PackingCollator:
     that nothing attends to; its label is -100. Labels are also set to -100 at every sequence start, so rows
     packed elsewhere (without that masking) are safe too.
 
-    With flatten=True the features of a micro-batch are first joined into one row, in order (padding_free).
+    With flatten=True the features of a micro-batch are first joined into one row, in order (padding_free). With
+    boundaries=True the batch also carries its sequences' boundaries (`sequence_boundaries`), for the varlen
+    attention (stoker.attention) and transformers' flash attention: the Trainer's packing collator does, for a
+    model whose forward hands them on to its attention.
     """
 
-    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None, flatten: bool = False):
+    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None, flatten: bool = False,
+                 boundaries: bool = False):
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.flatten = flatten
+        self.boundaries = boundaries
 
     def __call__(self, features: list[Mapping]) -> dict[str, torch.Tensor]:
         if self.flatten:
@@ -161,7 +169,32 @@ class PackingCollator:
             p = f.get("position_ids")
             batch["position_ids"][r, :n] = torch.arange(n) if p is None else torch.as_tensor(_as_list(p))
         batch["labels"][sequence_starts(batch["position_ids"])] = IGNORE_INDEX
+        if self.boundaries:
+            batch.update(sequence_boundaries(features, length))
         return batch
+
+
+def sequence_boundaries(features: list[Mapping], length: int) -> dict:
+    """The sequences of a micro-batch of `features` padded to `length`, laid end to end, as transformers'
+    flash-attention kwargs name them (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`): cu_seq_lens_q
+    and cu_seq_lens_k (int32, the cumulative lengths), max_length_q and max_length_k (ints). Computed here, on the
+    host, from the rows' lists, so that no step reads them back from the device; each row's trailing padding is
+    one sequence (nothing attends to it and it has no labels)."""
+    cu, longest = [0], 0
+    for r, f in enumerate(features):
+        start, n = r * length, len(f["input_ids"])
+        p = f.get("position_ids")
+        p = list(range(n)) if p is None else _as_list(p)
+        for i in range(1, n + 1):
+            if i == n or p[i] != p[i - 1] + 1:
+                cu.append(start + i)
+                longest = max(longest, cu[-1] - cu[-2])
+        if n < length:
+            cu.append(start + length)
+            longest = max(longest, length - n)
+    cu_seq_lens = torch.tensor(cu, dtype=torch.int32)
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens.clone(), "max_length_q": longest,
+            "max_length_k": longest}
 
 
 def _joined(features: list[Mapping]) -> dict[str, list[int]]:
@@ -174,11 +207,13 @@ def _joined(features: list[Mapping]) -> dict[str, list[int]]:
     return row
 
 
-def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting: str, rows: int = 1) -> list[str]:
+def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting: str, rows: int = 1,
+                        boundaries: bool | None = None) -> list[str]:
     """Why `model` cannot train on packed rows (empty if it can): it must take position_ids and keep two
     sequences of one row apart in a batch of `rows` rows, the micro-batch's shape (transformers keeps them apart
     in some attention implementations only when the batch has one row). Runs the model twice on `rows` rows of 7
-    tokens, in eval mode (no dropout), without gradients."""
+    tokens, in eval mode (no dropout), without gradients. The rows carry their sequence boundaries as training's
+    collator does (`boundaries`; by default where the forward takes them)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     attention = getattr(config, "_attn_implementation", None)
@@ -188,27 +223,37 @@ def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting
     if "position_ids" not in inspect.signature(base.forward).parameters:
         return [f"{setting}=True: {what}.forward takes no position_ids, so the sequences of a packed row would "
                 f"attend to each other; {setting} needs {accepted}"]
-    if rows > 1 and isinstance(attention, str) and "flash" in attention:
+    if boundaries is None:  # the Trainer's own collator hands them on where the forward takes them
+        boundaries = hands_on_boundaries(base)
+    boundaries = boundaries and hands_on_boundaries(base)
+    if rows > 1 and isinstance(attention, str) and "flash" in attention and not boundaries:
         # transformers' flash attention finds packed sequences from position_ids only in a batch of one row
         # (modeling_flash_attention_utils._is_packed_sequence) and its mask ignores them, so in [rows, length]
-        # batches every sequence attends to the ones before it in its row. Known without running it (the probe
-        # below would find it too, where flash-attn is installed)
+        # batches every sequence attends to the ones before it in its row, unless the batch carries the
+        # collator's cu_seq_lens, which a forward without **kwargs cannot hand on. Known without running it (the
+        # probe below would find it too, where flash-attn is installed)
         return [f"{setting}=True with per_device_train_batch_size={rows}: {what} keeps packed sequences apart "
                 "only in a batch of one row (transformers' flash attention reads their boundaries from "
-                "position_ids only then), so the sequences of each row would attend to each other; use "
+                "position_ids only then, and these batches carry no cu_seq_lens: a data_collator without them, or a "
+                "forward without **kwargs to hand them on), so "
+                "the sequences of each row would attend to each other; use "
                 "per_device_train_batch_size=1 (with a longer packing_length), padding_free=True (one row per "
                 "micro-batch), or attn_implementation='sdpa'"]
     embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     vocab = getattr(embeddings, "num_embeddings", 16)
     first, second = [1 % vocab, 2 % vocab, 3 % vocab, 4 % vocab], [5 % vocab, 6 % vocab, 7 % vocab]
     device = next(model.parameters()).device
-    batches = [torch.tensor([seq + second] * rows, device=device) for seq in (first, [(t + 3) % vocab for t in first])]
-    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]] * rows, device=device)
+    # batched by the collator the Trainer uses, so that the model sees what training hands it (the boundaries too)
+    collate = PackingCollator(boundaries=boundaries)
+    batches = [collate([{"input_ids": seq + second, "position_ids": [0, 1, 2, 3, 0, 1, 2]}] * rows)
+               for seq in (first, [(t + 3) % vocab for t in first])]
+    batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items() if k != "labels"}
+               for b in batches]
     training = model.training
     model.eval()
     try:
         with torch.no_grad(), uncompiled():  # a model compiled by an earlier run: no graph for the check
-            outs = [model(input_ids=b, position_ids=positions, **forward_kwargs) for b in batches]
+            outs = [model(**b, **forward_kwargs) for b in batches]
         logits = [o["logits"] if isinstance(o, Mapping) else getattr(o, "logits", None) for o in outs]
     except Exception as e:  # a model that needs more than input_ids and position_ids (encoder-decoder, ...)
         return [f"{setting}=True: {what} could not be checked on a packed row ({type(e).__name__}: {e}); "
@@ -223,6 +268,30 @@ def separation_problems(model: torch.nn.Module, forward_kwargs: Mapping, setting
         return [f"{setting}=True: {what} lets a packed sequence attend to the one before it (changing the first "
                 f"of two sequences in one row changed the second's logits); {setting} needs {accepted}"]
     return []
+
+
+def hands_on_boundaries(model: torch.nn.Module) -> bool:
+    """Whether `model.forward` hands keyword arguments it does not name on to its attention (transformers' models
+    do, as **kwargs), so that a batch can carry its sequences' boundaries."""
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+
+
+def use_packed_attention(model: torch.nn.Module) -> str | None:
+    """Switches a transformers model that attends with sdpa (transformers' default) to stoker's attention within
+    each sequence (stoker.attention) and returns its new attn_implementation; None where the model keeps its own:
+    another attention chosen on purpose (eager, flash_attention_*, flex_attention, a kernel), a sliding window,
+    or a model that cannot change its attention (one not written on transformers' attention interface)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hands_on_boundaries(base):
+        return None
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return None  # the kernels here attend to the whole sequence
+    can_set = getattr(base, "_can_set_attn_implementation", None)
+    if not callable(can_set) or not can_set():
+        return None
+    base.set_attn_implementation(register_attention())
+    return config._attn_implementation
 
 
 def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: int, forward_kwargs: Mapping):
@@ -244,7 +313,10 @@ def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: in
     # probed at the micro-batch's shape: packing batches per_device_train_batch_size packed rows, padding_free
     # flattens every micro-batch into one row
     rows = 1 if args.padding_free else args.per_device_train_batch_size
-    problems += separation_problems(model, forward_kwargs, setting, rows)
+    if data_collator is None:
+        use_packed_attention(model)  # before the probe, which then checks the attention training runs
+    given = getattr(data_collator, "boundaries", None)  # a PackingCollator passed in: as it batches
+    problems += separation_problems(model, forward_kwargs, setting, rows, boundaries=given)
     if args.packing and hasattr(train_dataset, "__len__"):
         lengths = [len(r["input_ids"]) for r in train_dataset]
         length = max(args.packing_length or max(lengths, default=2), 2)
@@ -259,7 +331,9 @@ def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: in
                 problems.append(f"train_dataset: {e}")
     if problems:
         raise ConfigError(problems, "Trainer inputs")
-    return train_dataset, data_collator or PackingCollator(pad_token_id, flatten=args.padding_free)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return train_dataset, data_collator or PackingCollator(pad_token_id, flatten=args.padding_free,
+                                                           boundaries=hands_on_boundaries(base))
 
 
 def padding_fraction(lengths: Sequence[int], row_length: int | None = None, batch_size: int | None = None) -> float:

@@ -27,7 +27,6 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import checkpoint_format as ckpt
 from .arguments import TrainingArguments
-from .attention import unpadded_attention
 from .background_save import BackgroundWriter
 from .callbacks import (
     DEFAULT_CALLBACKS,
@@ -65,6 +64,7 @@ from .evaluation import (
     predictions_of,
     split_batch,
 )
+from .float8 import use_float8
 from .load_balancing import LoadBalancing, has_router_loss
 from .log import logger, set_log_levels, transformers_logger
 from .loop import (
@@ -87,6 +87,7 @@ from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metric
 from .packing import packed_train_set
 from .prefix import prefix_body
 from .report import ReportCallback
+from .sdpa_mask import unpadded_attention
 from .trainer_api import TrainerAPI
 from .trainer_checks import train_rows_problems, trainer_input_problems
 
@@ -199,6 +200,7 @@ class Trainer(TrainerAPI):
             raise ConfigError(problems, "Trainer inputs")
 
         self._given_optimizers = optimizers  # built anew by each train() call unless given here
+        use_float8(model, self.args)  # fp8: linear layers to torchao's Float8Linear, before Accelerate wraps them
         self._build_accelerator(model)
         set_log_levels(self.args)
         self._enable_gradient_checkpointing(model)
@@ -396,7 +398,7 @@ class Trainer(TrainerAPI):
             raise ValueError("Trainer: training requires a train_dataset (or a get_train_dataloader that builds "
                              "its own loader)")
         # counted on the host before the copy to the device: what the chunked loss, the shared prefix and sdpa's
-        # choice of the causal kernel (stoker.attention) would otherwise read back from the device
+        # choice of the causal kernel (stoker.sdpa_mask) would otherwise read back from the device
         collator = HostCounting(self.data_collator, self.label_names[0])
         loader = build_dataloader(self.train_dataset, self.args, self._train_batch_size, collator, train=True)
         return self.accelerator.prepare(loader)

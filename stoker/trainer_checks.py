@@ -112,7 +112,8 @@ def probe_rows(model, name: str, ds, collator, compute_loss_func, label_names: l
         return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict (a Mapping) "
                 "of tensors"]
     p = []
-    loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
+    # numbers are model arguments too (the longest packed sequence, max_length_q, which flash kernels take as ints)
+    loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor | int))
     if loose:
         p.append(f"{name}: the data collator returned non-tensor values for {loose}")
     columns = sorted(rows[0]) if isinstance(rows[0], Mapping) else []

@@ -79,22 +79,36 @@ def test_packing_is_probed_at_the_micro_batch_shape(rowwise_llama, tmp_path):
     Trainer(rowwise_llama, args(tmp_path, padding_free=True, per_device_train_batch_size=2), train_dataset=data)
 
 
-def test_packing_with_flash_attention_and_several_rows_per_micro_batch_is_refused(tmp_path):
+def test_packing_with_flash_attention_and_several_rows_per_micro_batch_needs_the_boundaries(tmp_path):
+    """transformers' flash attention keeps packed sequences apart in a batch of several rows only from the
+    collator's cu_seq_lens: a model whose forward hands them on (**kwargs) is probed at that shape like any other,
+    one that cannot is refused without running it."""
     model = llama()
     model.config._attn_implementation = "flash_attention_2"  # no kernel here: what stoker decides before running
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # probed (the probe cannot run flash-attn on this CPU)
         Trainer(model, args(tmp_path, packing=True, per_device_train_batch_size=4), train_dataset=sft_rows(8))
+    assert "per_device_train_batch_size" not in str(e.value) and "could not be checked" in str(e.value)
+
+    class NoKwargs(nn.Module):  # a wrapper whose forward names its arguments: the boundaries cannot reach attention
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, position_ids=None, labels=None):
+            return self.inner(input_ids=input_ids, position_ids=position_ids, labels=labels, use_cache=False)
+
+    with pytest.raises(ConfigError) as e:
+        Trainer(NoKwargs(model), args(tmp_path, packing=True, per_device_train_batch_size=4), train_dataset=sft_rows(8))
     (problem,) = e.value.problems
-    assert problem.startswith("packing=True with per_device_train_batch_size=4: LlamaForCausalLM "
+    assert problem.startswith("packing=True with per_device_train_batch_size=4: NoKwargs "
                               "(attn_implementation='flash_attention_2') keeps packed sequences apart only in a "
                               "batch of one row")
     for remedy in ("per_device_train_batch_size=1", "padding_free=True", "attn_implementation='sdpa'"):
         assert remedy in problem
-    for one_row in (dict(packing=True, per_device_train_batch_size=1),
-                    dict(padding_free=True, per_device_train_batch_size=4)):
-        with pytest.raises(ConfigError) as e:  # the probe itself, which cannot run flash-attn on this CPU
-            Trainer(model, args(tmp_path, **one_row), train_dataset=sft_rows(8))
-        assert "per_device_train_batch_size" not in str(e.value) and "could not be checked" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # a collator of the user's that carries no boundaries: the same refusal
+        Trainer(model, args(tmp_path, packing=True, per_device_train_batch_size=4), train_dataset=sft_rows(8),
+                data_collator=PackingCollator())
+    assert "keeps packed sequences apart only in a batch of one row" in str(e.value)
 
 
 # --- QLoRA: the GPU each process loads its 4-bit model onto -------------------------------------------------

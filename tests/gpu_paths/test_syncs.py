@@ -257,7 +257,7 @@ def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_
 @pytest.mark.parametrize("lengths", ["padded", "equal"])
 def test_with_sdpa_only_transformers_kernel_choice_reads_the_mask(tmp_path, lengths):
     """sdpa reads the padding mask of a padded micro-batch once per forward to pick its causal kernel
-    (transformers' own); a micro-batch the host counted as unpadded is not read at all (stoker.attention); nothing
+    (transformers' own); a micro-batch the host counted as unpadded is not read at all (stoker.sdpa_mask); nothing
     else is read, the packed-rows check of mask-free rows (find_packed_sequence_indices) included."""
     for events in _step_syncs(tmp_path, "sdpa", "model_loss", lengths)[1:]:
         kernel = [e for e in events if any(f" {name}" in e[2] for name in KERNEL_CHOICE)]
@@ -288,6 +288,35 @@ def test_unpadded_rows_from_a_scripts_collator_read_no_mask(tmp_path):
             train_dataset=_data("model_loss", "equal"), data_collator=OnesMaskCollator(), callbacks=[counter]).train()
     for events in counter.steps[1:]:
         assert [e[0] for e in events] == ["read"] and " agree_on_step" in events[0][2], events
+
+
+# transformers' own check, once per forward, that mask-free rows with position_ids are packed (it reads whether any
+# row restarts its positions, whatever attention then runs)
+PACKED_CHECK = ("find_packed_sequence_indices",)
+
+
+@pytest.mark.parametrize("setting", ["packing", "padding_free"])
+def test_packed_rows_attend_within_their_sequences_without_reading_the_boundaries(tmp_path, monkeypatch, setting):
+    """packing and padding_free with sdpa, 4 rows a micro-batch: the attention within each sequence
+    (stoker.attention) gets its boundaries from the collator, computed on the host, so its GPU kernels read
+    nothing. Run with the dense kernel (the GPU's fallback, made on the device from the boundaries; the others have
+    no CPU kernel): nothing is read but agree_on_step and transformers' packed-rows check."""
+    from stoker import Trainer, attention
+    from tests.integration.test_trainer import args
+    from tests.unit.test_packing import sft_rows
+
+    monkeypatch.setattr(attention, "kernel_for", lambda *a, **k: "dense")
+    counter = StepSyncs()
+    trainer = Trainer(_llama("sdpa"), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                           max_steps=3, logging_steps=1000, **{setting: True}),
+                      train_dataset=sft_rows(48, seed=3), callbacks=[counter])
+    assert trainer.model.config._attn_implementation == attention.NAME
+    trainer.train()
+    for step, events in enumerate(counter.steps[1:], start=2):
+        packed_check = [e for e in events if any(f" {name}" in e[2] for name in PACKED_CHECK)]
+        others = [e for e in events if e not in packed_check and " agree_on_step" not in e[2]]
+        assert others == [], f"step {step}:\n" + "\n".join(map(str, others))
+        assert len(packed_check) <= 2  # one per micro-batch
 
 
 def test_the_counter_sees_each_kind_of_host_sync():

@@ -1,57 +1,205 @@
-"""stoker.attention: inside unpadded_attention, transformers' sdpa mask for a micro-batch the host counted as unpadded
-is the causal shortcut's (none); every other mask (padding, a KV cache's offset, a sliding window, packed rows) and
-every mask outside it is transformers' own."""
+"""Attention within each sequence for packed rows (stoker.attention): the collator's boundaries, every kernel against
+the per-sequence reference, the dispatch, and the Trainer training packed rows through it at micro-batches of several
+rows exactly as on the same rows padded."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
-from stoker.attention import rows_unpadded, unpadded_attention
-from stoker.data import CountedBatch
+from stoker import Trainer, attention
+from stoker.data import IGNORE_INDEX, PaddingCollator
+from stoker.packing import PackingCollator, pack_rows, separation_problems, sequence_starts, use_packed_attention
+from tests.integration.test_trainer import args, llama
+from tests.unit.test_packing import GradRecorder, sft_rows
 
 
-def _counted(mask: torch.Tensor) -> dict:
-    batch = CountedBatch({"input_ids": torch.ones_like(mask), "attention_mask": mask})
-    return dict(batch.to("cpu"))
+def sdpa_llama(seed: int = 0):
+    model = llama(seed)
+    model.config._attn_implementation = "sdpa"
+    return model
 
 
-def _mask(mask, **kw):
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
-
-    q, kv = mask.shape[1] - kw.pop("past", 0), mask.shape[1]
-    args = dict(batch_size=mask.shape[0], q_length=q, kv_length=kv, q_offset=kv - q, kv_offset=0,
-                mask_function=causal_mask_function, attention_mask=mask.bool(), allow_is_causal_skip=True)
-    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**{**args, **kw})
+def boundaries(batch) -> list[int]:
+    return batch["cu_seq_lens_q"].tolist()
 
 
-def test_the_host_counts_decide_and_only_inside_the_context():
-    ones, padded = _counted(torch.ones(2, 6, dtype=torch.long)), _counted(torch.tensor([[1] * 6, [1] * 4 + [0] * 2]))
-    assert rows_unpadded(ones) and not rows_unpadded(padded)
-    assert not rows_unpadded({"attention_mask": torch.ones(2, 6)})  # not counted on the host: read as before
-    with unpadded_attention(ones):
-        assert _mask(ones["attention_mask"]) is None
-        # what changes the mask is left to transformers: a KV cache's offset, a sliding window, another pattern
-        assert _mask(ones["attention_mask"], past=2) is not None
-        assert _mask(ones["attention_mask"], local_size=4) is not None
-        assert _mask(ones["attention_mask"], allow_is_causal_skip=False) is not None
-    with unpadded_attention(padded):
-        assert _mask(padded["attention_mask"]).shape == (2, 1, 6, 6)
-    # outside: transformers' own function, which reads the mask (and skips it for ones, as before)
-    assert _mask(ones["attention_mask"]) is None and _mask(padded["attention_mask"]) is not None
+# --- the collator's boundaries --------------------------------------------------------------------------------
+
+def test_the_collator_computes_each_sequences_boundaries_on_the_host():
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "position_ids": [0, 1, 2, 0, 1]}, {"input_ids": [3, 4, 5]}]
+    batch = PackingCollator(boundaries=True)(rows)
+    # row 0: sequences of 3 and 2; row 1 (from position 5): one of 3, then its 2 pad tokens as one sequence
+    assert boundaries(batch) == [0, 3, 5, 8, 10] and batch["cu_seq_lens_q"].dtype == torch.int32
+    assert torch.equal(batch["cu_seq_lens_k"], batch["cu_seq_lens_q"])
+    assert batch["max_length_q"] == batch["max_length_k"] == 3 and isinstance(batch["max_length_q"], int)
+    flat = PackingCollator(boundaries=True, flatten=True)(rows)  # padding_free: one row, no padding
+    assert boundaries(flat) == [0, 3, 5, 8] and flat["input_ids"].shape == (1, 8)
+    # every boundary is a sequence start of the flattened position_ids (padding aside)
+    packed = PackingCollator(boundaries=True)(pack_rows(sft_rows(20, seed=1), max_length=32))
+    starts = sequence_starts(packed["position_ids"]).reshape(-1).nonzero().squeeze(1).tolist()
+    real = (packed["input_ids"] != 0).reshape(-1)
+    assert [s for s in starts if real[s]] == [b for b in boundaries(packed)[:-1] if real[b]]
+    assert "cu_seq_lens_q" not in PackingCollator()(rows)  # only when asked: a forward must take them
 
 
-def test_a_sliding_window_model_keeps_its_window():
-    """Mistral-style sliding attention on unpadded rows longer than the window: the logits are those of the run
-    without the shortcut."""
-    from transformers import MistralConfig, MistralForCausalLM
+# --- the kernels against the per-sequence reference -------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kernel", ["dense", "flex"])
+def test_each_kernel_computes_what_sdpa_over_each_sequence_does(kernel, causal):
+    """flex runs its forward on a CPU (its backward does not, in torch 2.13); dense is the GPU's last fallback.
+    Grouped-query heads (4 query heads, 2 key/value heads) and a one-token sequence included."""
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
-                                             attn_implementation="sdpa")).eval()
-    batch = _counted(torch.ones(2, 10, dtype=torch.long))
-    batch["input_ids"] = torch.randint(1, 64, (2, 10))
-    plain = model(**batch).logits
-    with unpadded_attention(batch):
-        told = model(**batch).logits
-    torch.testing.assert_close(told, plain)
+    q, k, v = torch.randn(41, 4, 8), torch.randn(41, 2, 8), torch.randn(41, 2, 8)
+    cu = torch.tensor([0, 5, 17, 18, 30, 41], dtype=torch.int32)
+    reference = attention.per_sequence(q, k, v, cu, 12, causal, None)
+    got = getattr(attention, kernel)(q, k, v, cu, 12, causal, None)
+    torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+    # the reference itself: each sequence alone, as if it were the only one
+    alone = torch.nn.functional.scaled_dot_product_attention(q[5:17].transpose(0, 1), k[5:17].transpose(0, 1),
+                                                            v[5:17].transpose(0, 1), is_causal=causal,
+                                                            enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(reference[5:17], alone, atol=0, rtol=0)
+
+
+def test_the_per_sequence_path_has_gradients_equal_to_the_dense_masks():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(30, h, 8, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, 7, 20, 30], dtype=torch.int32)
+    grads = []
+    for kernel in (attention.per_sequence, attention.dense):
+        out = kernel(q, k, v, cu, 13, True, None)
+        grads.append(torch.autograd.grad((out * torch.arange(out.numel()).view_as(out).sin()).sum(), (q, k, v)))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# --- the dispatch -------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_dispatch():
+    choose = attention.kernel_for  # the cached function, whatever a test patches in its place
+    choose.cache_clear()
+    yield
+    choose.cache_clear()
+
+
+@pytest.mark.parametrize(("varlen", "flash", "triton", "dtype", "expected"), [
+    (True, True, True, torch.bfloat16, "varlen"),
+    (False, True, True, torch.bfloat16, "flash_attn"),
+    (False, False, True, torch.bfloat16, "flex"),
+    (True, True, True, torch.float32, "flex"),  # the flash kernels take half precision only
+    (False, False, False, torch.bfloat16, "dense"),
+])
+def test_the_kernel_is_the_first_that_runs_on_the_device(monkeypatch, fresh_dispatch, caplog, varlen, flash, triton,
+                                                         dtype, expected):
+    monkeypatch.setattr(attention, "_has_varlen", lambda: varlen)
+    monkeypatch.setattr(attention, "_has_flash_attn", lambda: flash)
+    monkeypatch.setattr(attention, "_has_triton", lambda: triton)
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        assert attention.kernel_for("cuda", dtype) == expected
+        assert attention.kernel_for("cuda", dtype) == expected
+    said = [r for r in caplog.records if "packed rows attend" in r.getMessage()]
+    assert len(said) == 1  # once, at the first forward
+    if expected == "dense":
+        assert said[0].levelno == logging.WARNING
+        for install in ("torch.nn.attention.varlen", "flash-attn", "triton"):
+            assert install in said[0].getMessage()
+    assert attention.kernel_for("cpu", torch.bfloat16) == "per_sequence"
+    assert attention.kernel_for("cuda", torch.bfloat16, dropout=True) == "dense"  # sdpa alone drops out
+
+
+def test_the_attention_calls_the_chosen_kernel_with_the_collators_boundaries(monkeypatch, fresh_dispatch):
+    """As on a GPU with torch's varlen kernel (patched in: it has no CPU kernel): the flattened q, k, v of the
+    micro-batch and the collator's cu_seq_lens, and the model's outputs are those of the per-sequence path."""
+    calls = []
+
+    def varlen_here(q, k, v, cu, max_len, causal, scale, dropout=0.0):
+        calls.append((q.shape, cu.tolist(), max_len, causal))
+        return attention.per_sequence(q, k, v, cu, max_len, causal, scale, dropout)
+
+    model = sdpa_llama()
+    use_packed_attention(model)
+    batch = PackingCollator(boundaries=True)(pack_rows(sft_rows(12, seed=2), max_length=32))
+    with torch.no_grad():
+        expected = model(**batch, use_cache=False).logits
+        monkeypatch.setattr(attention, "kernel_for", lambda *a, **k: "varlen")
+        monkeypatch.setitem(attention._KERNEL_FUNCTIONS, "varlen", varlen_here)
+        got = model(**batch, use_cache=False).logits
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    rows, length = batch["input_ids"].shape
+    assert len(calls) == 2  # one per layer
+    assert calls[0] == (torch.Size([rows * length, 4, 8]), boundaries(batch), batch["max_length_q"], True)
+
+
+# --- the model: packed rows never meet, and equal the same rows padded ------------------------------------------
+
+def test_the_trainer_switches_sdpa_models_and_keeps_other_attention():
+    model = sdpa_llama()
+    assert use_packed_attention(model) == attention.NAME == model.config._attn_implementation
+    eager = llama()
+    eager.config._attn_implementation = "eager"
+    assert use_packed_attention(eager) is None and eager.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_packed_sequences_never_attend_across_a_boundary(rows):
+    """The probe at the micro-batch's shape passes, and rewriting the first sequence of every row leaves every
+    other token's logits exactly as they were."""
+    model = sdpa_llama()
+    use_packed_attention(model)
+    assert separation_problems(model, {"use_cache": False}, "packing", rows) == []
+    packed = pack_rows([{"input_ids": [3, 4, 5, 6, 7]}, {"input_ids": [8, 9, 10]}, {"input_ids": [11, 12, 13, 14]}],
+                       max_length=12)
+    batch = PackingCollator(boundaries=True)(packed * rows)
+    changed = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    changed["input_ids"][:, :5] = torch.tensor([60, 61, 62, 63, 1])
+    with torch.no_grad():
+        before, after = (model(**b, use_cache=False).logits for b in (batch, changed))
+    assert not torch.allclose(before[:, :5], after[:, :5])
+    torch.testing.assert_close(after[:, 5:], before[:, 5:], atol=0, rtol=0)
+
+
+def test_packed_rows_give_the_loss_and_gradients_of_the_same_rows_padded():
+    data = sft_rows(18, seed=5)
+    packed = PackingCollator(boundaries=True)(pack_rows(data, max_length=40))
+    padded = PaddingCollator()(data)
+    targets = int((padded["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert int((packed["labels"][:, 1:] != IGNORE_INDEX).sum()) == targets
+    results = []
+    for batch, attn in ((packed, "packed"), (padded, "sdpa")):
+        model = sdpa_llama()
+        if attn == "packed":
+            use_packed_attention(model)
+        loss = model(**batch, use_cache=False, num_items_in_batch=targets).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-6)
+    for name, g in results[1][1].items():
+        torch.testing.assert_close(results[0][1][name], g, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("setting", [{"packing": True, "packing_length": 48}, {"padding_free": True}])
+def test_the_trainer_trains_packed_rows_through_it_at_several_rows_per_micro_batch(tmp_path, setting):
+    """per_device_train_batch_size=4: the model attends through stoker.attention with the collator's boundaries,
+    and one optimizer step over the whole data set has the gradients of the unpacked rows."""
+    data = sft_rows(16, seed=4)
+    rec = GradRecorder()
+    Trainer(sdpa_llama(), args(tmp_path / "rows", per_device_train_batch_size=16, max_steps=1), train_dataset=data,
+            callbacks=[rec]).train()
+    expected = rec.grads[0]
+    t = Trainer(sdpa_llama(), args(tmp_path / "packed", **setting), train_dataset=data)
+    assert t.model.config._attn_implementation == attention.NAME
+    n, batches, collate = len(t.train_dataset), [], t.data_collator
+    t.data_collator = lambda features: batches.append(collate(features)) or batches[-1]
+    t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps, t.args.max_steps = 4, -(-n // 4), 1
+    rec = GradRecorder()
+    t.add_callback(rec)
+    t.train()
+    assert batches and all("cu_seq_lens_q" in b for b in batches)
+    for name, g in expected.items():
+        torch.testing.assert_close(rec.grads[0][name], g, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stoker import ConfigError, Trainer, TrainerCallback
 from stoker import chunked_loss as chunked
@@ -77,7 +78,7 @@ def test_no_chunk_holds_more_than_chunk_elements_of_logits(monkeypatch):
     recomputes nothing, and without gradients (evaluation) no gradient is computed either."""
     shapes, linear = [], nn.functional.linear
     monkeypatch.setattr(chunked.nn.functional, "linear", lambda *a: shapes.append(linear(*a).shape) or linear(*a))
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 50 * 4)
+    monkeypatch.setattr(chunked, "CPU_CHUNK_BYTES", 50 * 8 * 4)  # float32: 8 bytes a logit, 4 tokens
     hidden = torch.randn(2, 20, 8, requires_grad=True)
     loss = chunked_cross_entropy(hidden, torch.randn(50, 8), torch.randint(0, 50, (2, 20)))
     loss.backward()
@@ -92,9 +93,113 @@ def test_no_chunk_holds_more_than_chunk_elements_of_logits(monkeypatch):
     assert len(one_hots) == 10
 
 
+def test_chunks_are_thousands_of_tokens_sized_from_the_free_memory_on_a_gpu(monkeypatch):
+    """On a GPU an eighth of the free memory (clamped to 256 MiB .. 2 GiB, read once per device); on a CPU a fixed
+    256 MiB: each chunk's float32 logits and their 16-bit copy fit."""
+    cuda = torch.device("cuda", 0)
+    for free, expected in ((120 * 2**30, 2790), (8 * 2**30, 1395), (2**30, 348)):
+        chunked._gpu_chunk_budget.cache_clear()
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index, free=free: (free, 141 * 2**30))
+        assert chunked.chunk_tokens_for(128256, cuda, torch.bfloat16) == expected
+    chunked._gpu_chunk_budget.cache_clear()
+    assert chunked.chunk_tokens_for(32000, torch.device("cpu"), torch.bfloat16) == 1398
+    assert chunked.chunk_tokens_for(128256, torch.device("cpu")) == 261  # float32: 8 bytes a logit
+    assert chunked.chunk_tokens_for(64, torch.device("cpu")) == chunked.MAX_CHUNK_TOKENS
+
+
+def test_chunks_of_thousands_of_tokens_give_the_full_loss_and_gradients():
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 1500, 16, generator=g, requires_grad=True)
+    weight = torch.randn(96, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 96, (3, 1500), generator=g)
+    labels[1, :200] = IGNORE_INDEX
+    expected = reference_loss(hidden, weight, None, labels)
+    got = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=2048)  # 4,297 targets: chunks of 2,048
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(expected, (hidden, weight)),
+                    strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class Allocations(TorchDispatchMode):
+    """The shape, dtype and size of every tensor an op makes (views and in-place results, which share memory
+    already counted, are left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[tuple[int, ...], torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}  # an in-place op's or out= op's result is its input
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and not t._is_view() and t.untyped_storage().data_ptr() not in given:
+                self.made.append((tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        return out
+
+    def largest(self) -> int:
+        return max(n for *_, n in self.made)
+
+
+def test_at_a_128k_vocabulary_the_largest_tensor_is_a_chunk_not_the_logits():
+    """Forward and backward at vocabulary 128,256 and 384 target tokens: the plain loss makes the [tokens, vocab]
+    float32 logits (and their log-softmax and gradient); the chunked loss at most one chunk's logits (its
+    budget) and the float32 weight gradient. No [vocab, hidden] 16-bit temporary per chunk: the weight gradient is
+    summed in float32 in place."""
+    g = torch.Generator().manual_seed(0)
+    vocab, tokens = 128256, 384
+    hidden = torch.randn(1, tokens + 1, 16, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, 16, generator=g) / 4).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens + 1), generator=g)
+    peaks = {}
+    for name in ("plain", "chunked"):
+        with Allocations() as seen:
+            if name == "plain":
+                loss = reference_loss(hidden, weight, None, labels)
+            else:
+                loss = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=128)  # 3 chunks
+            loss.backward()
+        peaks[name] = seen.largest()
+        if name == "chunked":
+            weight_sized = [(shape, dtype) for shape, dtype, _ in seen.made if shape == (vocab, 16)]
+            # the float32 accumulator, and its cast to the weight's dtype once at the end
+            assert weight_sized == [((vocab, 16), torch.float32), ((vocab, 16), torch.bfloat16)], weight_sized
+        hidden.grad = weight.grad = None
+    assert peaks["plain"] >= tokens * vocab * 4  # the float32 logits
+    assert peaks["chunked"] <= max(128 * vocab * 4, vocab * 16 * 4)  # a chunk's float32 logits, the weight gradient
+    assert peaks["chunked"] < peaks["plain"] / 2
+
+
+def test_liger_is_used_on_a_gpu_where_it_is_installed(monkeypatch):
+    """The dispatch (Liger is not installed here): on a GPU its kernel computes the sum of the target rows' losses,
+    which the chunked loss then normalises as its own; on a CPU, or when chunk_tokens is given, stoker's chunks."""
+    calls = []
+
+    def liger_stand_in(hidden, weight, targets, bias):
+        calls.append((hidden.shape, targets.shape))
+        return nn.functional.cross_entropy(nn.functional.linear(hidden, weight, bias).float(), targets,
+                                           reduction="sum")
+
+    assert chunked.fused_kernel("cpu") is None
+    chunked._liger.cache_clear()
+    monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # not importable: no fused kernel
+    assert chunked.fused_kernel("cuda") is None
+    chunked._liger.cache_clear()
+    monkeypatch.setattr(chunked, "fused_kernel", lambda device_type: liger_stand_in)
+    hidden, weight = torch.randn(2, 9, 8, requires_grad=True), torch.randn(30, 8)
+    labels = torch.randint(0, 30, (2, 9))
+    labels[0, 4] = IGNORE_INDEX
+    got = chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=20)
+    assert calls == [(torch.Size([15, 8]), torch.Size([15]))]  # the 15 target rows only
+    torch.testing.assert_close(got, reference_loss(hidden, weight, None, labels, 20))
+    chunked_cross_entropy(hidden, weight, labels, chunk_tokens=4)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_chunked_loss_equals_the_models_own_loss_and_gradients(monkeypatch, tied):
-    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 64 * 7)  # vocab 64: chunks of 7 tokens
+    monkeypatch.setattr(chunked, "CPU_CHUNK_BYTES", 64 * 8 * 7)  # vocab 64 in float32: chunks of 7 tokens
     batch = PaddingCollator()(rows(6, seed=1))
     own, mine = _llama(tied), _llama(tied)
     expected = own(**batch, use_cache=False).loss

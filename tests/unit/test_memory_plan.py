@@ -66,7 +66,8 @@ def test_activations_follow_batch_checkpointing_and_chunked_loss():
     assert checkpointed.activations < plain.activations / 8
     chunked = estimate(SHAPE, dataclasses.replace(base, chunked_loss=True))
     assert plain.logits == 3 * 4 * 2048 * SHAPE.vocab * 4  # float32 log-softmax and two gradients
-    assert chunked.logits < plain.logits / 5 and chunked.peak < plain.peak
+    # a chunk of thousands of tokens (2 GiB of logits at most) and the float32 weight gradient
+    assert chunked.logits < plain.logits / 2 and chunked.peak < plain.peak
 
 
 def test_fsdp_shards_and_offload_moves_state_to_the_host():

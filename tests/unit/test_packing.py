@@ -306,10 +306,16 @@ def test_packing_refuses_models_that_let_packed_sequences_meet(tmp_path):
 
     data = sft_rows(8)
     # (transformers 5.25's BERT keeps packed sequences apart by their position_ids, and the probe then accepts it)
-    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
-                                   num_attention_heads=4, word_embed_proj_dim=32))
-    for model, setting in ((opt, "packing"), (opt, "padding_free")):
-        with pytest.raises(ConfigError, match=f"{setting}=True: {type(model).__name__} .attn_implementation='sdpa'. "
+    def opt(attention):
+        return OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                        num_attention_heads=4, word_embed_proj_dim=32, attn_implementation=attention))
+
+    # OPT's own mask ignores packed position_ids; with sdpa, switched to stoker's attention within each sequence
+    # (stoker.attention), it keeps them apart, and the probe accepts it
+    accepted = Trainer(opt("sdpa"), args(tmp_path, packing=True), train_dataset=data)
+    assert accepted.model.config._attn_implementation == "stoker_varlen"
+    for model, setting in ((opt("eager"), "packing"), (opt("eager"), "padding_free")):
+        with pytest.raises(ConfigError, match=f"{setting}=True: {type(model).__name__} .attn_implementation='eager'. "
                                               "lets a packed sequence attend to the one before it") as e:
             Trainer(model, args(tmp_path, **{setting: True}), train_dataset=data)
         assert len(e.value.problems) == 1

@@ -1,0 +1,99 @@
+"""float8 training (TrainingArguments.fp8): the model's linear layers compute their matmuls in float8 through torchao,
+as Accelerate's AORecipeKwargs does and torchtitan recommends:
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=float8_filter(model))
+
+Each converted nn.Linear (torchao's Float8Linear) keeps its weight as it was (bfloat16 or float32 parameters, the
+same names): inputs, weights and gradients are cast to float8 with a scale per tensor ("tensorwise", the fastest)
+or per row ("rowwise", more accurate), for the matmuls only. So checkpoints stay plain safetensors of the
+unconverted weights: a float8 run resumes without float8, and the reverse.
+
+Left in bfloat16, as torchao advises: the output layer (its logits feed the loss, where float8's error costs the
+most) and every layer with a dimension that is not a multiple of 16 (the float8 matmul's alignment; such layers are
+small, and the casts would cost more than the matmul saves).
+
+float8 matmuls need compute capability 8.9 or more (Ada, Hopper, Blackwell): elsewhere the setting is refused before
+any work. The casts are fused into the surrounding kernels by torch.compile; without it float8 is usually slower
+than bfloat16 (logged at the start). torchao is imported only when fp8 is set.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from torch import nn
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
+ALIGNMENT = 16  # float8 matmuls (torch._scaled_mm) need both dimensions of a weight to be multiples of 16
+
+logger = logging.getLogger("stoker")
+
+
+def float8_problems(fp8, bf16: bool, capability: tuple[int, int] | None) -> list[str]:
+    """Why TrainingArguments(fp8=...) cannot run (empty if it can). `capability` is the CUDA device's compute
+    capability, None without a GPU."""
+    if fp8 is None:
+        return []
+    if fp8 not in RECIPES:
+        return [f"fp8={fp8!r}: not a float8 recipe; accepted: {', '.join(map(repr, RECIPES))}, or None (off)"]
+    p = []
+    if capability is None:
+        p.append(f"fp8={fp8!r}: float8 training needs an NVIDIA GPU of compute capability 8.9 or more (Ada, Hopper, "
+                 "Blackwell); there is no CUDA GPU here. Leave fp8 unset")
+    elif tuple(capability) < (8, 9):
+        p.append(f"fp8={fp8!r}: this GPU (compute capability {capability[0]}.{capability[1]}) has no float8 "
+                 "matmuls; float8 training needs compute capability 8.9 or more (Ada, Hopper, Blackwell). Leave fp8 "
+                 "unset")
+    if not bf16:
+        p.append(f"fp8={fp8!r}: float8 matmuls run inside bfloat16 training (the layers left out, the casts' "
+                 "outputs); set bf16=True too")
+    if importlib.util.find_spec("torchao") is None:
+        p.append(f"fp8={fp8!r}: needs torchao (pip install 'stoker[float8]')")
+    return p
+
+
+def float8_filter(model: nn.Module):
+    """torchao's module_filter_fn: the nn.Linear layers to convert, all but the output layer and the layers with a
+    dimension that is not a multiple of 16."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+
+    def convert(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or module is head:
+            return False
+        return module.in_features % ALIGNMENT == 0 and module.out_features % ALIGNMENT == 0
+
+    return convert
+
+
+def convert_to_float8(model: nn.Module, recipe: str, emulate: bool = False) -> list[str]:
+    """Converts `model`'s linear layers (float8_filter) to torchao's Float8Linear in place, with torchao's
+    `recipe`; returns the names of the converted layers. emulate=True computes the float8 matmuls in higher
+    precision (torchao's emulation, for CPUs and the tests)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(model))
+    return [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+def use_float8(model: nn.Module, args) -> None:
+    """The Trainer's: converts the model for TrainingArguments.fp8 (checked by then) and says what it converted."""
+    if args.fp8 is None:
+        return
+    converted = convert_to_float8(model, args.fp8, emulate=not torch.cuda.is_available())
+    linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    logger.info("fp8=%r: %d of %d linear layers compute in float8 (the output layer and layers with a dimension "
+                "not a multiple of %d stay in bfloat16)", args.fp8, len(converted), linear, ALIGNMENT)
+    if not args.torch_compile:
+        logger.warning("fp8=%r without torch_compile=True: float8's casts run as separate kernels, usually slower "
+                       "than bfloat16; set torch_compile=True", args.fp8)
