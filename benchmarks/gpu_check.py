@@ -30,10 +30,11 @@ Checks, each a short stoker training run of a Llama built from a config (nothing
 
 Throughput is measured over the steps after the first few (compilation and warm-up excluded), at a fixed
 sequence length without padding. It is a check, not a test: it prints a table; the exit code is 1 if a
-check failed (a row "not run", what this machine cannot show, is not a failure). The whole script keeps to BUDGET_S: a check starts only while the time left (the total less
-RESERVE_S for the table) covers its MIN_START_S, an in-process check is interrupted by an alarm when the time
-left runs out, and a torchrun child gets the time left as its timeout; the table is printed in every case,
-on SIGTERM too. `--rehearse` runs the checks that can run on a CPU with tiny sizes (for the test suite).
+check failed (a row "not run", what this machine cannot show, is not a failure). The whole script keeps to
+BUDGET_S (or --budget): a check starts only while the time left (the total less RESERVE_S for the table)
+covers its MIN_START_S, an in-process check is interrupted by an alarm when the time left runs out, and a
+child process (torchrun's, or a fresh one) gets the time left as its timeout; the table is printed in every
+case, on SIGTERM too. `--rehearse` runs the checks that can run on a CPU with tiny sizes (for the test suite).
 """
 
 from __future__ import annotations
@@ -262,7 +263,8 @@ def torchrun_child(check: str, processes: int, rehearse: bool = False) -> list[d
     or in one plain fresh process with `processes` 0, with the time left in the budget as its timeout; its rows
     come back on stdout."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)] if processes else []
-    cmd = [sys.executable, *launcher, os.path.abspath(__file__), "--child", check] + (["--rehearse"] if rehearse else [])
+    cmd = [sys.executable, *launcher, os.path.abspath(__file__), "--child", check]
+    cmd += ["--rehearse"] if rehearse else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUDGET.child_timeout(),
                               env={**os.environ, CHILD_VARIABLE: "1"})
