@@ -280,7 +280,8 @@ def child(job: str, way: str, rehearse: bool, steps: int | None) -> dict:
     s = Sizes(rehearse, steps)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     times = StepTimes(device)
-    torch.backends.cuda.matmul.allow_tf32 = False  # as every way leaves it: bf16 autocast does the matmuls
+    # TF32 as each way leaves it: stoker turns it on for what bf16 autocast leaves in float32 (gpu_defaults), the
+    # others keep torch's setting; the matmuls that count run in bf16 in every way
     with tempfile.TemporaryDirectory() as out:
         if way == "hand":
             model, loss = run_hand(job, s, device, times)
