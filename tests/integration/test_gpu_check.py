@@ -195,3 +195,11 @@ def test_ddp_on_one_gpu_runs_one_rank_and_says_two_are_not_run(gpus, monkeypatch
     else:
         assert [r["name"] for r in rows] == ["ddp_2proc"] and "not_run" not in rows[0]
         assert rows[0]["note"].startswith("2 ranks on cuda:0 and cuda:1, nccl")
+
+
+def test_budget_sets_the_scripts_time_so_that_gpu_all_can_share_ten_minutes():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--rehearse", "--only", "bf16",
+                           "--budget", "10"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "bf16               SKIPPED  " in proc.stdout  # 10 s less the reserve: under MIN_START_S, not started

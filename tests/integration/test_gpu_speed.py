@@ -74,3 +74,11 @@ def test_the_rehearsal_gives_a_row_for_every_way_of_every_job():
     for line in seen.values():
         tokens_per_s, loss = float(line.split()[2].replace(",", "")), float(line.split()[5])
         assert tokens_per_s > 0 and 3.0 < loss < 6.0  # ~ln(128) = 4.85 at the start: every way trained
+
+
+def test_the_one_command_for_both_says_there_is_no_gpu_and_exits_0():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_all.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "gpu_all: no CUDA GPU here" in proc.stdout
