@@ -15,23 +15,26 @@ Checks, each a short stoker training run of a Llama built from a config (nothing
     qlora             the model saved to a folder, loaded in 4 bits (transformers BitsAndBytesConfig, nf4) and
                       trained through a peft LoRA adapter
     mfu_100m          a ~110M-parameter Llama in bf16, eager and with torch.compile: tokens/s and MFU
-    checkpoint        synchronous and asynchronous (async_save) checkpoints: a run resumed from checkpoint-k of
-                      either ends with the parameters of the run never stopped; each checkpoint verifies
+    checkpoint        synchronous and asynchronous (async_save) checkpoints, each equal to the live parameters of
+                      its step (exact); resume bit-exact under full_determinism=True, and otherwise within the
+                      device's run-to-run noise, which it measures and reports (in a fresh process of its own)
     fp16_overflow     fp16 with an overflow injected into one step's gradients: that step is skipped (parameters
                       unchanged), the loss scale drops, the schedule does not advance, and the next step applies
     chunked_loss      chunked_loss=True gives the loss of chunked_loss=False, with less peak memory
     packing           packed rows (position_ids restarting) of variable-length sequences, and the MFU the
                       training log reports for them (attention from each sequence's own length)
     shared_prefix     rows sharing a 64-token prompt: shared_prefix=True gives the loss of shared_prefix=False
-    ddp_2proc         two processes under torchrun on the one GPU: DDP over gloo (NCCL refuses two ranks on one
-                      device), both ranks' losses equal
+    ddp_2proc         DDP under torchrun, both ranks' losses equal: two ranks over NCCL with 2 GPUs or more; with
+                      one GPU one rank (ddp_1proc: the launcher's path, NCCL, the wrapped model) and the two-rank
+                      agreement "not run" (DDP takes a device per rank); two gloo ranks in the rehearsal
 
 Throughput is measured over the steps after the first few (compilation and warm-up excluded), at a fixed
 sequence length without padding. It is a check, not a test: it prints a table; the exit code is 1 if a
-check failed. The whole script keeps to BUDGET_S: a check starts only while the time left (the total less
-RESERVE_S for the table) covers its MIN_START_S, an in-process check is interrupted by an alarm when the time
-left runs out, and a torchrun child gets the time left as its timeout; the table is printed in every case,
-on SIGTERM too. `--rehearse` runs the checks that can run on a CPU with tiny sizes (for the test suite).
+check failed (a row "not run", what this machine cannot show, is not a failure). The whole script keeps to
+BUDGET_S (or --budget): a check starts only while the time left (the total less RESERVE_S for the table)
+covers its MIN_START_S, an in-process check is interrupted by an alarm when the time left runs out, and a
+child process (torchrun's, or a fresh one) gets the time left as its timeout; the table is printed in every
+case, on SIGTERM too. `--rehearse` runs the checks that can run on a CPU with tiny sizes (for the test suite).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import signal
 import subprocess
@@ -245,15 +249,28 @@ def check_mfu(sizes: dict, steps: int, batch: int, seq_len: int) -> list[dict]:
     return out_rows
 
 
+CHILD_VARIABLE = "STOKER_GPU_CHECK_CHILD"  # set in a check's own fresh process (child)
+
+
+def child(check: str, rehearse: bool = False) -> list[dict]:
+    """Run one check in a fresh Python process (for what it changes process-wide), with the time left in the
+    budget as its timeout; its rows come back on stdout."""
+    return torchrun_child(check, 0, rehearse)
+
+
 def torchrun_child(check: str, processes: int, rehearse: bool = False) -> list[dict]:
     """Run one check in `processes` torchrun processes (Accelerate enables FSDP and DDP only under a launcher),
-    with the time left in the budget as its timeout; its rows come back on stdout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-           os.path.abspath(__file__), "--child", check] + (["--rehearse"] if rehearse else [])
+    or in one plain fresh process with `processes` 0, with the time left in the budget as its timeout; its rows
+    come back on stdout."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)] if processes else []
+    cmd = [sys.executable, *launcher, os.path.abspath(__file__), "--child", check]
+    cmd += ["--rehearse"] if rehearse else []
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUDGET.child_timeout())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUDGET.child_timeout(),
+                              env={**os.environ, CHILD_VARIABLE: "1"})
     except subprocess.TimeoutExpired as e:
-        raise OutOfTime(f"torchrun child {check} ran out of the time left ({e.timeout:.0f}s)") from None
+        raise OutOfTime(f"{'torchrun ' if processes else ''}child {check} ran out of the time left "
+                        f"({e.timeout:.0f}s)") from None
     rows_ = [line[len("ROW "):] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode != 0 or not rows_:
         raise RuntimeError(f"torchrun child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -264,34 +281,90 @@ def parameters(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
-def check_checkpoint(sizes: dict, steps: int, batch: int, seq_len: int, **kw) -> list[dict]:
-    """A run saving every steps // 2, synchronously, and the same run with async_save; a run resumed from each
-    one's first checkpoint ends where the uninterrupted run ended, and so does the async run."""
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two sets of parameters of the same names."""
+    return max((p - b[n]).abs().max().item() for n, p in a.items())
+
+
+class Snapshot:
+    """A stoker callback keeping the parameters as they are at the end of optimizer step `step` (before that
+    step's checkpoint is written)."""
+
+    def __new__(cls, step: int):
+        from stoker import TrainerCallback
+
+        class _Snapshot(TrainerCallback):
+            def __init__(self):
+                self.params = None
+
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                if state.global_step == step:
+                    self.params = parameters(model)
+
+        return _Snapshot()
+
+
+def check_checkpoint(sizes: dict, steps: int, batch: int, seq_len: int, rehearse: bool = False, **kw) -> list[dict]:
+    """Checkpoints, synchronous and in the background (async_save), each against the live parameters of its step
+    (exact), and resume: bit-exact under full_determinism=True, and otherwise within the device's own run-to-run
+    noise, which the check measures (two identical runs) and reports. On a GPU two identical bf16 runs differ
+    (non-deterministic kernels: atomics in sdpa's and the embedding's backward), so only the first two are
+    exact comparisons there; on a CPU all of them are exact.
+
+    In a fresh process of its own: full_determinism switches torch to deterministic algorithms process-wide
+    (and cuBLAS reads its workspace setting once), which must not leak into the other checks."""
+    if os.environ.get(CHILD_VARIABLE) is None:
+        return child("checkpoint", rehearse)
     from stoker import checkpoint_format
 
-    every, rows, notes = steps // 2, [], []
+    every, notes, diffs, async_row = steps // 2, [], {}, None
     with tempfile.TemporaryDirectory() as out:
-        final = None
-        for mode in ("sync", "async"):
-            run = train(llama(sizes, seq_len), os.path.join(out, mode), steps, batch, seq_len, warmup=1,
-                        save_strategy="steps", save_steps=every, async_save=mode == "async", **kw)
-            ended = parameters(run.pop("trainer").model)
-            final = final or ended
-            folder = os.path.join(out, mode, f"checkpoint-{every}")
-            problem = checkpoint_format.verify(folder)
-            if problem is not None:
-                raise RuntimeError(f"{mode} checkpoint-{every} does not verify: {problem}")
-            resumed = train(llama(sizes, seq_len), os.path.join(out, f"{mode}-resumed"), steps, batch, seq_len,
-                            warmup=1, resume_from_checkpoint=folder, **kw)
-            diffs = [max((p - final[n]).abs().max().item() for n, p in params.items())
-                     for params in (ended, parameters(resumed.pop("trainer").model))]
-            if max(diffs) > 1e-4:
-                raise RuntimeError(f"{mode}: the run and the run resumed from checkpoint-{every} end up to "
-                                   f"{max(diffs):.2e} from the synchronous run")
-            rows.append(run)
-            notes.append(f"{mode} resumed max |diff| {diffs[1]:.1e}")
-    return [{"name": "checkpoint", **rows[0], "note": f"saves every {every}; " + "; ".join(notes)
-             + f"; async run {rows[1]['tokens_per_s']:,.0f} tokens/s"}]
+        def run(name: str, resume_from: str | None = None, **more) -> dict:
+            snapshot = Snapshot(every)
+            saving = dict(save_strategy="steps", save_steps=every) if resume_from is None else {}
+            r = train(llama(sizes, seq_len), os.path.join(out, name), steps, batch, seq_len, warmup=1,
+                      callbacks=[snapshot], resume_from_checkpoint=resume_from, **saving, **more, **kw)
+            r["final"] = parameters(r.pop("trainer").model)
+            if resume_from is None:  # the checkpoint is the live state of its step, bit for bit
+                folder = os.path.join(out, name, f"checkpoint-{every}")
+                problem = checkpoint_format.verify(folder)
+                if problem is not None:
+                    raise RuntimeError(f"{name}: checkpoint-{every} does not verify: {problem}")
+                saved = llama(sizes, seq_len)
+                checkpoint_format.load_weights(saved, folder)
+                gap = max_diff(parameters(saved), snapshot.params)
+                if gap != 0:
+                    raise RuntimeError(f"{name}: checkpoint-{every} is {gap:.2e} from the live parameters of "
+                                       f"step {every}")
+                r["folder"] = folder
+            return r
+
+        # without full_determinism first (it cannot be switched off again in this process)
+        plain, plain_async = run("plain"), run("plain-async", async_save=True)
+        noise = max_diff(plain["final"], plain_async["final"])
+        resumed = max_diff(run("plain-resumed", plain["folder"])["final"], plain["final"])
+        diffs["noise"], diffs["resumed"] = noise, resumed
+        # the resumed run re-does only the steps after the checkpoint: its gap is within the noise of whole runs
+        # (3x: the noise of two runs is itself a sample)
+        if resumed > 3 * noise:
+            raise RuntimeError(f"resumed from checkpoint-{every}: {resumed:.2e} from the run never stopped, over 3x "
+                               f"the run-to-run noise ({noise:.2e})")
+        exact = run("deterministic", full_determinism=True)
+        exact_async = run("deterministic-async", async_save=True, full_determinism=True)
+        async_row = exact_async
+        for name, r in (("deterministic", exact), ("deterministic-async", exact_async)):
+            gap = max_diff(run(f"{name}-resumed", r["folder"], full_determinism=True)["final"], exact["final"])
+            diffs[name] = gap
+            if gap != 0 or max_diff(r["final"], exact["final"]) != 0:
+                raise RuntimeError(f"full_determinism=True: the run resumed from {name}'s checkpoint-{every} ends "
+                                   f"{gap:.2e} from the run never stopped (expected 0)")
+        notes = [f"checkpoint-{every} = live step {every} exactly (sync, async)",
+                 f"full_determinism resumed max |diff| {diffs['deterministic']:.1e} sync, "
+                 f"{diffs['deterministic-async']:.1e} async",
+                 f"without it: run-to-run noise {noise:.1e}, resumed {resumed:.1e}"]
+    row = {k: v for k, v in exact.items() if k in ("tokens_per_s", "peak_gb", "loss")}
+    return [{"name": "checkpoint", **row, "note": "; ".join(notes)
+             + f"; async run {async_row['tokens_per_s']:,.0f} tokens/s"}]
 
 
 def overflow_verdict(steps: list[dict], injected: int) -> str | None:
@@ -431,28 +504,42 @@ def check_shared_prefix(sizes: dict, steps: int, batch: int, seq_len: int, **kw)
              f"{out_rows[1]['tokens_per_s'] / max(out_rows[0]['tokens_per_s'], 1e-9):.2f}x the unshared tokens/s"}]
 
 
+NOT_RUN_ON_ONE_GPU = ("one GPU here: DDP takes a device per rank (Accelerate wraps rank 1 with device_ids=[1]), so "
+                     "two ranks agreeing needs 2 GPUs; on a CPU it runs in the rehearsal and tests/distributed")
+
+
 def check_ddp_2proc(sizes: dict, steps: int, batch: int, seq_len: int, rehearse: bool = False) -> list[dict]:
-    """Two torchrun processes on the one GPU (Accelerate gives both cuda:0): DDP over gloo, since NCCL refuses
-    two ranks on one device. Rank 0 gathers each rank's loss and device; they must agree."""
+    """DDP under torchrun, rank 0 gathering each rank's loss and device: two ranks must agree. Two ranks on one
+    GPU are not a valid DDP setup (a device per rank), so with one GPU it runs what one GPU can show (one rank
+    under torchrun: the launcher's path, the NCCL process group, the wrapped model, a finite loss) and reports the
+    two-rank agreement as not run, with why; with two GPUs or more, two ranks over NCCL; on a CPU (the
+    rehearsal), two gloo ranks."""
     if os.environ.get("LOCAL_RANK") is None:
-        (r,) = torchrun_child("ddp_2proc", 2, rehearse)
-        if r["world"] != 2 or len(set(r["losses"])) != 1:
-            raise RuntimeError(f"{r['world']} processes, losses {r['losses']}: not 2 ranks that agree")
+        processes = 2 if rehearse or torch.cuda.device_count() >= 2 else 1
+        (r,) = torchrun_child("ddp_2proc", processes, rehearse)
+        if r["world"] != processes or len(set(r["losses"])) != 1 or not all(map(math.isfinite, r["losses"])):
+            raise RuntimeError(f"{r['world']} processes, losses {r['losses']}: not {processes} ranks that agree")
+        on = f"{' and '.join(r['devices'])}, {r['backend']}, {r['wrapped']}; loss {r['losses'][0]:.4f}"
+        if processes == 1:
+            return [{"name": "ddp_1proc", "tokens_per_s": r["tokens_per_s"], "peak_gb": r["peak_gb"],
+                     "note": f"1 rank on {on}"}, {"name": "ddp_2proc", "not_run": NOT_RUN_ON_ONE_GPU}]
         return [{"name": "ddp_2proc", "tokens_per_s": r["tokens_per_s"], "peak_gb": r["peak_gb"],
-                 "note": f"2 ranks on {' and '.join(r['devices'])}, {r['backend']}; loss {r['losses'][0]:.4f} "
-                         "on both"}]
+                 "note": f"2 ranks on {on} on both"}]
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as out:
-        r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=2, ddp_backend="gloo")
+        # gloo on a CPU; NCCL (Accelerate's choice) on GPUs, a device per rank
+        r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=2,
+                  ddp_backend=None if torch.cuda.is_available() else "gloo")
         trainer = r.pop("trainer")
         world, rank, device = trainer.accelerator.num_processes, trainer.accelerator.process_index, \
             str(trainer.accelerator.device)
+        wrapped = type(trainer.model_wrapped).__name__
         del trainer
     gathered = [None] * world
     dist.all_gather_object(gathered, (r["loss"], device))
     # one row, from rank 0 (two ranks printing to the one stdout would interleave their lines)
-    return [{"name": "ddp_2proc", **r, "world": world, "backend": dist.get_backend(),
+    return [{"name": "ddp_2proc", **r, "world": world, "backend": dist.get_backend(), "wrapped": wrapped,
              "losses": [loss for loss, _ in gathered], "devices": [d for _, d in gathered]}] if rank == 0 else []
 
 
@@ -463,7 +550,7 @@ def checks(rehearse: bool) -> dict:
         long = dict(sizes=TINY, steps=4, batch=4, seq_len=96)  # rows long enough for a 64-token prompt
         return {"bf16": lambda: check_precision("bf16", bf16=True, **s),
                 "qlora": lambda: check_qlora(bf16=False, **s),
-                "checkpoint": lambda: check_checkpoint(**s),
+                "checkpoint": lambda: check_checkpoint(**s, rehearse=True),
                 "chunked_loss": lambda: check_chunked_loss(**s),
                 "packing": lambda: check_packing(**s),
                 "shared_prefix": lambda: check_shared_prefix(**long),
@@ -500,14 +587,15 @@ def print_row(name: str, status: str, row: dict | None = None, note: str = "") -
 
 def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
     """Run the named checks within the budget; returns the failed ones. A check not started for lack of time
-    is SKIPPED, one interrupted by it is TIMEOUT (a failure); the summary table is printed at the end, and on
+    is SKIPPED, one interrupted by it is TIMEOUT (a failure); a row a check returns with "not_run" (what this
+    machine cannot show, and why) is "not run", not a failure; the summary table is printed at the end, and on
     SIGTERM (gpu_check.sh's hard limit) before exiting."""
-    failed, lines = [], []
+    failed, not_run, lines = [], [], []
 
     def summary(signum=None, frame=None):
         print("\n" + "\n".join([f"{'check':<18} {'status':<8} {'tokens/s':>12} {'peak GiB':>9}  note", *lines]))
-        print(f"gpu_check: {len(failed)} failed ({', '.join(failed) or 'none'}) in "
-              f"{budget.clock() - budget.started:.0f}s", flush=True)
+        print(f"gpu_check: {len(failed)} failed ({', '.join(failed) or 'none'}), {len(not_run)} not run on this "
+              f"machine ({', '.join(not_run) or 'none'}) in {budget.clock() - budget.started:.0f}s", flush=True)
         if signum is not None:
             sys.exit(1)
 
@@ -521,7 +609,11 @@ def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
             t0 = budget.clock()
             try:
                 for row in run_within(budget, table[name]):
-                    lines.append(print_row(name, "ok", row, f" ({budget.clock() - t0:.0f}s)"))
+                    if "not_run" in row:  # what this machine cannot show: said, and not a failure
+                        not_run.append(row["name"])
+                        lines.append(print_row(row["name"], "not run", note=row["not_run"]))
+                    else:
+                        lines.append(print_row(name, "ok", row, f" ({budget.clock() - t0:.0f}s)"))
             except OutOfTime as e:
                 failed.append(name)
                 lines.append(print_row(name, "TIMEOUT", note=str(e)))
@@ -543,8 +635,13 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="run only these checks")
     parser.add_argument("--list", action="store_true", help="print the checks and exit")
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes, CPU-capable checks only")
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # a check run inside torchrun
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for every check (default "
+                        f"{BUDGET_S}); gpu_all.sh gives gpu_speed.py the rest of its 10 minutes")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a check run inside torchrun or a fresh process
     a = parser.parse_args()
+    global BUDGET
+    if a.budget != BUDGET.total:
+        BUDGET = Budget(total=a.budget)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

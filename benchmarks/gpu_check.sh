@@ -2,7 +2,8 @@
 # GPU smoke checks of stoker on one CUDA GPU, in at most 8 minutes: bf16 and fp16 training, TF32,
 # torch.compile, FSDP2 in one process, 8-bit AdamW, 4-bit QLoRA, tokens/s + MFU of a ~110M Llama in bf16
 # with and without torch.compile, checkpoint and resume, an fp16 overflow skipped by the scaler, chunked loss,
-# packing (and its logged MFU), shared prefix, and two DDP processes on the one GPU; tokens/s and peak memory
+# packing (and its logged MFU), shared prefix, and DDP under torchrun (two ranks need two GPUs: with one, one rank
+# runs and the two-rank agreement is reported "not run"); tokens/s and peak memory
 # for each (see benchmarks/gpu_check.py).
 # Without a CUDA GPU it says so and exits 0.
 #

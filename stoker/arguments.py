@@ -208,11 +208,18 @@ class TrainingArguments:
         "NEFTune: add uniform noise of scale alpha / sqrt(seq_len * hidden) to the input embeddings in training."))
 
     # --- precision ------------------------------------------------------------------------------
-    bf16: bool = field(default=False, metadata=_help("bfloat16 mixed precision (autocast)."))
+    bf16: bool | None = field(default=None, metadata=_help(
+        "bfloat16 mixed precision (autocast). Not given (None): True on a CUDA GPU with bf16 (compute capability "
+        "8.0 or more) unless fp16, deepspeed or gpu_defaults=False say otherwise, else False; False given keeps "
+        "float32."))
     fp16: bool = field(default=False, metadata=_help(
         "float16 mixed precision with loss scaling (needs a GPU)."))
     tf32: bool | None = field(default=None, metadata=_help(
-        "Allow TF32 matmuls on NVIDIA Ampere or newer (None leaves torch's setting alone)."))
+        "Allow TF32 matmuls (and cuDNN convolutions) on NVIDIA Ampere or newer. Not given (None): True there "
+        "(gpu_defaults), else torch's setting is left alone; False given keeps full float32."))
+    gpu_defaults: bool = field(default=True, metadata=_help(
+        "On a CUDA GPU of compute capability 8.0 or more, a bf16 or tf32 not given becomes True (one notice line "
+        "says so). False: transformers' defaults (float32 matmuls unless bf16 / tf32 are given)."))
     fp8: str | None = field(default=None, metadata=_help(
         "float8 training through torchao on GPUs of compute capability 8.9+ (Ada, Hopper, Blackwell): 'tensorwise' "
         "(fastest) or 'rowwise' (more accurate), torchao's recipes; the output layer and layers with a dimension "
@@ -530,6 +537,7 @@ class TrainingArguments:
         if self.data_seed is None:
             self.data_seed = self.seed
             self._data_seed_is_seed = True  # until data_seed is set: see __setattr__
+        self._gpu_default_notice = self._apply_gpu_defaults()
         problems = []
         for name in JSON_FIELDS:
             value = getattr(self, name)
@@ -813,6 +821,38 @@ class TrainingArguments:
         p += float8_problems(self.fp8, self.bf16, torch.cuda.get_device_capability() if on_cuda else None)
         return p
 
+    def _apply_gpu_defaults(self) -> str | None:
+        """bf16 and tf32 where they were not given (None): on a CUDA GPU of compute capability 8.0 or more, with
+        gpu_defaults, bf16 autocast (10-15x the matmul rate of float32 there; unless fp16 is given, or deepspeed,
+        whose config decides its precision) and TF32; elsewhere bf16 False and tf32 left alone. A bf16 or tf32
+        given, False included, is kept. Returns the notice the Trainer logs once, or None when nothing was
+        decided here."""
+        import torch
+
+        asked_bf16, asked_tf32 = self.bf16 is not None, self.tf32 is not None
+        # this process's GPU (torchrun's LOCAL_RANK), read before Accelerate sets the device
+        ampere = (self.gpu_defaults and not self.use_cpu and torch.cuda.is_available()
+                  and torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0"))
+                                                       % torch.cuda.device_count())[0] >= 8)
+        if not asked_bf16:
+            # True only where the GPU has bf16 in hardware (compute capability 8.0: A100, RTX 30xx and newer);
+            # is_bf16_supported(including_emulation=False) says the same, from the same capability
+            self.bf16 = bool(ampere and not self.fp16 and self.deepspeed in (None, "", {})
+                             and torch.cuda.is_bf16_supported(including_emulation=False))
+        if not asked_tf32 and ampere:
+            self.tf32 = True
+        decided = [what for what, on in (("bf16 autocast", not asked_bf16 and self.bf16),
+                                         ("TF32 matmuls", not asked_tf32 and self.tf32)) if on]
+        if not decided:
+            return None
+        return (f"precision: {' and '.join(decided)} on this GPU, as bf16 / tf32 were not given (transformers would "
+                "train in float32 here); gpu_defaults=False, or bf16=False / tf32=False, keeps float32")
+
+    @property
+    def gpu_default_notice(self) -> str | None:
+        """The line the Trainer logs when gpu_defaults turned bf16 or tf32 on (None: nothing was decided)."""
+        return self.__dict__.get("_gpu_default_notice")
+
     # ------------------------------------------------------------------------------------------
     @property
     def mixed_precision(self) -> str:
@@ -1075,7 +1115,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "optimizer": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
         "optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
         "optim_target_modules", "label_smoothing_factor", "neftune_noise_alpha"),
-    "precision": ("bf16", "fp16", "tf32", "fp8", "bf16_full_eval", "fp16_full_eval"),
+    "precision": ("bf16", "fp16", "tf32", "gpu_defaults", "fp8", "bf16_full_eval", "fp16_full_eval"),
     "memory": ("gradient_checkpointing", "gradient_checkpointing_kwargs", "torch_compile",
         "torch_compile_backend", "torch_compile_mode", "compile_scope", "chunked_loss", "shared_prefix",
         "activation_checkpointing", "activation_checkpointing_kwargs", "use_liger_kernel", "liger_kernel_config",

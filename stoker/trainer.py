@@ -203,6 +203,8 @@ class Trainer(TrainerAPI):
         use_float8(model, self.args)  # fp8: linear layers to torchao's Float8Linear, before Accelerate wraps them
         self._build_accelerator(model)
         set_log_levels(self.args)
+        if self.args.gpu_default_notice and self.accelerator.is_main_process:  # bf16 / TF32 chosen for the script
+            logger.info(self.args.gpu_default_notice)
         self._enable_gradient_checkpointing(model)
         self.model = model
         self.model_wrapped = model  # the prepared (DDP/compiled) model once training starts
@@ -534,9 +536,12 @@ class Trainer(TrainerAPI):
         if loop is not None and per_epoch:
             max_steps = checkpointer.replanned_steps(resume_dir, loop, pos, len(loader), per_epoch) or max_steps
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
+        # no float32 copy of the logits where stoker computes the loss (a compute_loss_func, or a compute_loss of
+        # a subclass, gets them in float32, as from transformers.Trainer)
+        half_outputs = self.compute_loss_func is None and not self._overridden(("compute_loss",))
         self.model_wrapped, self.optimizer, self.lr_scheduler = self._backend.prepare(
             self.model, OptimizerSource(*self._given_optimizers, self._build_optimizer_and_scheduler,
-                                        self.create_optimizer), max_steps)
+                                        self.create_optimizer), max_steps, half_outputs)
 
         handler = self.callback_handler  # what callbacks receive from now on (as transformers updates them here)
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler

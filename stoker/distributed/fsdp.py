@@ -176,15 +176,19 @@ def fsdp_plugin_kwargs(fsdp, fsdp_config, gradient_checkpointing: bool = False,
             kwargs["limit_all_gathers"] = as_bool(config["limit_all_gathers"], "fsdp_config['limit_all_gathers']",
                                                    problems)
     policy = _mixed_precision_policy(config.get("mixed_precision_policy"), mixed_precision, version, problems)
-    if policy:
+    if policy is not None:
         kwargs["mixed_precision_policy"] = policy
     return kwargs, problems
 
 
-def _mixed_precision_policy(given, mixed_precision: str, version: int, problems: list[str]) -> dict | None:
-    """The FSDP mixed precision policy of a half-precision run, as Accelerate's plugin takes it (a dict of
-    dtypes): parameters in the run's half dtype, gradients reduced in float32 (FSDP1 also keeps buffers in the
-    half dtype, as Accelerate does). None in full precision.
+def _mixed_precision_policy(given, mixed_precision: str, version: int, problems: list[str]):
+    """The FSDP mixed precision policy of a half-precision run, as torch's policy object (FSDP2's
+    `MixedPrecisionPolicy`, FSDP1's `MixedPrecision`): parameters in the run's half dtype, gradients reduced in
+    float32 (FSDP1 also keeps buffers in the half dtype, as Accelerate does). None in full precision.
+
+    An object rather than a dict of dtypes: Accelerate 1.15 (setup.cfg's floor) checks a dict for every key the
+    FSDP2 policy has (param_dtype, reduce_dtype, output_dtype) and rejects one without output_dtype, while an
+    object is taken as it is by every version since.
 
     Accelerate's default for bf16 reduces in bf16, and FSDP2 then also accumulates the unsharded gradients of a
     window's no-sync micro-batches in bf16: the sums lose bits against DDP's float32 gradients, and accumulation
@@ -215,7 +219,9 @@ def _mixed_precision_policy(given, mixed_precision: str, version: int, problems:
                             "float16, float32")
         else:
             names[key] = FSDP_DTYPES[str(value).lower()]
-    return {k: getattr(torch, names[k]) for k in keys}
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+    return (MixedPrecisionPolicy if version == 2 else MixedPrecision)(**{k: getattr(torch, names[k]) for k in keys})
 
 
 def reduce_in_float32(plugin, mixed_precision: str) -> None:
@@ -223,11 +229,8 @@ def reduce_in_float32(plugin, mixed_precision: str) -> None:
     precision policy: bf16 reduces then) the policy of `_mixed_precision_policy`. Accelerate reads it when it
     prepares the model, after this."""
     policy = _mixed_precision_policy(None, mixed_precision, plugin.fsdp_version, [])
-    if policy:
-        from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
-
-        plugin.mixed_precision_policy = (MixedPrecisionPolicy if plugin.fsdp_version == 2 else MixedPrecision)(
-            **policy)
+    if policy is not None:
+        plugin.mixed_precision_policy = policy
 
 
 def _layers_to_wrap(model, names) -> tuple[list[str], list[str]]:

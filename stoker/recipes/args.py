@@ -82,7 +82,8 @@ class RecipeArguments:
     auto_bf16: bool = field(default=True, metadata={
         "help": "With neither bf16 nor fp16 set: bf16 autocast where the device runs it faster than float32 (a "
                 "CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX), else float32; the run says which. false: "
-                "bf16 / fp16 as set."})
+                "bf16 / fp16 as set (on a CUDA GPU TrainingArguments' gpu_defaults still decides a bf16 not "
+                "given: --gpu_defaults false or --bf16 false keeps float32 there)."})
 
     def __post_init__(self):
         p = []
@@ -116,7 +117,12 @@ class ModelArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of every weight."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA branch."})
+    # 0 unless asked: dropout on the LoRA branch keeps a copy of every adapted layer's input per forward (memory
+    # and time on a GPU), and short fine-tunes rarely need it
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch (0: none)."})
+    lora_base_bf16: bool = field(default=True, metadata={
+        "help": "With use_peft and bf16 training, the frozen base weights in bfloat16 (half their memory, no cast "
+                "per forward; the adapters and lora_modules_to_save stay float32). false: the base as loaded."})
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
         "help": "Linear layers to adapt by name (e.g. q_proj v_proj), or 'all-linear'."})
     lora_modules_to_save: list[str] | None = field(default=None, metadata={

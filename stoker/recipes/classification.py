@@ -24,7 +24,7 @@ from stoker.arguments import TrainingArguments
 from stoker.lora import merge_adapter
 from stoker.recipes.args import GENERATED, RECIPES, DataArguments, ModelArguments, recipe_main
 from stoker.recipes.data import load_rows, require_columns
-from stoker.recipes.models import build_classifier, peft_config_for
+from stoker.recipes.models import build_classifier, lora_base_in_bf16, peft_config_for
 from stoker.recipes.results import summary, write_results
 from stoker.tasks import TOPICS, classification_metrics, topic_sentences
 from stoker.trainer import Trainer
@@ -55,6 +55,8 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
 
     # --- setup: tokenizer and model (the new head drawn from the seed), then the rows as token ids
     tokenizer, model = build_classifier(m, names, texts, d.max_length, args.seed)
+    lora = peft_config_for(m, model)
+    lora_base_in_bf16(m, args.bf16, model, lora)  # with LoRA under bf16, the frozen base in bf16 (not the head)
     encode = lambda pairs: [{**tokenizer(t, truncation=True, max_length=d.max_length), "labels": y}
                             for t, y in pairs]
     train = encode(train_pairs)
@@ -62,7 +64,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
 
     # --- setup: the Trainer, scoring accuracy and macro F1
     trainer = Trainer(model, args, train_dataset=train, eval_dataset=held, processing_class=tokenizer,
-                      compute_metrics=classification_metrics, peft_config=peft_config_for(m, model))
+                      compute_metrics=classification_metrics, peft_config=lora)
 
     # --- train, with the held-out metrics before and after (nothing held out: train without evaluating)
     if held is None and args.eval_strategy != "no":

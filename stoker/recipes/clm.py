@@ -23,7 +23,7 @@ from stoker.arguments import TrainingArguments
 from stoker.lora import merge_adapter
 from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, recipe_main
 from stoker.recipes.data import clm_rows, generated_pairs, load_rows
-from stoker.recipes.models import build_causal_lm, peft_config_for
+from stoker.recipes.models import build_causal_lm, lora_base_in_bf16, peft_config_for
 from stoker.recipes.results import final_metrics, generate_sample, summary, write_results
 from stoker.tasks import answer_metrics, argmax_logits
 from stoker.trainer import Trainer
@@ -36,6 +36,8 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     with 'sample' (a generated answer) for prompt/completion data and 'merged' for a LoRA run."""
     # --- setup: tokenizer and model (its weights drawn from the seed when it is built from scratch)
     tokenizer, model = build_causal_lm(m, args.seed)
+    lora = peft_config_for(m, model)
+    lora_base_in_bf16(m, args.bf16, model, lora)  # with LoRA under bf16, the frozen base in bf16
 
     # --- setup: data. Local files or a hub dataset hold text (cut into blocks with block_size) or
     # prompt/completion rows; a generated task gives prompt/completion pairs and held-out problems
@@ -54,7 +56,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     trainer = Trainer(model, args, train_dataset=train, eval_dataset=held, processing_class=tokenizer,
                       compute_metrics=answer_metrics if paired else None,
                       preprocess_logits_for_metrics=argmax_logits if paired else None,
-                      peft_config=peft_config_for(m, model))
+                      peft_config=lora)
 
     # --- train, with the held-out metrics before and after (nothing held out: train without evaluating)
     if held is None and args.eval_strategy != "no":

@@ -89,6 +89,23 @@ def build_classifier(m: ModelArguments, labels: list[str], texts: list[str], max
     return tokenizer, model
 
 
+def lora_base_in_bf16(m: ModelArguments, bf16: bool, model, peft_config) -> bool:
+    """With use_peft, bf16 training and lora_base_bf16, the frozen base's floating-point weights cast to bfloat16
+    in place: the base then takes half the memory and autocast has no float32 weight to cast on every forward.
+    Left as they are: k-bit weights, the modules peft trains in full (peft_config.modules_to_save, and the
+    classification head peft adds to them for SEQ_CLS), and buffers such as rotary tables (their float32 keeps
+    long positions exact). peft makes the adapters float32 itself. Returns whether it cast anything."""
+    if peft_config is None or not (bf16 and m.lora_base_bf16) or m.load_in_4bit or m.load_in_8bit:
+        return False
+    trained = set(peft_config.modules_to_save or ())
+    if str(peft_config.task_type).endswith("SEQ_CLS"):
+        trained |= {"classifier", "score"}
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.bfloat16 and not trained & set(name.split(".")):
+            p.data = p.data.to(torch.bfloat16)
+    return True
+
+
 def peft_config_for(m: ModelArguments, model):
     """The LoRA config of `m` for `model` (rank, alpha, dropout, target and saved modules), or None without
     use_peft. Target modules the model does not have are a ConfigError that lists its linear layers."""

