@@ -133,7 +133,8 @@ class Trainer(TrainerAPI):
     - Preemption: on SIGTERM / SIGUSR1 the current step is finished, checkpointed, and train() raises
       TrainingPreempted (exit code 75).
     - Bad input (arguments, model, data, collator) is reported before any work, every problem at once, as a
-      ConfigError.
+      ConfigError; a dataset's rows on its first real batch, before the model sees it (the collator is never
+      called for a check of its own).
 
     Override points, as in transformers: compute_loss, training_step, prediction_step, evaluation_loop,
     create_optimizer, create_scheduler, get_train_dataloader, get_eval_dataloader, log.
