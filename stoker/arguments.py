@@ -82,6 +82,37 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
+# GradientAccumulationPlugin's options, each with the value that is stoker's loop (None: any bool is honoured)
+GRADIENT_ACCUMULATION_OPTIONS = {"sync_each_batch": None, "adjust_scheduler": True, "sync_with_dataloader": True}
+
+
+def gradient_accumulation_problems(kwargs) -> list[str]:
+    """Problems of accelerator_config's gradient_accumulation_kwargs (Accelerate's GradientAccumulationPlugin
+    options, as transformers passes them on). The loop accumulates itself, token-exact: sync_each_batch is
+    honoured; adjust_scheduler and sync_with_dataloader are accepted at True, which is what the loop does (one
+    schedule step per optimizer step; the epoch's last window may be short and still steps); num_steps is
+    gradient_accumulation_steps."""
+    name = "accelerator_config.gradient_accumulation_kwargs"
+    if kwargs is None:
+        return []
+    if not isinstance(kwargs, dict):
+        return [f"{name}={kwargs!r}: must be a dict of {', '.join(GRADIENT_ACCUMULATION_OPTIONS)}"]
+    p = []
+    for key, value in kwargs.items():
+        if key == "num_steps":
+            p.append(f"{name}: num_steps={value!r}: set gradient_accumulation_steps instead (the loop accumulates "
+                     "itself, token-exact)")
+        elif key not in GRADIENT_ACCUMULATION_OPTIONS:
+            p.append(f"{name}: unknown key {key!r}{suggest(key, GRADIENT_ACCUMULATION_OPTIONS)}; accepted: "
+                     f"{', '.join(GRADIENT_ACCUMULATION_OPTIONS)}")
+        elif not isinstance(value, bool):
+            p.append(f"{name}: {key}={value!r}: must be True or False")
+        elif GRADIENT_ACCUMULATION_OPTIONS[key] is not None and value != GRADIENT_ACCUMULATION_OPTIONS[key]:
+            p.append(f"{name}: {key}={value!r}: stoker's loop always behaves as {key}=True (one schedule step per "
+                     "optimizer step, a short last window at the end of an epoch); leave it True")
+    return p
+
+
 @dataclass
 class AcceleratorConfig:
     """accelerator_config once read, with the attributes and defaults of transformers' AcceleratorConfig: the
@@ -92,7 +123,8 @@ class AcceleratorConfig:
     even_batches: bool = True  # the last global batch padded with the first rows so every process has one
     use_seedable_sampler: bool = True  # the shuffle follows data_seed and the epoch: resumable
     non_blocking: bool = False  # host-to-device copies without waiting (with dataloader_pin_memory)
-    gradient_accumulation_kwargs: dict | None = None  # refused when set: the loop accumulates itself
+    # Accelerate's GradientAccumulationPlugin options that fit the loop's own exact accumulation: sync_each_batch
+    gradient_accumulation_kwargs: dict | None = None
     use_configured_state: bool = False  # refused when True: each Trainer configures Accelerate itself
 
     @classmethod
@@ -115,13 +147,18 @@ class AcceleratorConfig:
         return self.__dict__.pop(key, default)
 
     def dataloader_options(self) -> dict[str, Any]:
-        """The keyword arguments of Accelerate's DataLoaderConfiguration. dispatch_batches=None becomes False:
-        every process reads an IterableDataset itself and keeps its share of each global batch (Accelerate's
-        default has the main process read and concatenate whole batches, which fails on rows of different
-        lengths); map-style datasets are read so either way."""
+        """The keyword arguments of Accelerate's DataLoaderConfiguration, dispatch_batches as given: None stays None
+        on the Accelerator, as transformers leaves it, and stoker's Accelerator prepares its loaders then as with
+        False (stoker.distributed.accelerator.ShareReadingAccelerator)."""
         return {"split_batches": self.split_batches, "even_batches": self.even_batches,
-                "dispatch_batches": bool(self.dispatch_batches), "use_seedable_sampler": self.use_seedable_sampler,
+                "dispatch_batches": self.dispatch_batches, "use_seedable_sampler": self.use_seedable_sampler,
                 "non_blocking": self.non_blocking}
+
+    def syncs_each_batch(self) -> bool:
+        """gradient_accumulation_kwargs' sync_each_batch: gradients all-reduced after every micro-batch's backward
+        rather than once per window (less memory under FSDP, which then holds no unsharded gradients between
+        micro-batches; more communication)."""
+        return bool((self.gradient_accumulation_kwargs or {}).get("sync_each_batch", False))
 
 
 @dataclass
@@ -601,9 +638,7 @@ class TrainingArguments:
                 bad(name, "must be a dict or a JSON object string")
         accelerate = self.accelerator_config
         if isinstance(accelerate, AcceleratorConfig):
-            if accelerate.gradient_accumulation_kwargs:
-                p.append(f"accelerator_config.gradient_accumulation_kwargs={accelerate.gradient_accumulation_kwargs!r}"
-                         ": stoker accumulates itself, token-exact; set gradient_accumulation_steps instead")
+            p += gradient_accumulation_problems(accelerate.gradient_accumulation_kwargs)
             if accelerate.use_configured_state:
                 p.append("accelerator_config.use_configured_state=True: stoker builds the Accelerator of each Trainer "
                          "from these arguments; leave it False")

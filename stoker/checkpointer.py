@@ -32,7 +32,7 @@ import torch
 from . import checkpoint_format as ckpt
 from .background_save import BackgroundWriter, HostCopies, Job, Pace, any_on_every_process, save_failed
 from .callbacks import TrainerState, callback_states, restore_callback_states
-from .errors import CheckpointError, NonFiniteError
+from .errors import CheckpointError, NonFiniteError, NotACheckpointError
 from .log import logger
 from .loop import Layout, LoopPosition, RunningLog
 
@@ -70,7 +70,8 @@ def _copied(state: Any, copy: HostCopies) -> Any:
 def resolve_resume(resume, args) -> str | None:
     """The checkpoint folder to resume from, for train(resume_from_checkpoint=...) or args' resume_from_checkpoint:
     None (a new run), True (the newest complete checkpoint in output_dir, if any) or a path. Refuses
-    (CheckpointError) an incomplete or corrupted folder, one written with save_only_model, and, for True, an
+    (CheckpointError) an incomplete or corrupted folder (NotACheckpointError, also a ValueError, as transformers
+    raises for a folder it cannot resume from), one written with save_only_model, and, for True, an
     output_dir holding the checkpoints of more than one run."""
     if resume is None or resume is False:
         resume = args.resume_from_checkpoint
@@ -104,7 +105,9 @@ def resolve_resume(resume, args) -> str | None:
         return None
     problem = ckpt.verify(resume) if os.path.isdir(resume) else "no such folder"
     if problem:
-        raise CheckpointError(f"resume_from_checkpoint={resume!r}: {problem}")
+        # transformers' words first (scripts and its tests match them), then what is wrong with the folder
+        raise NotACheckpointError(f"Can't find a valid checkpoint at {resume}: resume_from_checkpoint={resume!r}: "
+                                  f"{problem}")
     return resumable(resume)
 
 

@@ -28,6 +28,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupted or does not fit the run."""
 
 
+class NotACheckpointError(CheckpointError, ValueError):
+    """resume_from_checkpoint names a folder that is no checkpoint a run can resume from (missing, not a stoker
+    checkpoint, incomplete or damaged). Also a ValueError whose message starts as transformers' ("Can't find a
+    valid checkpoint at <path>"), so that a script catching or matching transformers' error keeps working."""
+
+
 class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient norm (see nonfinite_policy)."""
 

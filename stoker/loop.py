@@ -511,4 +511,5 @@ class Run:
     signals: PreemptionSignals
     resumed: bool
     ignore_keys_for_eval: list[str] | None = None
+    rows_checked: bool = False  # the first training batch has been checked against the model (trainer_checks)
     started: float = dataclasses.field(default_factory=time.time)  # wall clock, as transformers' speed metrics

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -435,7 +436,9 @@ def start_of_training_line(model, args, dataset, world_size: int) -> str:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     lengths = []
     if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        lengths = [len(dataset[i]["input_ids"]) for i in range(min(len(dataset), 64))]
+        # rows without input_ids are refused at the first batch (trainer_checks), after this line is printed
+        rows = (dataset[i] for i in range(min(len(dataset), 64)))
+        lengths = [len(r["input_ids"]) for r in rows if isinstance(r, Mapping) and "input_ids" in r]
     peft_config = next(iter(getattr(model, "peft_config", {}).values()), None)
     dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
     setup = Setup(micro_batch=args.per_device_train_batch_size, seq_len=max(lengths, default=512),

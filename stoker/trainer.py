@@ -12,6 +12,7 @@ backend object that the loop calls without branching on which one it is.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import random
 import sys
@@ -89,14 +90,14 @@ from .prefix import prefix_body
 from .report import ReportCallback
 from .sdpa_mask import unpadded_attention
 from .trainer_api import TrainerAPI
-from .trainer_checks import train_rows_problems, trainer_input_problems
+from .trainer_checks import batch_problems, trainer_input_problems
 
-# the hooks whose override makes the train batches or the loss (TRAIN_HOOKS), or the eval batches, the loss or the
-# evaluation itself (EVAL_HOOKS): where a subclass overrides one, its first rows are not probed against the model's
-# forward, since what reaches the model is the override's business. get_test_dataloader is not one: predict's rows
-# are never probed, and the eval sets do not go through it
+# the hooks whose override makes the train batches or the loss (TRAIN_HOOKS), or the eval (EVAL_HOOKS) or test
+# (PREDICT_HOOKS) batches, the loss or the evaluation itself: where a subclass overrides one, the first batch of
+# that set is not checked against the model's forward, since what reaches the model is the override's business
 TRAIN_HOOKS = ("get_train_dataloader", "compute_loss")
 EVAL_HOOKS = ("get_eval_dataloader", "compute_loss", "prediction_step", "evaluation_loop", "evaluate")
+PREDICT_HOOKS = ("get_test_dataloader", "compute_loss", "prediction_step", "evaluation_loop", "predict")
 
 
 def set_seed(seed: int) -> None:
@@ -135,7 +136,8 @@ class Trainer(TrainerAPI):
     - Preemption: on SIGTERM / SIGUSR1 the current step is finished, checkpointed, and train() raises
       TrainingPreempted (exit code 75).
     - Bad input (arguments, model, data, collator) is reported before any work, every problem at once, as a
-      ConfigError.
+      ConfigError; a dataset's rows on its first real batch, before the model sees it (the collator is never
+      called for a check of its own).
 
     Override points, as in transformers: compute_loss, training_step, prediction_step, evaluation_loop,
     create_optimizer, create_scheduler, get_train_dataloader, get_eval_dataloader, log.
@@ -194,8 +196,7 @@ class Trainer(TrainerAPI):
                 self.args, model, self.train_dataset, data_collator, self._pad_token_id(), self._forward_kwargs)
             self._set_collator(_unwrap_peft(model))
         problems = trainer_input_problems(self.args, model, optimizers, self.train_dataset, self.eval_dataset,
-                                          self.data_collator, self.compute_loss_func, self.label_names,
-                                          self._convention.family, self._overridden(EVAL_HOOKS))
+                                          self.compute_loss_func)
         if problems:
             raise ConfigError(problems, "Trainer inputs")
 
@@ -217,11 +218,10 @@ class Trainer(TrainerAPI):
         # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
         self._train_batch_size = self.args.per_device_train_batch_size
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
-        # stoker's wall-clock figures of a log record go to on_log beside it, where log() (or an override) takes them
-        parameters = inspect.signature(self.log).parameters
-        self._log_takes_diagnostics = "diagnostics" in parameters or any(
-            p.kind is p.VAR_KEYWORD for p in parameters.values())
         self._eval_dataloaders = {}  # with dataloader_persistent_workers: "eval" or a set's name -> its loader
+        # the evaluation sets whose first batch has been checked against the model (by id), and the name of the
+        # one the evaluation now starting should check (trainer_checks.batch_problems)
+        self._rows_checked, self._rows_to_check = set(), None
 
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
@@ -486,10 +486,13 @@ class Trainer(TrainerAPI):
         """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
         the checkpoint resumed from; returns the run."""
         a, acc = self.args, self.accelerator
-        # the train rows against the model, before any work of the run (the constructor probes the eval sets); a
-        # search trial in a Ray worker has no model until model_init builds its own, which is checked then
-        if self.model is not None:
-            self._check_train_rows(self.model)
+        if a.auto_find_batch_size and acc.num_processes > 1 and a.accelerator_config.syncs_each_batch():
+            # the processes agree on an out-of-memory error before the window's one gradient all-reduce; with one
+            # per micro-batch an error after the first would leave the others waiting in the next
+            raise ConfigError([f"auto_find_batch_size=True with accelerator_config.gradient_accumulation_kwargs="
+                               f"{a.accelerator_config.gradient_accumulation_kwargs!r} on {acc.num_processes} "
+                               "processes: halving needs the gradients synchronised once per window; drop "
+                               "sync_each_batch or auto_find_batch_size"], "Trainer")
         self._backend.check_new_run()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
                            accumulation=a.gradient_accumulation_steps)
@@ -518,10 +521,7 @@ class Trainer(TrainerAPI):
         if self._backend.runs or self.model_init is not None:
             acc.free_memory()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
-            unchecked = self.model is None
             model = self._set_up_model(self.call_model_init(trial))
-            if unchecked:
-                self._check_train_rows(model)
             self._enable_gradient_checkpointing(model)
             self.model = self.model_wrapped = model
         if a.use_liger_kernel:
@@ -569,12 +569,6 @@ class Trainer(TrainerAPI):
                    steps_per_epoch=per_epoch, halver=halver,
                    nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
                    resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval)
-
-    def _check_train_rows(self, model) -> None:
-        problems = train_rows_problems(model, self.train_dataset, self.data_collator, self.compute_loss_func,
-                                       self.label_names, self._convention.family, self._overridden(TRAIN_HOOKS))
-        if problems:
-            raise ConfigError(problems, "Trainer inputs")
 
     def _train_loader(self, micro_batch: int):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
@@ -676,12 +670,15 @@ class Trainer(TrainerAPI):
         for epoch in range(pos.epoch, s.num_train_epochs):
             pos.epoch = epoch
             self._fire("on_epoch_begin")
-            for window in self._windows(run):
-                preempted = self._optimizer_step(model, window, run)
-                # read anew after every event: a callback may return a TrainerControl of its own, which then
-                # replaces self.control (as in transformers)
-                if self.control.should_epoch_stop or self.control.should_training_stop:
-                    break
+            windows = self._windows(run)
+            first = self._first_window(windows, run)
+            if first is not None:
+                for window in itertools.chain([first], windows):
+                    preempted = self._optimizer_step(model, window, run)
+                    # read anew after every event: a callback may return a TrainerControl of its own, which then
+                    # replaces self.control (as in transformers)
+                    if self.control.should_epoch_stop or self.control.should_training_stop:
+                        break
             if run.steps_per_epoch and pos.batches >= len(run.train_dataloader):
                 s.epoch = pos.epoch + 1
             self._fire("on_epoch_end")
@@ -754,6 +751,69 @@ class Trainer(TrainerAPI):
                 self._fire("on_substep_end")
         return window_loss
 
+    def _first_window(self, windows: Iterator[list[dict]], run: Run) -> list[dict] | None:
+        """The epoch's first window, once every process has its own; None where the epoch holds no batch on some
+        process (training then stops, as transformers stops it, with a warning, on every process). The run's first
+        batch is also checked against the model here (trainer_checks.batch_problems), before the model sees it,
+        and refused on every process if any process's fails (ConfigError). On several processes one all-reduce
+        of two numbers per epoch: without it a process whose share of the epoch is empty (a stream used up, rows
+        fewer than the processes) would loop on epochs while another waits in a collective for ever."""
+        acc, pos, starts_epoch = self.accelerator, run.position, run.position.batches == 0
+        problems, error, window = [], None, None
+        try:
+            window = next(windows, None)
+        except Exception as e:  # the first batch could not be built: reported as bad input on every process
+            if run.rows_checked or self._overridden(TRAIN_HOOKS):
+                raise
+            problems, error = [f"train_dataset: its first batch could not be built (its rows or the data collator): "
+                               f"{type(e).__name__}: {e}"], e
+        if window is not None and not run.rows_checked and not self._overridden(TRAIN_HOOKS):
+            problems = batch_problems(self.model, "train_dataset", window[0], self.compute_loss_func,
+                                      self.label_names, self._convention.family, self._filters_columns())
+        empty, refused = window is None, bool(problems)
+        if acc.num_processes > 1:
+            flags = acc.reduce(torch.tensor([float(empty), float(refused)], device=acc.device), "sum").tolist()
+            empty, refused = flags[0] > 0, flags[1] > 0
+        if refused:
+            raise ConfigError(problems or ["train_dataset: the first batch of another process cannot be run by the "
+                                           "model (that process names the problem)"], "Trainer inputs") from error
+        run.rows_checked = True
+        if empty and starts_epoch:  # (a resumed epoch may have nothing left: it simply ends)
+            logger.warning(f"epoch {pos.epoch} yields no batch"
+                           + (f" on {int(flags[0])} of {acc.num_processes} processes" if acc.num_processes > 1 else "")
+                           + f" (There seems not to be a single sample in your epoch_iterator), stopping training at "
+                           f"step {self.state.global_step} of max_steps={self.state.max_steps}: an IterableDataset "
+                           "that is used up, or fewer rows than the processes with even_batches=False or "
+                           "dataloader_drop_last=True")
+            self.control.should_training_stop = True
+        return None if empty else window
+
+    def _checked_first_batch(self, batches: Iterator, name: str, key: int):
+        """The first batch of an evaluation set (or None, where this process has none), checked against the model
+        (trainer_checks.batch_problems) before the model sees it, when the set's first evaluation starts; refused on
+        every process if any process's fails (ConfigError), after one all-reduce of one number."""
+        acc, problems, error, first = self.accelerator, [], None, None
+        self._rows_to_check = None
+        try:
+            first = next(batches, None)
+        except Exception as e:
+            problems, error = [f"{name}: its first batch could not be built (its rows or the data collator): "
+                               f"{type(e).__name__}: {e}"], e
+        if first is not None:
+            problems = batch_problems(self.model, name, first, self.compute_loss_func, self.label_names,
+                                      self._convention.family, self._filters_columns())
+        refused = bool(problems)
+        if acc.num_processes > 1:
+            refused = acc.reduce(torch.tensor([float(refused)], device=acc.device), "sum").item() > 0
+        if refused:
+            raise ConfigError(problems or [f"{name}: the first batch of another process cannot be run by the model "
+                                           "(that process names the problem)"], "Trainer inputs") from error
+        self._rows_checked.add(key)
+        return first
+
+    def _filters_columns(self) -> bool:
+        return isinstance(self.data_collator, ColumnFilter)
+
     def _windows(self, run: Run) -> Iterator[list[dict]]:
         """The epoch's optimizer-step windows from micro-batch `run.position.batches` on; the last may be shorter.
 
@@ -780,7 +840,9 @@ class Trainer(TrainerAPI):
                 loader = self.get_resumed_dataloader(loader, pos.batches)
             window = []
             for batch in run.log.data_clock.timed(loader):  # sums the time spent waiting for batches
-                window.append(dict(batch))  # a transformers collator's BatchEncoding is a Mapping, not a dict
+                # a transformers collator's BatchEncoding is a Mapping, not a dict; what is no Mapping at all is
+                # refused by the first batch's check (_first_window)
+                window.append(dict(batch) if isinstance(batch, Mapping) else batch)
                 if len(window) == pos.accumulation:
                     yield window
                     window = []
@@ -852,12 +914,21 @@ class Trainer(TrainerAPI):
         self._fire("on_log", logs=logs, diagnostics=diagnostics or {})
 
     def _log(self, logs: dict[str, float], start_time: float | None, diagnostics: dict) -> None:
-        """log() from the loop: with the diagnostics where log() takes them (an override written for transformers'
-        log(logs, start_time) does not)."""
-        if self._log_takes_diagnostics:
-            self.log(logs, start_time, diagnostics=diagnostics)
-        else:
-            self.log(logs, start_time)
+        """log() from the loop, with exactly the arguments its signature takes: an override written for
+        transformers' log(logs, start_time) gets no diagnostics, and one written as log(self, logs) (older scripts,
+        transformers' own plateau test) gets the logs alone. Read at each call, so that a log replaced on the
+        instance is called right too (a signature costs microseconds; a log record comes once per logging_steps)."""
+        parameters = list(inspect.signature(self.log).parameters.values())
+        kinds = {p.kind for p in parameters}
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        args, kwargs = [logs], {}
+        if (len(positional) >= 2 and positional[1].name != "diagnostics") or inspect.Parameter.VAR_POSITIONAL in kinds:
+            args.append(start_time)  # positionally, as transformers calls it
+        elif any(p.name == "start_time" for p in parameters) or inspect.Parameter.VAR_KEYWORD in kinds:
+            kwargs["start_time"] = start_time
+        if any(p.name == "diagnostics" for p in parameters[1:]) or inspect.Parameter.VAR_KEYWORD in kinds:
+            kwargs["diagnostics"] = diagnostics
+        self.log(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
@@ -948,6 +1019,15 @@ class Trainer(TrainerAPI):
         batch's forwards tells the others before the batch's gather (OutOfMemoryInEvaluation), and one anywhere
         else, where the others may be waiting in a collective, is raised."""
         acc = self.accelerator
+        # the set's first batch is checked against the model when its first evaluation starts (evaluation_loop)
+        predicting = description == "Prediction"
+        actual = self.eval_dataset[dataset] if isinstance(dataset, str) else (
+            dataset if dataset is not None or predicting else self.eval_dataset)
+        name = "test_dataset" if predicting else f"eval_dataset[{dataset!r}]" if isinstance(dataset, str) else (
+            "eval_dataset")
+        self._rows_to_check = None
+        if id(actual) not in self._rows_checked and not self._overridden(PREDICT_HOOKS if predicting else EVAL_HOOKS):
+            self._rows_to_check = (name, id(actual))
         while True:
             started = time.time()  # wall-clock, as transformers' speed_metrics measures from
             try:
@@ -1046,7 +1126,11 @@ class Trainer(TrainerAPI):
         # auto_find_batch_size on several processes: an out-of-memory error in a batch's forwards is told to every
         # process, which then halve the evaluation batch together (_run_evaluation)
         agree = a.auto_find_batch_size and acc.num_processes > 1 and self._backend.agrees_on_out_of_memory
-        for n, batch in enumerate(dataloader, 1):
+        batches = iter(dataloader)
+        if self._rows_to_check is not None:  # the set's first evaluation: its first batch against the model
+            first = self._checked_first_batch(batches, *self._rows_to_check)
+            batches = itertools.chain([first] if first is not None else [], batches)
+        for n, batch in enumerate(batches, 1):
             batch = dict(batch)  # a transformers collator's BatchEncoding
             with agreeing_on_out_of_memory(acc, agree), torch.no_grad():  # also around a subclass's prediction_step
                 loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)

@@ -92,7 +92,8 @@ class TrainerAPI:
             return sys.maxsize, max_steps, samples, samples, total, max_steps * accumulation, max_steps
         examples = self.num_examples(dataloader)
         if args.max_steps > 0:
-            epochs, samples = math.ceil(max_steps / per_epoch), max_steps * total
+            # as transformers, an epoch counts as one step at least (a process whose share of the data is no batch)
+            epochs, samples = math.ceil(max_steps / max(per_epoch, 1)), max_steps * total
         else:
             epochs, samples = math.ceil(args.num_train_epochs), examples * args.num_train_epochs
         return epochs, per_epoch, examples, samples, total, len(dataloader), max_steps

@@ -1,11 +1,14 @@
-"""Checks of a Trainer's inputs made in its constructor, before any work: the datasets, the model, and the first
-rows of every dataset collated and run past the model's forward signature, so that a missing column, a label of
-the wrong dtype or shape, or a collator that returns non-tensors is named with the dataset it comes from."""
+"""Checks of a Trainer's inputs: in its constructor, before any work, the datasets and the model against the
+arguments (`trainer_input_problems`); when a dataset's rows first reach the model, its first real batch against
+the model's forward (`batch_problems`), so that a missing column, a label of the wrong dtype or shape, or a
+collator that returns non-tensors is named with the dataset it comes from. The batch checked is the one the loop
+or the evaluation was about to run, so the data collator is never called an extra time (a collator that counts,
+logs or draws random numbers, as masked-LM masking does, sees exactly the calls transformers.Trainer makes) and
+no dataset is read ahead (a stream that can be read once is not used up)."""
 
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,13 +20,11 @@ from .load_balancing import load_balancing_problems
 from .prefix import shared_prefix_problems
 
 
-def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset, collator, compute_loss_func,
-                           label_names: list[str], family: str, eval_overridden: list[str] = ()) -> list[str]:
+def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset, compute_loss_func) -> list[str]:
     """Problems of a Trainer's inputs that need the model and data as well as the arguments, all of them: empty or
-    unusable datasets, a model that cannot do what the arguments ask, and the first rows of every eval set
-    collated and checked against the model (`probe_rows`), unless a subclass makes the eval batches or the loss
-    itself (`eval_overridden` names the hooks it overrides): its batches or its loss need not be what the
-    model's forward asks for."""
+    unusable datasets, and a model that cannot do what the arguments ask. The rows themselves are checked when
+    they first reach the model (`batch_problems`): a Trainer whose script only builds its dataloaders, or only
+    evaluates, is built as transformers builds it, whatever its rows hold."""
     a, p = args, []
     datasets = _named_datasets(train_dataset, eval_dataset)
     needs_eval = a.eval_strategy != "no" or a.eval_on_start or a.load_best_model_at_end
@@ -63,24 +64,7 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
     if getattr(model, "hf_quantizer", None) is not None and not is_peft_model(model):
         p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                  "(LoRA) to train an adapter on it (QLoRA)")
-    if isinstance(model, torch.nn.Module) and not eval_overridden:
-        # the eval sets only: the train set's rows are probed when train() starts (train_rows_problems), so a
-        # Trainer that only evaluates is built as transformers builds it, whatever its train rows hold
-        for name, ds in datasets:
-            if name != "train_dataset":
-                p += probe_rows(model, name, ds, collator, compute_loss_func, label_names, family)
     return p
-
-
-def train_rows_problems(model, train_dataset, collator, compute_loss_func, label_names: list[str], family: str,
-                        overridden: list[str]) -> list[str]:
-    """The train set's first rows collated and checked against the model (probe_rows), when train() starts and
-    before any work. Skipped where a subclass makes the batches or the loss itself (`overridden` names
-    get_train_dataloader or compute_loss): its batches or its loss need not be what the model's forward asks
-    for."""
-    if overridden or train_dataset is None or not isinstance(model, torch.nn.Module):
-        return []
-    return probe_rows(model, "train_dataset", train_dataset, collator, compute_loss_func, label_names, family)
 
 
 def _named_datasets(train_dataset, eval_dataset) -> list[tuple[str, Any]]:
@@ -92,22 +76,12 @@ def _named_datasets(train_dataset, eval_dataset) -> list[tuple[str, Any]]:
         found.append(("eval_dataset", eval_dataset))
     return [(name, ds) for name, ds in found if ds is not None]
 
-def probe_rows(model, name: str, ds, collator, compute_loss_func, label_names: list[str], family: str) -> list[str]:
-    """Collate the first rows of a dataset and check them against the model, so that a missing column,
-    a wrong label dtype or a collator that returns non-tensors fails here rather than mid-run."""
+def batch_problems(model, name: str, batch, compute_loss_func, label_names: list[str], family: str,
+                   filtered: bool = False) -> list[str]:
+    """The first batch of a dataset, as its loader made it, checked against the model before the model sees it:
+    a missing column, a wrong label dtype or shape, a collator that returns non-tensors. `filtered`: the batch
+    went through remove_unused_columns, which dropped the columns forward does not take."""
     base = model.get_base_model() if is_peft_model(model) else model
-    if isinstance(ds, torch.utils.data.IterableDataset):
-        rows = list(itertools.islice(iter(ds), 2))
-    elif hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
-        rows = [ds[i] for i in range(min(len(ds), 2))]
-    else:
-        return []
-    if not rows:
-        return [] if hasattr(ds, "__len__") else [f"{name}: yields no rows"]  # an empty one: reported above
-    try:
-        batch = collator(rows)
-    except Exception as e:
-        return [f"{name}: the data collator failed on its first rows: {type(e).__name__}: {e}"]
     if not isinstance(batch, Mapping):
         return [f"{name}: the data collator returned {type(batch).__name__}; it must return a dict (a Mapping) "
                 "of tensors"]
@@ -116,15 +90,16 @@ def probe_rows(model, name: str, ds, collator, compute_loss_func, label_names: l
     loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor | int))
     if loose:
         p.append(f"{name}: the data collator returned non-tensor values for {loose}")
-    columns = sorted(rows[0]) if isinstance(rows[0], Mapping) else []
+    columns = f"batches have columns {sorted(batch)}" + (
+        " (remove_unused_columns dropped those forward does not take)" if filtered else "")
     forward = inspect.signature(base.forward).parameters.values()
     if hasattr(base, "config"):  # a transformers model
         accepted = {q.name for q in forward}
         if "input_ids" in accepted and "input_ids" not in batch and "inputs_embeds" not in batch:
-            p.append(f"{name}: rows have columns {columns}; {type(model).__name__} needs 'input_ids'")
+            p.append(f"{name}: {columns}; {type(model).__name__} needs 'input_ids'")
         if (name == "train_dataset" and set(label_names) <= accepted and compute_loss_func is None
                 and not any(k in batch for k in label_names)):
-            p.append(f"{name}: rows have columns {columns}; {type(model).__name__} computes its loss from "
+            p.append(f"{name}: {columns}; {type(model).__name__} computes its loss from "
                      f"{label_names} (a 'label' or 'label_ids' column is renamed to 'labels'), which the "
                      "batches lack")
     elif compute_loss_func is None:
@@ -132,7 +107,7 @@ def probe_rows(model, name: str, ds, collator, compute_loss_func, label_names: l
                                                                                  q.KEYWORD_ONLY)]
         missing = [r for r in required if r not in batch]
         if missing:
-            p.append(f"{name}: rows have columns {columns}; {type(model).__name__}.forward needs {missing}")
+            p.append(f"{name}: {columns}; {type(model).__name__}.forward needs {missing}")
     labels = batch.get(label_names[0])
     if family in ("causal_lm", "token") and isinstance(labels, torch.Tensor):
         kind = type(base).__name__

@@ -11,6 +11,7 @@ import os
 from typing import NamedTuple
 
 import torch
+from accelerate import Accelerator
 
 from ..compilation import dynamic_shapes, resolved_scope
 from ..data import pins_memory
@@ -141,13 +142,33 @@ def dynamo_plugin(args, model, sharded: bool):
                              dynamic=dynamic_shapes(args), use_regional_compilation=scope == "blocks")
 
 
+class ShareReadingAccelerator(Accelerator):
+    """Accelerate's Accelerator, but with accelerator_config's dispatch_batches left None (as transformers leaves
+    it, and as `dispatch_batches` then reads back, as on transformers' Accelerator) its loaders are prepared as
+    with False: every process reads an IterableDataset itself and keeps its share of each global batch.
+    Accelerate's None would have the main process read every batch and concatenate whole batches for the others,
+    which fails on rows of different lengths (README's differences table); map-style datasets are read so either
+    way. An explicit True or False is Accelerate's."""
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """Accelerate's, with dispatch_batches=None prepared as False (the configuration keeps its None)."""
+        config = self.dataloader_config
+        if config.dispatch_batches is not None:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        config.dispatch_batches = False
+        try:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        finally:
+            config.dispatch_batches = None
+
+
 def build_accelerator(args, model, optimizers=(None, None)):
     """The Accelerator of a run: mixed precision, DDP options, the FSDP or DeepSpeed plugin (refusing what
     cannot run here, before any work), data loading that is resumable (seedable samplers), and no gradient
     accumulation of its own (the loop's is token-exact). Also applies tf32."""
     from datetime import timedelta
 
-    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate import DataLoaderConfiguration
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -176,7 +197,7 @@ def build_accelerator(args, model, optimizers=(None, None)):
     config["non_blocking"] = config["non_blocking"] or pins_memory(a)
     # no plugin (DDP or one process), an FSDP or a DeepSpeed plugin; refuses what cannot run here
     distributed = accelerator_options(a, model, optimizers)
-    accelerator = Accelerator(
+    accelerator = ShareReadingAccelerator(
         mixed_precision=a.mixed_precision,
         cpu=distributed.cpu,
         # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss

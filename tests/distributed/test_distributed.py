@@ -901,3 +901,24 @@ def test_a_recipe_refused_under_torchrun_says_so_once_and_every_rank_exits_2(tmp
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and output.count("learning_rate=-1.0") == 1, output[-4000:]
     assert "exitcode  : 2" in output and not (tmp_path / "out").exists()
+
+
+# --- data shorter than the processes ------------------------------------------------------------------
+
+
+def test_runs_whose_epochs_yield_no_batch_end_on_every_rank_in_seconds(tmp_path):
+    """transformers' distributed test's last part (a read-once stream of one row, max_steps=1, batch 1,
+    dispatch_batches=False), which looped for ever: it ends after its one step, and so do a stream used up before
+    max_steps, map-style data of one row with even_batches=False (rank 1 gets no batch: both stop at once, no rank
+    left waiting in a collective) and drop_last over fewer rows than the batches; every rank exits 0. A launch of
+    its own (seconds), with a timeout that catches a hang."""
+    started = time.perf_counter()
+    proc = subprocess.run(torchrun_command(tmp_path, "short_data"), capture_output=True, text=True, timeout=240)
+    check(proc)
+    r0, r1 = ranks(tmp_path, "short_data")
+    for r in (r0, r1):
+        assert {k: r[k]["global_step"] for k in ("hf_test", "used_up", "uneven_map", "dropped")} == {
+            "hf_test": 1, "used_up": 1, "uneven_map": 0, "dropped": 0}
+        assert all(r[k]["seconds"] < 30 for k in ("hf_test", "used_up", "uneven_map", "dropped"))
+    assert "yields no batch on 1 of 2 processes" in proc.stderr  # uneven_map: rank 1 had none
+    assert time.perf_counter() - started < 200

@@ -915,6 +915,49 @@ def iterable(out: str) -> None:
     r.write()
 
 
+class ReadOnce(torch.utils.data.IterableDataset):
+    """A stream that can be read once, as transformers' FiniteIterableDataset of its distributed test: a second
+    pass (the next epoch, or a probe reading ahead) finds it used up."""
+
+    def __init__(self, data):
+        self.data, self.read = data, 0
+
+    def __iter__(self):
+        while self.read < len(self.data):
+            self.read += 1
+            yield self.data[self.read - 1]
+
+
+def short_data_runs(out: str, world: int) -> dict:
+    """train() on data shorter than the processes or used up before max_steps: transformers' distributed test
+    (a read-once stream of one row, max_steps=1, batch 1, dispatch_batches=False), the same stream with
+    max_steps=3 (its second epoch yields nothing), map-style data of one row with even_batches=False (one process
+    gets no batch) and with dataloader_drop_last=True over fewer rows than the processes' batches. Each must end,
+    on every process, with the steps the data allowed. Returns what each run reached."""
+    from tests.integration.test_trainer import Regressor, regression_rows
+
+    seen = {}
+    one = regression_rows(1)
+    runs = {"hf_test": (ReadOnce(one), dict(max_steps=1, accelerator_config={"dispatch_batches": False})),
+            "used_up": (ReadOnce(one), dict(max_steps=3, accelerator_config={"dispatch_batches": False})),
+            "uneven_map": (one, dict(max_steps=2, accelerator_config={"even_batches": False})),
+            "dropped": (regression_rows(world), dict(max_steps=2, per_device_train_batch_size=2,
+                                                      dataloader_drop_last=True))}
+    for name, (data, kw) in runs.items():
+        args = training_args(os.path.join(out, name), **{"per_device_train_batch_size": 1, **kw})
+        trainer = Trainer(Regressor(as_dict=True), args, train_dataset=data)
+        started = time.perf_counter()
+        result = trainer.train()
+        seen[name] = {"global_step": result.global_step, "seconds": time.perf_counter() - started}
+    return seen
+
+
+def short_data(out: str) -> None:
+    r = Report(out, "short_data")
+    r.values.update(short_data_runs(r.folder, int(os.environ["WORLD_SIZE"])))
+    r.write()
+
+
 def ddp_adamw(out: str) -> None:
     """The fsdp2 run's settings with plain DDP, to compare the sharded run against. Weight decay on some
     parameter groups only (never norms and biases): the groups must survive FSDP's re-sharding of the optimizer."""
@@ -1068,7 +1111,7 @@ SCENARIOS = {f.__name__: f for f in (
     guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
     zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
     moe, placement, oom_on_one_rank, oom_in_the_last_backward, eval_oom_on_one_rank, worker_seeds, async_fsdp2,
-    async_kill, async_kill_resume)}
+    async_kill, async_kill_resume, short_data)}
 
 
 def main() -> None:

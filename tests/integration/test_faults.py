@@ -548,8 +548,9 @@ def test_resuming_early_stopping_and_loading_the_best_model_are_each_said_once(t
 
 
 def test_bad_rows_labels_and_collators_are_named_before_training(tmp_path):
-    # the train rows are probed when train() starts (a Trainer that only evaluates is built, as transformers
-    # builds it), before any work: the weights are untouched; the eval rows in the constructor
+    # the first train batch is checked as the loop is about to run it (a Trainer that only evaluates is built,
+    # as transformers builds it), before the model sees it: the weights are untouched; the first eval batch when
+    # evaluation starts
     def refused(model, **kw):
         trainer = Trainer(model, make_args(tmp_path), **kw)
         before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -559,12 +560,13 @@ def test_bad_rows_labels_and_collators_are_named_before_training(tmp_path):
         return str(e.value)
 
     no_ids = [{"text_ids": [1, 2, 3], "labels": [1, 2, 3]}]
-    assert re.search(r"columns \['labels', 'text_ids'\].*needs 'input_ids'", refused(llama(), train_dataset=no_ids))
+    assert re.search(r"batches have columns \['labels'\] \(remove_unused_columns dropped those forward does not "
+                     r"take\); LlamaForCausalLM needs 'input_ids'", refused(llama(), train_dataset=no_ids))
     float_labels = [{"input_ids": [1, 2, 3], "labels": [0.5, 0.1, 0.2]}]
     short_labels = [{"input_ids": [1, 2, 3], "labels": [1, 2]}, {"input_ids": [1, 2, 3], "labels": [1, 2]}]
     assert "train_dataset: labels has dtype torch.float32" in refused(llama(), train_dataset=float_labels)
     with pytest.raises(ConfigError, match=re.escape("eval_dataset: labels has shape [2, 2] but input_ids has [2, 3]")):
-        Trainer(llama(), make_args(tmp_path), train_dataset=float_labels, eval_dataset=short_labels)
+        Trainer(llama(), make_args(tmp_path), train_dataset=float_labels, eval_dataset=short_labels).evaluate()
     assert "non-tensor values for ['ids']" in refused(
         llama(), train_dataset=rows(4),
         data_collator=lambda rs: {"input_ids": torch.tensor([r["input_ids"][:3] for r in rs]), "ids": [1]})

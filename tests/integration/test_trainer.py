@@ -291,7 +291,7 @@ def test_unused_columns_are_removed_for_transformers_models(tmp_path):
     data = [{**r, "text": "a string column", "id": i} for i, r in enumerate(rows(8))]
     t, _ = train(llama(), tmp_path / "a", data, per_device_train_batch_size=4, max_steps=1)
     assert t.state.global_step == 1
-    with pytest.raises(ConfigError, match="collator failed.*'text'"):
+    with pytest.raises(ConfigError, match="first batch could not be built .*data collator.*'text'"):
         train(llama(), tmp_path / "b", data, per_device_train_batch_size=4, max_steps=1, remove_unused_columns=False)
 
 

@@ -169,21 +169,22 @@ def test_eval_rows_the_model_cannot_take_are_still_refused_without_an_override(t
     from stoker import Trainer, TrainingArguments
     from stoker.errors import ConfigError
 
+    # built as transformers builds it; refused when the evaluation starts, before the model sees the rows
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", remove_unused_columns=False)
-    with pytest.raises(ConfigError, match=re.escape("eval_dataset: rows have columns ['features', 'labels']; "
+    with pytest.raises(ConfigError, match=re.escape("eval_dataset: batches have columns ['features', 'labels']; "
                                                     "Logits.forward needs ['x']")):
-        Trainer(Logits(), args, eval_dataset=feature_rows(6, 2))
+        Trainer(Logits(), args, eval_dataset=feature_rows(6, 2)).evaluate()
     # a subclass overriding a hook that does not touch the eval rows (predict's loader) is refused alike
     class Unrelated(Trainer):
         def get_test_dataloader(self, test_dataset):
             return super().get_test_dataloader(test_dataset)
 
     with pytest.raises(ConfigError, match="Logits.forward needs"):
-        Unrelated(Logits(), args, eval_dataset=feature_rows(6, 2))
-    # stoker's own Seq2SeqTrainer overrides evaluate and prediction_step, and still probes
+        Unrelated(Logits(), args, eval_dataset=feature_rows(6, 2)).evaluate()
+    # stoker's own Seq2SeqTrainer overrides evaluate and prediction_step, and still checks
     from stoker import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     with pytest.raises(ConfigError, match="Logits.forward needs"):
         Seq2SeqTrainer(Logits(), Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to="none",
                                                           remove_unused_columns=False),
-                       eval_dataset=feature_rows(6, 2))
+                       eval_dataset=feature_rows(6, 2)).evaluate()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from stoker import Trainer, TrainingArguments
+from stoker.arguments import AcceleratorConfig
 from stoker.distributed.backends import (
     DEEPSPEED_KIND,
     FSDP_KIND,
@@ -26,7 +27,8 @@ from stoker.distributed.backends import (
 )
 from stoker.errors import CheckpointError
 
-PLAIN, FP16 = types.SimpleNamespace(fp16=False), types.SimpleNamespace(fp16=True)  # the arguments backends read
+# the arguments backends read
+PLAIN, FP16 = (types.SimpleNamespace(fp16=fp16, accelerator_config=AcceleratorConfig()) for fp16 in (False, True))
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,6 +78,17 @@ def test_gradients_are_synchronised_on_the_last_micro_batch_only(backend_class):
     assert acc.unsynced == [model, model]
     # DeepSpeed steps inside backward: it must see which micro-batch ends the window
     assert seen == ([False, False, True] if backend_class is DeepSpeedBackend else [True, True, True])
+
+
+def test_sync_each_batch_synchronises_every_micro_batch():
+    """accelerator_config's gradient_accumulation_kwargs sync_each_batch=True: no micro-batch runs under no_sync."""
+    acc, model = StandInAccelerator(), object()
+    args = types.SimpleNamespace(fp16=False, accelerator_config=AcceleratorConfig(
+        gradient_accumulation_kwargs={"sync_each_batch": True}))
+    for last in (False, False, True):
+        with Backend(acc, args).micro_batch(model, last):
+            pass
+    assert acc.unsynced == []
 
 
 def test_deepspeed_restores_sync_gradients_when_a_micro_batch_fails():
