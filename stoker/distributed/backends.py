@@ -160,9 +160,12 @@ class Backend:
         without needing float32 logits, so the forward's outputs stay as autocast made them (without_fp32_outputs)."""
         self.runs += 1
         self._restart_loss_scale()
-        prepared = self._prepare(self._compiled(self._unplaced(model)), source, max_steps)
-        if half_outputs:
-            without_fp32_outputs(self.accelerator.unwrap_model(prepared.model, keep_fp32_wrapper=True))
+        model = self._compiled(self._unplaced(model))
+        prepared = self._prepare(model, source, max_steps)
+        # Accelerate put its autocast forward on this very module, before any DDP or FSDP wrapper (reached without
+        # unwrap_model, which imports DeepSpeed wherever it is installed)
+        if half_outputs and self.accelerator.mixed_precision != "no":
+            without_fp32_outputs(model)
         return prepared
 
     def _compiled(self, model):
