@@ -65,8 +65,10 @@ def set_log_levels(args) -> None:
 
 
 # the loggers of the libraries a run calls, whose records are noise to a user at stoker's default level: progress
-# bars and load reports (transformers), kernel-fallback notices (bitsandbytes), accelerator detection (DeepSpeed)
-THIRD_PARTY_LOGGERS = ("transformers", "peft", "bitsandbytes", "DeepSpeed", "accelerate", "torch.distributed")
+# bars and load reports (transformers), kernel-fallback notices (bitsandbytes), accelerator detection (DeepSpeed),
+# torchao's notices of its CUDA kernels that do not load on this machine (peft imports torchao where installed)
+THIRD_PARTY_LOGGERS = ("transformers", "peft", "bitsandbytes", "DeepSpeed", "accelerate", "torch.distributed",
+                       "torchao", "torch.utils._pytree")
 
 
 @contextlib.contextmanager
