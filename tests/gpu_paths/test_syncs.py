@@ -352,6 +352,38 @@ def test_pinned_batches_are_copied_to_the_device_without_waiting(tmp_path, monke
     assert loader_copies(dataloader_pin_memory=False) is False
 
 
+def test_the_next_batch_is_collated_before_the_host_waits(tmp_path, monkeypatch):
+    """When the host waits for a step's verdict (in step k, after step k's backwards are queued), the batch of step
+    k + 1 is collated already: Accelerate's loader fetches one batch ahead of the one it hands out (and copies that
+    one without waiting where it is pinned), so the host's collation overlaps the GPU's queued work."""
+    from stoker import Trainer
+    from stoker.data import PaddingCollator
+    from stoker.loop import StepCheck
+    from tests.integration.test_trainer import args
+
+    collated, seen_at_wait, take = [], {}, StepCheck.take
+
+    def counting(rows):
+        collated.append(len(rows))
+        return PaddingCollator(0, always_mask=True)(rows)
+
+    def marked_take(check, received):
+        if check.pending is not None:
+            seen_at_wait[check.pending.step + 1] = len(collated)
+        return take(check, received)
+
+    class Start(TrainerCallback):  # the checks of the first rows before the run collate a batch of their own
+        def on_train_begin(self, args, state, control, **kw):
+            collated.clear()
+
+    monkeypatch.setattr(StepCheck, "take", marked_take)
+    Trainer(_llama("eager"), args(tmp_path, per_device_train_batch_size=4, max_steps=5, logging_steps=1000,
+                                  optim="adamw_torch_fused", learning_rate=1e-3),
+            train_dataset=_data("model_loss", "equal"), data_collator=counting, callbacks=[Start()]).train()
+    # waiting in step k (step 5's verdict is settled at the run's end): the batches of steps 1 .. k + 1 are collated
+    assert {k: n for k, n in seen_at_wait.items() if k <= 5} == {2: 3, 3: 4, 4: 5, 5: 6}
+
+
 # --- torch.compile -------------------------------------------------------------------------------------------
 
 @pytest.fixture
