@@ -12,16 +12,19 @@ line::
             for micro-batch in window:       # Trainer._accumulate
                 training_step                # forward, backward; gradients sync on the window's last one only
                 on_substep_end               # after every micro-batch but the window's last
-            clip; every process agrees on the step (one host sync): a non-finite one is skipped
+            clip; the previous step's verdict read (deferred): its log and scheduler.step()
+            the step's check queued (every process agrees on it): synchronous, read now, a non-finite step skipped
             on_pre_optimizer_step            # gradients are final and clipped
-            optimizer.step()
+            optimizer.step()                 # deferred: skipped on the device if the check says non-finite
             on_optimizer_step
-            scheduler.step(), zero_grad, global_step += 1
+            synchronous: scheduler.step(); zero_grad, global_step += 1
             on_step_end                      # DefaultFlowCallback sets should_log / should_evaluate / should_save
+            before a log, evaluation or save: the pending verdict read (its log, scheduler.step())
             if should_log: on_log
             if should_evaluate: (on_prediction_step per batch) on_evaluate
             if should_save: on_save
             if should_training_stop or should_epoch_stop: break
+        (the pending verdict read)
         on_epoch_end                         # epoch strategies log / evaluate / save here
     on_train_end
     predict():  (on_prediction_step per batch) on_predict

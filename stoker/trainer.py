@@ -2,10 +2,12 @@
 
 One optimizer step reads top to bottom in `Trainer._optimizer_step`: a window of micro-batches (`_accumulate`:
 the window's target tokens counted over every process, `training_step` per micro-batch with the loss normalised
-over the whole window), clip, one check every process agrees on, step or skip, schedule, then log / evaluate /
-save as the callbacks ask. One train() call's state is a `Run` (stoker.loop) built by `_start_run` and passed
-down; how a model's loss is normalised and computed is decided once per model (stoker.loss_normalization,
-stoker.loss_computation); device placement, DDP, FSDP, DeepSpeed and mixed precision are Accelerate's, behind a
+over the whole window), clip, one check every process agrees on (read one step late where the optimizer skips a
+non-finite update on the device, so that the GPU never waits for the host inside a step), step or skip,
+schedule, then log / evaluate / save as the callbacks ask. One train() call's state is a `Run` (stoker.loop)
+built by `_start_run` and passed down; how a model's loss is normalised and computed is decided once per model
+(stoker.loss_normalization, stoker.loss_computation); device placement, DDP, FSDP, DeepSpeed and mixed precision
+are Accelerate's, behind a
 backend object that the loop calls without branching on which one it is.
 """
 
