@@ -1045,9 +1045,9 @@ def eval_oom_on_one_rank(out: str) -> None:
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
     guards, guards_deferred, rng_resume, preempt, preempt_deferred, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
-    fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families,
-    iterable, shared_prefix, placement, oom_on_one_rank, oom_in_the_last_backward, eval_oom_on_one_rank,
-    worker_seeds, async_fsdp2, async_kill, async_kill_resume)}
+    fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite, zero1_config_sections,
+    per_process_tokens, families, iterable, shared_prefix, placement, oom_on_one_rank, oom_in_the_last_backward,
+    eval_oom_on_one_rank, worker_seeds, async_fsdp2, async_kill, async_kill_resume)}
 
 
 def main() -> None:
