@@ -7,8 +7,7 @@ non-finite update on the device, so that the GPU never waits for the host inside
 schedule, then log / evaluate / save as the callbacks ask. One train() call's state is a `Run` (stoker.loop)
 built by `_start_run` and passed down; how a model's loss is normalised and computed is decided once per model
 (stoker.loss_normalization, stoker.loss_computation); device placement, DDP, FSDP, DeepSpeed and mixed precision
-are Accelerate's, behind a
-backend object that the loop calls without branching on which one it is.
+are Accelerate's, behind a backend object that the loop calls without branching on which one it is.
 """
 
 from __future__ import annotations
