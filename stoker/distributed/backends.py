@@ -432,7 +432,9 @@ class DeepSpeedBackend(Backend):
     def backward(self, loss) -> None:
         """The loop normalises the loss over the whole window, so DeepSpeed must not divide it by the
         accumulation steps again."""
-        self._synchronising()
+        before, self._before_sync = self._before_sync, None
+        if before is not None:  # the window's last micro-batch, before DeepSpeed's gradient reduction
+            before()
         self.accelerator.backward(loss, scale_wrt_gas=False)
 
     def scaler_handles_inf(self) -> bool:
