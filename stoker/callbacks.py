@@ -12,16 +12,19 @@ line::
             for micro-batch in window:       # Trainer._accumulate
                 training_step                # forward, backward; gradients sync on the window's last one only
                 on_substep_end               # after every micro-batch but the window's last
-            clip; every process agrees on the step (one host sync): a non-finite one is skipped
+            clip; the previous step's verdict read (deferred): its log and scheduler.step()
+            the step's check queued (every process agrees on it): synchronous, read now, a non-finite step skipped
             on_pre_optimizer_step            # gradients are final and clipped
-            optimizer.step()
+            optimizer.step()                 # deferred: skipped on the device if the check says non-finite
             on_optimizer_step
-            scheduler.step(), zero_grad, global_step += 1
+            synchronous: scheduler.step(); zero_grad, global_step += 1
             on_step_end                      # DefaultFlowCallback sets should_log / should_evaluate / should_save
+            before a log, evaluation or save: the pending verdict read (its log, scheduler.step())
             if should_log: on_log
             if should_evaluate: (on_prediction_step per batch) on_evaluate
             if should_save: on_save
             if should_training_stop or should_epoch_stop: break
+        (the pending verdict read)
         on_epoch_end                         # epoch strategies log / evaluate / save here
     on_train_end
     predict():  (on_prediction_step per batch) on_predict
@@ -248,6 +251,10 @@ CLEARED_BY = {
 hf_callback_logger = logging.getLogger("transformers.trainer_callback")
 
 
+# each event's no-op method of the base class, which the handler skips
+_NO_OPS = {event: getattr(TrainerCallback, event) for event in EVENTS}
+
+
 class CallbackHandler:
     """Calls every callback for an event, in order; a callback may return a new TrainerControl.
 
@@ -321,7 +328,8 @@ class CallbackHandler:
                   "eval_dataloader": self.eval_dataloader, **kwargs}
         for cb in [*self.writers, *self.callbacks]:
             method = getattr(cb, event, None)
-            if method is None:
+            # TrainerCallback's own no-op is not called: a step fires four events through every callback
+            if method is None or getattr(method, "__func__", None) is _NO_OPS.get(event):
                 continue
             result = method(args, state, control, **kwargs)
             if result is not None:
@@ -392,17 +400,19 @@ class DefaultFlowCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
+        log_due, eval_due, save_due = (every > 0 and step % every == 0
+                                       for every in (state.logging_steps, state.eval_steps, state.save_steps))
         if step == 1 and args.logging_first_step:
             control.should_log = True
-        if args.logging_strategy == "steps" and _is_due(step, state.logging_steps):
+        if args.logging_strategy == "steps" and log_due:
             control.should_log = True
-        if args.eval_strategy == "steps" and _is_due(step, state.eval_steps) and args.eval_delay <= step:
+        if args.eval_strategy == "steps" and eval_due and args.eval_delay <= step:
             control.should_evaluate = True
-        if args.save_strategy == "steps" and _is_due(step, state.save_steps):
+        if args.save_strategy == "steps" and save_due:
             control.should_save = True
         if step >= state.max_steps:  # as transformers: the loss of steps after the last log goes into train_loss
             control.should_training_stop = True
-            if args.eval_strategy == "steps" and not _is_due(step, state.eval_steps):
+            if args.eval_strategy == "steps" and not eval_due:
                 control.should_evaluate = True  # always end with the metrics of the final model
             if args.save_strategy == "steps":
                 control.should_save = True  # always end with a checkpoint of the final step

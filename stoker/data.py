@@ -318,13 +318,3 @@ def count_targets(batch: Mapping, label_name: str | None, causal: bool) -> int |
     if labels.is_floating_point():
         return labels.shape[0]  # regression targets: one item per sample
     return (labels != IGNORE_INDEX).sum()
-
-
-def count_input_tokens(batch: Mapping) -> int | torch.Tensor:
-    """Non-padding input tokens, as an integer whatever the dtype of the mask (float masks and float input_ids
-    of models that take them are integer-valued)."""
-    if isinstance(batch.get("attention_mask"), torch.Tensor):
-        return batch["attention_mask"].sum().round().long()
-    if isinstance(batch.get("input_ids"), torch.Tensor):
-        return batch["input_ids"].numel()
-    return 0

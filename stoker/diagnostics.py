@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
-from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -155,23 +153,10 @@ def mfu(tokens_per_second: float, flops_per_token_: float, peak_tflops_per_devic
 
 
 class Stopwatch:
-    """Sums the seconds spent inside an iterator's next(): how long the loop waited for each batch."""
+    """The seconds the loop spent waiting for batches (`seconds`, added by Trainer._windows around each next())."""
 
     def __init__(self):
         self.seconds = 0.0
-
-    def timed(self, iterable: Iterable) -> Iterator:
-        started = time.perf_counter()
-        iterator = iter(iterable)  # starting dataloader workers is waiting too
-        while True:
-            try:
-                item = next(iterator)
-            except StopIteration:
-                self.seconds += time.perf_counter() - started
-                return
-            self.seconds += time.perf_counter() - started
-            yield item
-            started = time.perf_counter()
 
     def take(self) -> float:
         """Seconds since the last take(), and start again from zero."""

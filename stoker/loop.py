@@ -2,7 +2,7 @@
 attributes: one train() call's `Run` (built by `Trainer._start_run`, gone when train() returns), where the loop
 stands in the data (`LoopPosition`, written into every checkpoint), what it sums between two logs (`RunningLog`,
 saved with every checkpoint so that a resumed run logs what the uninterrupted one logged), what every process
-decides together after a window (`agree_on_step`), the non-finite policy (`NonFinitePolicy`) and out-of-memory
+decides together after a window (`StepCheck`), the non-finite policy (`NonFinitePolicy`) and out-of-memory
 halving (`MicroBatchHalver`)."""
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from . import diagnostics
-from .data import count_input_tokens
 from .errors import NonFiniteError
 from .evaluation import split_batch
 from .log import logger
@@ -149,8 +148,10 @@ class RunningLog:
 
     def count(self, batch: dict, num_processes: int) -> None:
         """Add a micro-batch's input tokens (on the device) and samples (over every process)."""
-        non_padding = count_input_tokens(batch)
-        ids = batch.get("input_ids")
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+        # non-padding tokens, an integer whatever the mask's dtype (float masks are integer-valued)
+        non_padding = (mask.sum().round().long() if isinstance(mask, torch.Tensor)
+                       else ids.numel() if isinstance(ids, torch.Tensor) else 0)
         # added in place, a count on the device as a tensor and one known on the host as a kernel argument: a
         # tensor made from a Python int would be a copy from the host that waits for the GPU
         for i, n in enumerate((non_padding, ids.numel() if ids is not None else non_padding)):
@@ -328,22 +329,77 @@ class StepVerdict(NamedTuple):
     preempted: int | None  # the signal to checkpoint and stop on, if any process has received one
 
 
-def agree_on_step(accelerator, window_loss: torch.Tensor, grad_norm, check_grad_norm: bool,
-                  received: int | None) -> StepVerdict:
-    """Whether the update may be applied and whether the run is being preempted, decided by every process
-    together: one all-reduce of both flags and one host sync per step, the price of never applying a non-finite
-    update (with fp16 loss scaling, `check_grad_norm` is False: inf gradients are the scaler's business)."""
-    bad = ~torch.isfinite(window_loss)
-    if check_grad_norm:
-        bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=window_loss.device))
-    if accelerator.num_processes == 1:
-        finite = not bad.item()
-        return StepVerdict(finite, finite, received)
-    flags = torch.stack([bad.float(), torch.tensor(float(received is not None), device=window_loss.device)])
-    anywhere = accelerator.reduce(flags.clone(), reduction="sum")
-    bad_anywhere, signalled, bad_here = torch.cat([anywhere, flags[:1]]).tolist()
-    # a signal another process received reads as the scheduler's usual SIGTERM here
-    return StepVerdict(not bad_anywhere, not bad_here, (received or signal.SIGTERM) if signalled else None)
+class PendingStep(NamedTuple):
+    """What the host keeps of a step until its verdict is read: its number, and its loss, gradient norm (device
+    tensors) and learning rate for the log."""
+
+    step: int
+    loss: torch.Tensor
+    grad_norm: Any
+    learning_rate: float
+
+
+class StepCheck:
+    """The step's one check, whether its update may be applied (the window's loss and gradient norm finite on every
+    process) and whether the run is being preempted: computed on the device, with one all-reduce of its flags on
+    several processes, and read on the host from a copy of them.
+
+    Deferred (`deferred`, decided once per run: an optimizer that skips an update on the device, as torch's fused
+    AdamW / Adam / SGD / Adagrad do for the GradScaler's `found_inf`, on the plain backend without fp16 loss
+    scaling), step k's update is queued with the flag that skips it on the device, and the host reads step k's
+    verdict (`take`) only after step k+1's forwards and backwards are queued: the wait is for the flags' copy,
+    which the GPU made before step k's update, so the GPU always has a step's work queued. The schedule and the log
+    are then told of step k one step late, before step k+1's update (whose learning rate is so the right one).
+    Otherwise the host reads the verdict right after the window (`take` at once: one host sync per step), and the
+    update is applied only if it is finite.
+
+    The host copy is a numpy view of one host tensor (pinned on a GPU, where the copy is asynchronous and an event
+    marks its end): reading it is a read of host memory, never a device sync of its own."""
+
+    def __init__(self, accelerator, deferred: bool, check_grad_norm: bool):
+        self.accelerator, self.deferred, self.check_grad_norm = accelerator, deferred, check_grad_norm
+        on_gpu = accelerator.device.type == "cuda"
+        self._host = torch.zeros(3, pin_memory=on_gpu)  # bad anywhere, signalled anywhere, bad here
+        self._values = self._host.numpy()
+        self._event = torch.cuda.Event() if on_gpu else None
+        self.pending: PendingStep | None = None
+        self.preempted: int | None = None  # the agreed signal, from the last verdict read
+
+    def queue(self, window_loss: torch.Tensor, grad_norm, step: int, learning_rate: float,
+              received: int | None) -> torch.Tensor | None:
+        """Queue the check of `step` (its flags computed, all-reduced on several processes, copied to the host) and
+        keep the step pending until `take`. Returns the flag that skips the update on the device (1.0 where it is
+        not finite on some process) when deferred, else None."""
+        device = window_loss.device
+        bad = ~torch.isfinite(window_loss)
+        if self.check_grad_norm:  # with fp16 loss scaling, inf gradients are the scaler's business
+            bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
+        flags = torch.zeros(3, device=device)
+        flags[0] = bad  # a copy on the device, as below: no number comes from the host
+        if self.accelerator.num_processes > 1:  # the check's one collective; a signal seen here counts everywhere
+            flags[1].fill_(float(received is not None))
+            flags[:2] = self.accelerator.reduce(flags[:2].clone(), reduction="sum")
+        flags[2] = bad
+        self._host.copy_(flags, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self.pending = PendingStep(step, window_loss, grad_norm, learning_rate)
+        return (flags[0] > 0).float() if self.deferred else None
+
+    def take(self, received: int | None) -> tuple[PendingStep, StepVerdict] | None:
+        """The pending step and its verdict, or None when no step is pending. The host waits for the flags' copy
+        only (already done when deferred: the GPU made it before the pending step's update)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()
+        bad_anywhere, signalled, bad_here = self._values
+        if self.accelerator.num_processes == 1:  # alone, the signal is this process's own
+            self.preempted = received
+        else:  # a signal another process received reads as the scheduler's usual SIGTERM here
+            self.preempted = (received or signal.SIGTERM) if signalled else None
+        return pending, StepVerdict(not bad_anywhere, not bad_here, self.preempted)
 
 
 class NonFinitePolicy:
@@ -383,7 +439,7 @@ class OutOfMemoryElsewhere(RuntimeError):
 
 class MicroBatchHalver:
     """auto_find_batch_size, in one place. An out-of-memory error in a window reruns the same samples as twice as
-    many micro-batches of half the size (`accumulate`); one in a callback after the update (`after_update`) halves
+    many micro-batches of half the size (`retry`); one in a callback after the update (`after_update`) halves
     the windows from the next on. Either way the update is unchanged (the loss is normalised over the window's
     target tokens, not over micro-batches), `position` and the state's train_batch_size follow, and the loop
     rebuilds its loader at the same sample. Any other error, or any without auto_find_batch_size, is raised.
@@ -408,26 +464,25 @@ class MicroBatchHalver:
         self.agreeing = self.together and backend.agrees_on_out_of_memory
         self._synced = False  # this attempt at the window has passed before_gradient_sync
 
-    def accumulate(self, window: list[dict], run_window: Callable[[list[dict]], torch.Tensor],
-                   optimizer) -> tuple[list[dict], torch.Tensor]:
-        """(the window as it ran, run_window's result), retried at half the micro-batch after an out-of-memory
-        error (the partial gradients are dropped first)."""
-        while True:
-            self._synced = False
-            try:
-                result = run_window(window)
-            except Exception as e:
-                optimizer.zero_grad(set_to_none=True)
-                self._halve(self._agreed(e) if self.together else e)
-                window = [part for batch in window for part in split_batch(batch, self.position.micro_batch)]
-                continue
-            if self.agreeing and not self._synced:
-                raise RuntimeError(
-                    f"auto_find_batch_size on {self.processes} processes: the window's last backward did not go "
-                    "through the Trainer's backend (a training_step override that calls accelerator.backward "
-                    "itself?), where the processes agree on out-of-memory errors; call super().training_step, or "
-                    "self._backend.backward(loss), or set auto_find_batch_size=False")
-            return window, result
+    def retry(self, error: Exception, window: list[dict], optimizer) -> list[dict]:
+        """The window to rerun after `error` in its forwards or backwards: the same samples as micro-batches of half
+        the rows, the partial gradients dropped first; `error` raised where it is no out-of-memory error to halve
+        on (or one the processes cannot agree on)."""
+        optimizer.zero_grad(set_to_none=True)
+        self._halve(self._agreed(error) if self.together else error)  # _agreed reads whether the sync was passed
+        self._synced = False
+        return [part for batch in window for part in split_batch(batch, self.position.micro_batch)]
+
+    def window_done(self) -> None:
+        """Where the processes agree on out-of-memory errors (`agreeing`), after a window that ran: its last backward
+        must have gone through before_gradient_sync."""
+        synced, self._synced = self._synced, False
+        if not synced:
+            raise RuntimeError(
+                f"auto_find_batch_size on {self.processes} processes: the window's last backward did not go "
+                "through the Trainer's backend (a training_step override that calls accelerator.backward "
+                "itself?), where the processes agree on out-of-memory errors; call super().training_step, or "
+                "self._backend.backward(loss), or set auto_find_batch_size=False")
 
     def before_gradient_sync(self) -> None:
         """Every process, before the backward of a window's last micro-batch (whose gradients DDP all-reduces):
@@ -508,6 +563,8 @@ class Run:
     steps_per_epoch: int | None  # None for a dataset without a length
     halver: MicroBatchHalver
     nonfinite: NonFinitePolicy
+    check: StepCheck  # the step's one check: deferred to the next step where the update skips on the device
+    schedule_per_step: bool  # False for a schedule that steps on an evaluation metric (ReduceLROnPlateau)
     signals: PreemptionSignals
     resumed: bool
     ignore_keys_for_eval: list[str] | None = None

@@ -44,7 +44,9 @@ def loss_or_none(outputs) -> torch.Tensor | None:
 
 def loss_of(outputs) -> torch.Tensor:
     """loss_or_none, or a ValueError that says what a model must return."""
-    loss = loss_or_none(outputs)
+    # a tensor or a transformers ModelOutput (a Mapping) read here: this runs for every micro-batch
+    loss = (outputs if isinstance(outputs, torch.Tensor) else outputs.get("loss") if isinstance(outputs, Mapping)
+            else loss_or_none(outputs))
     if loss is None:
         raise ValueError("the model returned no loss: return a loss tensor, a dict / ModelOutput with 'loss' "
                          "or a tuple with the loss first, pass labels in the batch, or give "

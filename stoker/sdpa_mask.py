@@ -28,24 +28,30 @@ from .data import host_counts
 
 # whether the forward running now is over rows the host counted as unpadded: a module attribute, so that a
 # whole-model graph traced through the wrapper guards on it (a graph for each answer) instead of baking one in
-_state = {"unpadded": False}
+_state = {"unpadded": False, "installed": False}
 
 
-def rows_unpadded(batch: Mapping) -> bool:
-    """Whether the host counted `batch`'s attention mask as all ones (every row attended to its last position); False
-    where it did not count it (no mask, a mask a compute_loss override made, a batch rebuilt on the way)."""
-    counts = host_counts(batch.get("attention_mask"))
-    return counts is not None and counts.attended is not None and all(a == counts.width for a in counts.attended)
+def answers_mask(model, args, device) -> bool:
+    """Whether a run's training forwards answer transformers' sdpa mask from the host's counts: a transformers model
+    with sdpa attention on a CUDA device (where transformers' read of the mask waits for the GPU's queue to drain)
+    or compiled (where the traced graph then keeps sdpa's causal path). Uncompiled on a CPU the read waits for
+    nothing, and the step does without the counting."""
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return attention == "sdpa" and (device.type == "cuda" or bool(args.torch_compile))
 
 
 @contextlib.contextmanager
 def unpadded_attention(batch: Mapping):
-    """Around a micro-batch's forward: where the host counted its rows as unpadded, transformers' sdpa mask is the
-    causal shortcut's (none) without a read of the mask on the device."""
-    if not rows_unpadded(batch):
+    """Around a micro-batch's forward: where the host counted its rows as unpadded (its attention mask all ones,
+    every row attended to its last position), transformers' sdpa mask is the causal shortcut's (none) without a
+    read of the mask on the device. A mask the host did not count (none, one a compute_loss override made, a batch
+    rebuilt on the way) is transformers' business as usual."""
+    counts = host_counts(batch.get("attention_mask"))
+    if counts is None or counts.attended is None or any(a != counts.width for a in counts.attended):
         yield
         return
-    _install()
+    if not _state["installed"]:
+        _install()
     _state["unpadded"] = True
     try:
         yield
@@ -57,26 +63,24 @@ def _install() -> None:
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
     original = AttentionMaskInterface._global_mapping["sdpa"]
+    _state["installed"] = True
     if getattr(original, "_stoker_unpadded", False):
         return
 
     def sdpa_mask(*args, **kwargs):
-        if _state["unpadded"] and not args and _plain_causal(kwargs, causal_mask_function):
-            return None
+        """transformers' sdpa mask, but none for a plain causal mask of rows counted unpadded: the skip allowed, the
+        causal pattern alone (no overlay, sliding window or packed rows, each of which changes the mask function or
+        turns the skip off), as many queries as keys and no offset (no KV cache)."""
+        if _state["unpadded"] and not args:
+            mask, q_offset = kwargs.get("attention_mask"), kwargs.get("q_offset", 0)
+            q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")  # SymInts in a dynamic trace
+            if (kwargs.get("allow_is_causal_skip", True) and kwargs.get("mask_function") is causal_mask_function
+                    and kwargs.get("local_size") is None and q_length is not None and q_length == kv_length
+                    and not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kwargs.get("kv_offset", 0) == 0
+                    and (mask is None or mask.shape[-1] == kv_length)):
+                return None
         return original(*args, **kwargs)
 
     sdpa_mask._stoker_unpadded = True
     sdpa_mask.__wrapped__ = original
     AttentionMaskInterface.register("sdpa", sdpa_mask)
-
-
-def _plain_causal(kwargs: dict, causal_mask_function) -> bool:
-    """Whether transformers asks for a plain causal mask that its own shortcut would skip on rows without padding:
-    the skip allowed, the causal pattern alone (no overlay, sliding window or packed rows, each of which changes the
-    mask function or turns the skip off), as many queries as keys and no offset (no KV cache)."""
-    mask, q_offset = kwargs.get("attention_mask"), kwargs.get("q_offset", 0)
-    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")  # SymInts under a dynamic whole-model trace
-    return bool(kwargs.get("allow_is_causal_skip", True) and kwargs.get("mask_function") is causal_mask_function
-                and kwargs.get("local_size") is None and q_length is not None and q_length == kv_length
-                and not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kwargs.get("kv_offset", 0) == 0
-                and (mask is None or mask.shape[-1] == kv_length))

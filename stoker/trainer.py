@@ -2,15 +2,17 @@
 
 One optimizer step reads top to bottom in `Trainer._optimizer_step`: a window of micro-batches (`_accumulate`:
 the window's target tokens counted over every process, `training_step` per micro-batch with the loss normalised
-over the whole window), clip, one check every process agrees on, step or skip, schedule, then log / evaluate /
-save as the callbacks ask. One train() call's state is a `Run` (stoker.loop) built by `_start_run` and passed
-down; how a model's loss is normalised and computed is decided once per model (stoker.loss_normalization,
-stoker.loss_computation); device placement, DDP, FSDP, DeepSpeed and mixed precision are Accelerate's, behind a
-backend object that the loop calls without branching on which one it is.
+over the whole window), clip, one check every process agrees on (read one step late where the optimizer skips a
+non-finite update on the device, so that the GPU never waits for the host inside a step), step or skip,
+schedule, then log / evaluate / save as the callbacks ask. One train() call's state is a `Run` (stoker.loop)
+built by `_start_run` and passed down; how a model's loss is normalised and computed is decided once per model
+(stoker.loss_normalization, stoker.loss_computation); device placement, DDP, FSDP, DeepSpeed and mixed precision
+are Accelerate's, behind a backend object that the loop calls without branching on which one it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import math
@@ -52,7 +54,6 @@ from .data import (
 from .diagnostics import peak_memory_metrics
 from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
-from .distributed.fsdp import full_tensor
 from .errors import ConfigError, TrainingPreempted, exit_with_code_after_preemption
 from .evaluation import (
     Collected,
@@ -75,7 +76,7 @@ from .loop import (
     PreemptionSignals,
     Run,
     RunningLog,
-    agree_on_step,
+    StepCheck,
     neftune_noise,
     plan_steps,
     window_sizes,
@@ -88,7 +89,7 @@ from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metric
 from .packing import packed_train_set
 from .prefix import prefix_body
 from .report import ReportCallback
-from .sdpa_mask import unpadded_attention
+from .sdpa_mask import answers_mask, unpadded_attention
 from .trainer_api import TrainerAPI
 from .trainer_checks import batch_problems, trainer_input_problems
 
@@ -217,6 +218,7 @@ class Trainer(TrainerAPI):
         self._ray_report = None
         # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
         self._train_batch_size = self.args.per_device_train_batch_size
+        self._answers_mask = False  # whether this run's forwards answer sdpa's mask from the host (set per run)
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
         self._eval_dataloaders = {}  # with dataloader_persistent_workers: "eval" or a set's name -> its loader
         # the evaluation sets whose first batch has been checked against the model (by id), and the name of the
@@ -368,19 +370,6 @@ class Trainer(TrainerAPI):
         self._loss_is_window_share = True  # an override that calls this returns (a change of) the share
         return (loss, outputs) if return_outputs else loss
 
-    def _window_share(self, loss: torch.Tensor, inputs: dict, num_items_in_batch) -> torch.Tensor:
-        """The loss an override of compute_loss returned, as its micro-batch's share of the window loss. Its own
-        mean over the micro-batch (loss_is_scaled_for_ga False, or None with a model that takes no loss kwargs,
-        where transformers divides by the accumulation steps) is weighed by the micro-batch's items over the
-        window's, which is transformers' division when the micro-batches hold equal items and exact when they
-        do not; a loss from stoker's own compute_loss (through super()) already is the share."""
-        scaled = self.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
-        if self._loss_is_window_share or scaled or num_items_in_batch is None:
-            return loss
-        return loss * (self._convention.targets(inputs) / num_items_in_batch)
-
     # ------------------------------------------------------------------------------------------
     # training
 
@@ -401,7 +390,9 @@ class Trainer(TrainerAPI):
                              "its own loader)")
         # counted on the host before the copy to the device: what the chunked loss, the shared prefix and sdpa's
         # choice of the causal kernel (stoker.sdpa_mask) would otherwise read back from the device
-        collator = HostCounting(self.data_collator, self.label_names[0])
+        collator = self.data_collator
+        if self.args.chunked_loss or self.args.shared_prefix or self._answers_mask:
+            collator = HostCounting(collator, self.label_names[0])
         loader = build_dataloader(self.train_dataset, self.args, self._train_batch_size, collator, train=True)
         return self.accelerator.prepare(loader)
 
@@ -531,6 +522,7 @@ class Trainer(TrainerAPI):
                                     self._checkpoint_writer)
         # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
         # what the number of steps (and so the schedule) must be planned from
+        self._answers_mask = answers_mask(_unwrap_peft(self.model), a, acc.device)
         loader = self._train_loader(pos.micro_batch)
         max_steps, per_epoch = plan_steps(loader, pos.accumulation, a)
         if loop is not None and per_epoch:
@@ -565,8 +557,11 @@ class Trainer(TrainerAPI):
                 logger.info(async_save_line(self.model, a, acc.num_processes))
             checkpointer.open_output_dir()
         halver = MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend)
+        # the step's check, deferred to the next step where a non-finite update can be skipped on the device
+        check = StepCheck(acc, self._backend.skips_on_device(self.optimizer), not self._backend.scaler_handles_inf())
         return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader,
-                   steps_per_epoch=per_epoch, halver=halver,
+                   steps_per_epoch=per_epoch, halver=halver, check=check,
+                   schedule_per_step=not self._steps_on_metric(),
                    nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
                    resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval)
 
@@ -679,6 +674,7 @@ class Trainer(TrainerAPI):
                     # replaces self.control (as in transformers)
                     if self.control.should_epoch_stop or self.control.should_training_stop:
                         break
+            self._settle(run)  # the last step's verdict, before the epoch's events see the state
             if run.steps_per_epoch and pos.batches >= len(run.train_dataloader):
                 s.epoch = pos.epoch + 1
             self._fire("on_epoch_end")
@@ -694,62 +690,96 @@ class Trainer(TrainerAPI):
     def _optimizer_step(self, model, window: list[dict], run: Run) -> int | None:
         """One optimizer step over a window of micro-batches, top to bottom as callbacks.py maps its events.
         Returns the signal that preempts the run after this step (its checkpoint is written), or None."""
-        a, s, acc, pos = self.args, self.state, self.accelerator, run.position
+        a, s, acc, pos, check = self.args, self.state, self.accelerator, run.position, run.check
         self._fire("on_step_begin")
         # forward and backward of every micro-batch; out of memory reruns the same samples at half the micro-batch
-        window, window_loss = run.halver.accumulate(
-            window, lambda w: self._accumulate(model, w, run.halver.before_gradient_sync), self.optimizer)
+        window, window_loss = self._accumulate(model, window, run)
         for batch in window:
             run.log.count(batch, acc.num_processes)
             self.current_flos += float(self.floating_point_ops(batch))
         pos.batches += len(window)
-        # with max_grad_norm=0 this only measures the norm (the non-finite guard needs it)
-        grad_norm = full_tensor(acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf))
-        verdict = agree_on_step(acc, window_loss, grad_norm, not self._backend.scaler_handles_inf(),
-                                run.signals.received)  # the step's one host sync
-        if run.nonfinite.allows(verdict, run.log, window_loss, grad_norm, s.global_step + 1, acc.process_index):
+        # with max_grad_norm=0 this only measures the norm (the check needs it); FSDP2's is a DTensor, made whole
+        grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self._settle(run)  # the previous step's verdict, read only now that this step's work is queued
+        skip = check.queue(window_loss, grad_norm, s.global_step + 1, self._learning_rate(), run.signals.received)
+        # deferred, the update is queued and skipped on the device if the flag says so; else this step's verdict is
+        # read now (one host sync) and a non-finite update never runs
+        if check.deferred or self._settle(run):
             self._fire("on_pre_optimizer_step")
-            applied = self._backend.optimizer_step(self.optimizer)  # False: fp16 loss scaling skipped it (inf)
+            applied = self._backend.optimizer_step(self.optimizer, skip)  # False: fp16 loss scaling skipped it
             self._fire("on_optimizer_step")
-            # logged with the rate this step used; a plateau schedule steps after evaluation instead
-            run.log.add_step(window_loss, grad_norm, self._learning_rate())
-            if applied and not self._steps_on_metric():
-                self.lr_scheduler.step()
-        else:
-            self._backend.step_skipped()  # the fp16 scaler, which unscaled this step's gradients, sees it end
-            if not a.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
-                run.log.add_step(window_loss)
+            if not check.deferred:  # logged with the rate this step used; a plateau schedule steps after evaluation
+                run.log.add_step(window_loss, grad_norm, self._learning_rate())
+                if applied and run.schedule_per_step:
+                    self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
         s.epoch = pos.epoch + (pos.batches / len(run.train_dataloader) if run.steps_per_epoch else 0)
-        with run.halver.after_update():  # out of memory in a callback: the windows from the next on are halved
+        # out of memory in a callback: the windows from the next on are halved
+        with run.halver.after_update() if run.halver.enabled else contextlib.nullcontext():
             self._fire("on_step_end")
         # alone, a process acts on a signal as soon as the step is done; several act on the one they agreed on
-        preempted = run.signals.received if acc.num_processes == 1 else verdict.preempted
+        preempted = run.signals.received if acc.num_processes == 1 else check.preempted
         if preempted:  # checkpoint this step, then leave
             self.control.should_save = self.control.should_training_stop = True
         self._maybe_log_save_evaluate(run)
         return preempted
 
-    def _accumulate(self, model, window: list[dict], before_sync=None) -> torch.Tensor:
-        """Forward and backward of every micro-batch of the window; returns the window's loss (detached). Every
-        micro-batch's loss is normalised over the target items of the whole window, on every process, so that
-        the accumulated gradient is exactly that of one batch of the window's rows. `before_sync` runs before the
-        last backward (where the processes agree on out-of-memory errors)."""
-        acc = self.accelerator
-        if not self._convention.settled:  # once, on the first window
-            self._convention.decide(model, window[0], acc)
-        num_items = self._convention.window_items(window, acc, self.args.average_tokens_across_devices)
-        if self._window_routing is not None:  # global_batch: the window's expert loads, before any backward
-            self._window_routing.route(model, window, acc, self.args.average_tokens_across_devices)
-        window_loss = torch.zeros((), device=acc.device)
-        for i, batch in enumerate(window):
-            last = i == len(window) - 1
-            with self._backend.micro_batch(model, last, before_sync):  # gradients sync on the last one only
-                window_loss += self.training_step(model, batch, num_items)
-            if not last:
-                self._fire("on_substep_end")
-        return window_loss
+    def _settle(self, run: Run) -> bool:
+        """Read the verdict of the step whose check is pending (none: True) and act on it: the non-finite policy (a
+        skip warned about and counted, or NonFiniteError), then, deferred, the step's loss, gradient norm and rate
+        into the log and the schedule stepped where its update was applied (on the device). Synchronous, the step
+        then applies its update only if this returns True (and logs it itself); a skipped one is logged here and
+        the fp16 scaler told. Every save, evaluation, log and the end of the loop settle first, so that what they
+        see is what the synchronous check would have left."""
+        taken = run.check.take(run.signals.received)
+        if taken is None:
+            return True
+        (step, loss, grad_norm, learning_rate), verdict = taken
+        allowed = verdict.finite or run.nonfinite.allows(verdict, run.log, loss, grad_norm, step,
+                                                         self.accelerator.process_index)
+        if verdict.finite:
+            run.log.nonfinite_run = 0  # a finite step ends a run of non-finite ones
+        if allowed and run.check.deferred:
+            run.log.add_step(loss, grad_norm, learning_rate)
+            if run.schedule_per_step:
+                self.lr_scheduler.step()
+        elif not allowed:
+            if not run.check.deferred:
+                self._backend.step_skipped()  # the fp16 scaler, which unscaled this step's gradients, sees it end
+            if not self.args.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
+                run.log.add_step(loss)
+        return allowed
+
+    def _accumulate(self, model, window: list[dict], run: Run) -> tuple[list[dict], torch.Tensor]:
+        """Forward and backward of every micro-batch of the window; returns the window as it ran and its loss
+        (detached). Every micro-batch's loss is normalised over the target items of the whole window, on every
+        process, so that the accumulated gradient is exactly that of one batch of the window's rows. Out of memory
+        (auto_find_batch_size) reruns the same samples at half the micro-batch (run.halver); where several processes
+        agree on it, they do so before the last backward (the backend calls `before_sync` there)."""
+        acc, halver = self.accelerator, run.halver
+        before_sync = halver.before_gradient_sync if halver.agreeing else None
+        while True:
+            try:
+                if not self._convention.settled:  # once, on the first window (or until a batch can tell)
+                    self._convention.decide(model, window[0], acc)
+                num_items = self._convention.window_items(window, acc, self.args.average_tokens_across_devices)
+                if self._window_routing is not None:  # global_batch: the window's expert loads, before any backward
+                    self._window_routing.route(model, window, acc, self.args.average_tokens_across_devices)
+                window_loss = torch.zeros((), device=acc.device)
+                for i, batch in enumerate(window):
+                    last = i == len(window) - 1
+                    with self._backend.micro_batch(model, last, before_sync):  # gradients sync on the last one only
+                        window_loss += self.training_step(model, batch, num_items)
+                    if not last:
+                        self._fire("on_substep_end")
+            except Exception as e:
+                window = halver.retry(e, window, self.optimizer)
+                continue
+            if halver.agreeing:
+                halver.window_done()
+            return window, window_loss
 
     def _first_window(self, windows: Iterator[list[dict]], run: Run) -> list[dict] | None:
         """The epoch's first window, once every process has its own; None where the epoch holds no batch on some
@@ -838,8 +868,10 @@ class Trainer(TrainerAPI):
                     torch.empty((), dtype=torch.int64).random_()
             if pos.batches:
                 loader = self.get_resumed_dataloader(loader, pos.batches)
-            window = []
-            for batch in run.log.data_clock.timed(loader):  # sums the time spent waiting for batches
+            # the time spent waiting for batches (starting the loader's workers included) is summed for the log
+            window, clock, waiting = [], run.log.data_clock, time.perf_counter()
+            for batch in loader:
+                clock.seconds += time.perf_counter() - waiting
                 # a transformers collator's BatchEncoding is a Mapping, not a dict; what is no Mapping at all is
                 # refused by the first batch's check (_first_window)
                 window.append(dict(batch) if isinstance(batch, Mapping) else batch)
@@ -848,7 +880,9 @@ class Trainer(TrainerAPI):
                     window = []
                     if pos.micro_batch != size:
                         break
+                waiting = time.perf_counter()
             else:
+                clock.seconds += time.perf_counter() - waiting
                 if window:
                     yield window
                 return
@@ -857,11 +891,21 @@ class Trainer(TrainerAPI):
         """Forward and backward of one micro-batch; returns its share of the window loss, detached. The loss is
         normalised by num_items_in_batch, the window's target count over every process, so a subclass that
         changes the inputs or adds to the loss and calls this keeps the update exact."""
-        model.train()
+        if not (model.training and self.model.training):  # only when the mode changed: train() walks every module
+            model.train()
         self._loss_is_window_share = False
-        with unpadded_attention(inputs):  # rows counted unpadded on the host: sdpa's causal path without a read
-            loss = self._window_share(self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch),
-                                      inputs, num_items_in_batch)
+        # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
+        with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
+            loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        # an override of compute_loss that returned its own mean over the micro-batch (loss_is_scaled_for_ga False,
+        # or None with a model that takes no loss kwargs, where transformers divides by the accumulation steps) is
+        # weighed by the micro-batch's items over the window's: transformers' division where the micro-batches hold
+        # equal items, exact where they do not. A loss from stoker's own compute_loss already is the share
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        if not (self._loss_is_window_share or scaled or num_items_in_batch is None):
+            loss = loss * (self._convention.targets(inputs) / num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
         self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices
@@ -873,8 +917,11 @@ class Trainer(TrainerAPI):
     def _maybe_log_save_evaluate(self, run: Run) -> None:
         """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
         the logged throughput)."""
-        s, log = self.state, run.log  # self.control is read anew after each event: a callback may replace it
-        run.checkpointer.poll(self._run_objects())  # async_save: the checkpoint in flight committed, or failed
+        s, log, c = self.state, run.log, self.control  # read anew after each event: a callback may replace it
+        if c.should_log or c.should_evaluate or c.should_save:
+            self._settle(run)  # what they see is the state the synchronous check would have left
+        if self.args.async_save:  # the checkpoint in flight committed, or its failure raised
+            run.checkpointer.poll(self._run_objects())
         if self.control.should_log and (log.steps or log.nonfinite_total):
             logs, diagnostics = log.window_logs(self.args, self.accelerator, self.model_wrapped, s,
                                                 self._learning_rate())
@@ -994,7 +1041,8 @@ class Trainer(TrainerAPI):
         return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def _learning_rate(self) -> float:
-        if self._steps_on_metric() or not hasattr(self.lr_scheduler, "get_last_lr"):
+        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not hasattr(
+                self.lr_scheduler, "get_last_lr"):  # a plateau schedule's rate is the optimizer's
             return self.optimizer.param_groups[0]["lr"]
         return self.lr_scheduler.get_last_lr()[0]
 

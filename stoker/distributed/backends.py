@@ -8,7 +8,9 @@ differ, so that neither the loop nor the checkpointing branches on the kind of r
     wraps_in_place                           whether prepare changed the model for good (train() runs once)
     micro_batch(model, last), backward(loss) one micro-batch of an accumulation window
     scaler_handles_inf(), update_applied_despite_nonfinite()   what the non-finite guard may decide
-    optimizer_step(optimizer), step_skipped()   a step applied (or skipped by fp16 loss scaling), or skipped
+    skips_on_device(optimizer)               whether a non-finite update can be skipped on the device (deferred check)
+    optimizer_step(optimizer, skip)          a step applied (or skipped on the device, or by fp16 loss scaling)
+    step_skipped()                           a step the guard skipped, seen by the fp16 scaler
     state_dict_for_saving, writes_full_model, write_model           the model in a checkpoint or save_model
     rank_parts, optimizer_state              the optimizer state (and shards) in a checkpoint
     saves_in_background                      whether async_save can snapshot what it saves
@@ -135,6 +137,9 @@ class Backend:
     # whether the processes can agree on an out-of-memory error before a window's gradient all-reduce (DDP's
     # forward holds no collective that a process could be left waiting in)
     agrees_on_out_of_memory = True
+    # whether a fused optimizer's update may be skipped on the device (skips_on_device): FSDP's DTensor shards and
+    # DeepSpeed's engine keep the synchronous check
+    skips_updates_on_device = True
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
@@ -227,14 +232,11 @@ class Backend:
         finally:
             self._before_sync = None
 
-    def _synchronising(self) -> None:
-        before, self._before_sync = self._before_sync, None
-        if before is not None:
-            before()
-
     def backward(self, loss) -> None:
         """Backward of a micro-batch's loss, as normalised by the loop (Accelerate scales it for fp16)."""
-        self._synchronising()
+        before, self._before_sync = self._before_sync, None
+        if before is not None:  # the window's last micro-batch, before its gradient all-reduce
+            before()
         self.accelerator.backward(loss)
 
     def abandon_window(self) -> None:
@@ -252,13 +254,33 @@ class Backend:
         non-finite guard looks at the loss only."""
         return self.accelerator.scaler is not None
 
-    def optimizer_step(self, optimizer) -> bool:
+    def skips_on_device(self, optimizer) -> bool:
+        """Whether a non-finite step's update can be skipped on the device, without the host reading the verdict
+        first: torch's fused optimizers (AdamW, Adam, SGD, Adagrad: `_step_supports_amp_scaling`) skip their whole
+        update, step counts included, where the `found_inf` the GradScaler hands them is 1. Not with fp16 loss
+        scaling (the scaler owns that flag and reads its own verdict), and on the plain backend only (FSDP's
+        DTensor parameters and DeepSpeed's engine keep the synchronous check)."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+        return (self.skips_updates_on_device and self.accelerator.scaler is None
+                and bool(getattr(inner, "_step_supports_amp_scaling", False)))
+
+    def optimizer_step(self, optimizer, skip: Any = None) -> bool:
         """optimizer.step(); whether the update was applied. Under fp16 the scaler skips a step whose gradients
         hold inf or NaN and lowers its scale (its update(), inside Accelerate's step): Accelerate reports the skip
         (optimizer_step_was_skipped) only where the scaler did not call optimizer.step, never for a fused optimizer
         (torch's fused AdamW, the default), whose kernel skips the update itself. So the scale is compared as well,
         as transformers does: it drops exactly when the scaler found inf. The cost, fp16 only: reading the scale
-        after the step is a host sync (the one before it is free, right after agree_on_step's)."""
+        after the step is a host sync (the one before it is free, right after the step's check). With `skip` (the
+        deferred check's device flag), the update is queued and skipped on the device where the flag is 1; the
+        host reads nothing."""
+        if skip is not None:  # skipped on the device where skip is 1, as the GradScaler skips a fused step
+            inner = getattr(optimizer, "optimizer", optimizer)
+            inner.found_inf = skip
+            try:
+                optimizer.step()
+            finally:
+                del inner.found_inf
+            return True
         scaler = self.accelerator.scaler
         before = scaler.get_scale() if scaler is not None else None
         optimizer.step()
@@ -340,6 +362,7 @@ class FSDPBackend(Backend):
     kind = FSDP_KIND
     resumes = (FSDP_KIND,)
     agrees_on_out_of_memory = False  # FSDP's forward gathers the parameters: a collective of every layer
+    skips_updates_on_device = False
 
     def state_dict_for_saving(self, model) -> dict | None:
         """The full state dict, gathered across shards on the main process ({} on the others), or only the
@@ -408,6 +431,7 @@ class DeepSpeedBackend(Backend):
     saves_in_background = False  # the engine writes its partitions from its own state, which moves on
     wraps_in_place = True
     agrees_on_out_of_memory = False  # auto_find_batch_size is refused with DeepSpeed (it fixes the micro-batch)
+    skips_updates_on_device = False  # the engine steps inside backward
 
     def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """Fill the config's "auto" values known only now (the schedule's steps), then one engine of the model,
@@ -450,7 +474,9 @@ class DeepSpeedBackend(Backend):
     def backward(self, loss) -> None:
         """The loop normalises the loss over the whole window, so DeepSpeed must not divide it by the
         accumulation steps again."""
-        self._synchronising()
+        before, self._before_sync = self._before_sync, None
+        if before is not None:  # the window's last micro-batch, before DeepSpeed's gradient reduction
+            before()
         self.accelerator.backward(loss, scale_wrt_gas=False)
 
     def scaler_handles_inf(self) -> bool:

@@ -236,6 +236,19 @@ def test_nonfinite_guard_and_early_stopping_decide_the_same_on_every_rank(two_ra
     assert r0["best_metric"] == r1["best_metric"] == r0["eval_losses"][0]
 
 
+def test_the_deferred_check_skips_one_ranks_nonfinite_step_on_every_rank(two_ranks):
+    """Fused AdamW (the check deferred: the update skipped on the device, the verdict read one step late): rank 1
+    alone sees a NaN loss in step 2; the flags' all-reduce makes both ranks skip it on the device (4 optimizer steps
+    of 5), count it, and hold the linear schedule for it (step 5 runs at the rate after 3 applied steps, 1e-3 x 2/5,
+    not after 4)."""
+    r0, r1 = ranks(two_ranks, "guards_deferred")
+    assert r0["global_step"] == r1["global_step"] == 5
+    assert r0["params"] == r1["params"]
+    assert r0["nonfinite_steps_skipped"] == r1["nonfinite_steps_skipped"] == 1
+    assert r0["optimizer_steps"] == r1["optimizer_steps"] == [4]
+    assert r0["learning_rate"] == r1["learning_rate"] == pytest.approx(4e-4)
+
+
 # --- resume ------------------------------------------------------------------------------------------
 
 
@@ -583,6 +596,22 @@ def test_sigterm_to_one_rank_checkpoints_every_rank_exits_75_and_resumes_exactly
     assert {"process_0.json", "process_1.json"} <= set(os.listdir(out / "checkpoint-3"))
 
     resumes_like_rng_resume(two_ranks, tmp_path, "preempt_resume")
+
+
+def test_a_signal_to_one_rank_is_agreed_one_step_later_with_the_deferred_check(tmp_path):
+    """Fused AdamW, whose check every rank reads one step late: rank 1 alone is signalled after step 2; the signal
+    rides its flags of step 3 (the check's one all-reduce), which both ranks read in step 4, so both finish step 4,
+    write checkpoint-4 together and exit with 75 (the synchronous check stops after step 3)."""
+    proc = subprocess.run(torchrun_command(tmp_path, "preempt_deferred"), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    output = proc.stdout + proc.stderr
+    exits = set(re.findall(r"rank\s*:\s*(\d) \(local_rank: \d\)\s*\n\s*exitcode\s*:\s*(-?\d+)", output))
+    assert exits == {("0", str(PREEMPTED_EXIT_CODE)), ("1", str(PREEMPTED_EXIT_CODE))}, output[-8000:]
+    r0, r1 = ranks(tmp_path, "preempt_deferred")
+    assert r0["step"] == r1["step"] == 4 and r0["signal"] == r1["signal"] == signal.SIGTERM
+    out = tmp_path / "preempt_deferred" / "out"
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(str(out))] == ["checkpoint-4"]
+    assert ckpt.verify(str(out / "checkpoint-4")) is None
 
 
 def resumes_like_rng_resume(two_ranks: Path, tmp_path: Path, scenario: str) -> None:

@@ -1,7 +1,8 @@
-"""Host syncs and torch.compile on the GPU paths, caught on the CPU: one optimizer step reads nothing of the
-device's values on the host but the one designed check (agree_on_step), and makes no tensor from Python numbers
-on the device, with the model's own loss, the chunked loss and a shared prefix; batches are copied without
-waiting where they are pinned; a compiled model serves predict() then evaluate() with the chunked loss, and the
+"""Host syncs and torch.compile on the GPU paths, caught on the CPU: one optimizer step makes the host wait for
+nothing of the device's (the step's check, deferred, is read after the next step's forwards and backwards are
+queued, from a host copy), and makes no tensor from Python numbers on the device, with the model's own loss, the
+chunked loss and a shared prefix; batches are copied without waiting where they are pinned, and the next one is
+collated before the host waits; a compiled model serves predict() then evaluate() with the chunked loss, and the
 loss-convention probe compiles nothing that training cannot reuse."""
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class HostSyncCounter(TorchDispatchMode):
         self._functions.__exit__(*exc)
         return out
 
-    def unexpected(self, designed: str = "agree_on_step") -> list[tuple[str, str, str]]:
+    def unexpected(self, designed: str = "StepCheck.take") -> list[tuple[str, str, str]]:
         """The events not asked for from a function named `designed`."""
         return [e for e in self.events if f" {designed}" not in e[2]]
 
@@ -110,12 +111,36 @@ class _HostCopies(TorchFunctionMode):
 
 class StepSyncs(TrainerCallback):
     """Counts host syncs inside every optimizer step (on_step_begin to on_step_end: the window's forwards and
-    backwards, the clipping, the agreed check and the update; the logging after it is outside), torch's
-    optimizer step left out. `steps[i]` holds step i + 1's events."""
+    backwards, the clipping, the check and the update; the logging after it is outside), torch's optimizer step
+    left out. `steps[i]` holds step i + 1's events. With `markers` (a pytest monkeypatch), each backward of the
+    Trainer's backend adds ("backward", ...) and each time the host waits for a step's verdict (StepCheck.take of a
+    pending step) ("wait", step of that verdict): on a GPU the wait is for the check's flags, copied to the host
+    before that step's update."""
 
-    def __init__(self):
+    def __init__(self, markers=None):
         self.steps, self.counter = [], None
         self._hooks = []
+        if markers is not None:
+            from stoker.distributed.backends import Backend
+            from stoker.loop import StepCheck
+
+            backward, take = Backend.backward, StepCheck.take
+
+            def marked_backward(backend, loss):
+                self._mark("backward", "")
+                return backward(backend, loss)
+
+            def marked_take(check, received):
+                if check.pending is not None:
+                    self._mark("wait", check.pending.step)
+                return take(check, received)
+
+            markers.setattr(Backend, "backward", marked_backward)
+            markers.setattr(StepCheck, "take", marked_take)
+
+    def _mark(self, kind, what):
+        if self.counter is not None:
+            self.counter.events.append((kind, what, ""))
 
     def on_train_begin(self, args, state, control, **kw):
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -144,6 +169,19 @@ class StepSyncs(TrainerCallback):
             h.remove()
 
 
+def syncs(events) -> list[tuple[str, str, str]]:
+    """The events that make the host wait: reads and copies from the host, not the markers."""
+    return [e for e in events if e[0] not in ("backward", "wait")]
+
+
+def assert_deferred(step: int, events) -> None:
+    """Step `step` waited once, for the previous step's verdict, after its own last backward; nothing else."""
+    assert syncs(events) == [], f"step {step}: host syncs:\n" + "\n".join(map(str, syncs(events)))
+    kinds = [e[0] for e in events]
+    assert kinds.count("wait") == 1 and kinds[-1] == "wait" and "backward" in kinds, (step, events)
+    assert events[-1][1] == step - 1, (step, events)  # the verdict of the step before
+
+
 # --- one optimizer step: nothing read on the host but the designed check ----------------------------------
 
 def _llama(attention: str):
@@ -159,23 +197,26 @@ def _data(kind: str, lengths: str) -> list[dict]:
     from tests.integration.test_trainer import rows
     from tests.unit.test_prefix import prompt_rows
 
+    # 32 rows: 4 steps of 8 an epoch, so that steps 2 and 3 are no epoch's end (which settles the step at once)
     if kind == "shared_prefix":
-        data = prompt_rows(16)
+        data = prompt_rows(32)
         if lengths == "equal":  # every row cut to the shortest: no padding, so no attention mask from the rows
             n = min(len(r["input_ids"]) for r in data)
             data = [{k: v[:n] for k, v in r.items()} for r in data]
         return data
-    return rows(16) if lengths == "padded" else rows(16, lo=16, hi=16)
+    return rows(32) if lengths == "padded" else rows(32, lo=16, hi=16)
 
 
-def _step_syncs(tmp_path, attention: str, kind: str, lengths: str) -> list[list[tuple[str, str, str]]]:
+def _step_syncs(tmp_path, attention: str, kind: str, lengths: str, markers=None,
+                optim: str = "adamw_torch_fused") -> list[list[tuple[str, str, str]]]:
     from stoker import Trainer
     from tests.integration.test_trainer import args
 
-    counter = StepSyncs()
+    counter = StepSyncs(markers)
     extra = {} if kind == "model_loss" else {kind: True}
     trainer = Trainer(_llama(attention), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                               max_steps=3, logging_steps=1000, **extra),
+                                               max_steps=3, logging_steps=1000, optim=optim, learning_rate=1e-3,
+                                               **extra),
                       train_dataset=_data(kind, lengths), callbacks=[counter])
     trainer.train()
     return counter.steps
@@ -188,16 +229,24 @@ KERNEL_CHOICE = ("_ignore_causal_mask_sdpa",)
 
 @pytest.mark.parametrize("lengths", ["padded", "equal"])
 @pytest.mark.parametrize("kind", ["model_loss", "chunked_loss", "shared_prefix"])
-def test_a_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path, kind, lengths):
-    """Tiny Llama, accumulation 2, eager attention (whose mask needs no read of its own): steps 2 and 3 (step 1
-    holds the loss convention's probes, once per run) read the device once, in agree_on_step. The chunked loss's
-    target count and the shared prefix's length, which the host needs (a shape, a slice), are counted on the host
-    before the batch is copied to the device (stoker.data.RowCounts), so neither reads the device."""
-    for step, events in enumerate(_step_syncs(tmp_path, "eager", kind, lengths)[1:], start=2):
-        others = [e for e in events if " agree_on_step" not in e[2]]
-        assert others == [], f"step {step}: {len(others)} host syncs beyond the designed one:\n" + "\n".join(
-            map(str, others))
-        assert [e[0] for e in events] == ["read"]
+def test_a_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path, kind, lengths, monkeypatch):
+    """Tiny Llama, accumulation 2, eager attention (whose mask needs no read of its own), the default optimizer
+    (fused AdamW, which skips a non-finite update on the device): steps 2 and 3 (step 1 holds the loss convention's
+    probes, once per run) make the host wait for nothing of the device's; each waits once, for the previous step's
+    verdict, after its own backwards are queued. The chunked loss's target count and the shared prefix's length,
+    which the host needs (a shape, a slice), are counted on the host before the batch is copied to the device
+    (stoker.data.RowCounts), so neither reads the device."""
+    for step, events in enumerate(_step_syncs(tmp_path, "eager", kind, lengths, monkeypatch)[1:], start=2):
+        assert_deferred(step, events)
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_reads_its_verdict_in_its_own_step(tmp_path, monkeypatch):
+    """SGD without fused kernels keeps the synchronous check: the host waits for the step's own verdict (one sync),
+    after its backwards and before its update, which a non-finite verdict then never runs."""
+    for step, events in enumerate(_step_syncs(tmp_path, "eager", "model_loss", "equal", monkeypatch, "sgd")[1:],
+                                  start=2):
+        kinds = [e[0] for e in events]
+        assert syncs(events) == [] and kinds[-1] == "wait" and events[-1][1] == step, (step, events)
 
 
 class OutOfMemoryInStep(TrainerCallback):
@@ -222,7 +271,7 @@ class OutOfMemoryInStep(TrainerCallback):
         self.armed = state.global_step + 1 == self.step
 
 
-def test_a_step_halved_after_running_out_of_memory_reads_nothing_more(tmp_path):
+def test_a_step_halved_after_running_out_of_memory_reads_nothing_more(tmp_path, monkeypatch):
     """auto_find_batch_size: an out-of-memory error in step 2 reruns its window as micro-batches of half the rows;
     their host counts are the halves of the batch's (the shared prefix of 4 rows of 8, the chunked loss's count),
     so the rerun reads the device no more than a step that fits."""
@@ -230,38 +279,41 @@ def test_a_step_halved_after_running_out_of_memory_reads_nothing_more(tmp_path):
     from tests.integration.test_trainer import args
     from tests.unit.test_prefix import prompt_rows
 
-    model, counter = _llama("eager"), StepSyncs()
+    model, counter = _llama("eager"), StepSyncs(monkeypatch)
     trainer = Trainer(model, args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=3,
                                   logging_steps=1000, auto_find_batch_size=True, shared_prefix=True,
-                                  chunked_loss=True),
+                                  chunked_loss=True, optim="adamw_torch_fused", learning_rate=1e-3),
                       train_dataset=prompt_rows(48), callbacks=[counter, OutOfMemoryInStep(model, 2)])
     trainer.train()
     assert trainer.state.train_batch_size == 4
     for step, events in enumerate(counter.steps[1:], start=2):
-        assert [e[0] for e in events] == ["read"] and " agree_on_step" in events[0][2], (step, events)
+        assert_deferred(step, events)
 
 
-def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path):
+def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_check(tmp_path, monkeypatch):
     """A plain module with one label per row: the window's item count (rows, known on the host) is made on the
     device without a copy from the host."""
     from stoker import Trainer
     from tests.integration.test_trainer import Regressor, args, regression_rows
 
-    counter = StepSyncs()
+    counter = StepSyncs(monkeypatch)
     Trainer(Regressor(), args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
-                              logging_steps=1000), train_dataset=regression_rows(12), callbacks=[counter]).train()
-    for events in counter.steps[1:]:
-        assert [e[0] for e in events] == ["read"] and " agree_on_step" in events[0][2], events
+                              logging_steps=1000, optim="adamw_torch_fused", learning_rate=1e-3),
+            train_dataset=regression_rows(16), callbacks=[counter]).train()
+    for step, events in enumerate(counter.steps[1:], start=2):
+        assert_deferred(step, events)
 
 
 @pytest.mark.parametrize("lengths", ["padded", "equal"])
-def test_with_sdpa_only_transformers_kernel_choice_reads_the_mask(tmp_path, lengths):
+def test_with_sdpa_only_transformers_kernel_choice_reads_the_mask(tmp_path, lengths, monkeypatch):
     """sdpa reads the padding mask of a padded micro-batch once per forward to pick its causal kernel
-    (transformers' own); a micro-batch the host counted as unpadded is not read at all (stoker.sdpa_mask); nothing
-    else is read, the packed-rows check of mask-free rows (find_packed_sequence_indices) included."""
+    (transformers' own); a micro-batch the host counted as unpadded is not read at all (stoker.sdpa_mask, which a
+    run on a CUDA device uses); nothing else is read, the packed-rows check of mask-free rows
+    (find_packed_sequence_indices) included."""
+    monkeypatch.setattr("stoker.trainer.answers_mask", lambda model, args, device: True)
     for events in _step_syncs(tmp_path, "sdpa", "model_loss", lengths)[1:]:
         kernel = [e for e in events if any(f" {name}" in e[2] for name in KERNEL_CHOICE)]
-        others = [e for e in events if e not in kernel and " agree_on_step" not in e[2]]
+        others = [e for e in events if e not in kernel]
         assert others == [], "\n".join(map(str, others))
         assert len(kernel) <= (4 if lengths == "padded" else 0)  # two micro-batches, at most two reads each
 
@@ -275,19 +327,21 @@ class OnesMaskCollator:
             [f["labels"] for f in features])}
 
 
-def test_unpadded_rows_from_a_scripts_collator_read_no_mask(tmp_path):
+def test_unpadded_rows_from_a_scripts_collator_read_no_mask(tmp_path, monkeypatch):
     """A script's collator passing an attention mask of ones: the host counts it before the copy to the device, so
-    sdpa takes its causal path without a read of the mask. (Under this counter's dispatch mode torch.compile runs
-    eagerly; tests/gpu_paths/test_compilation.py checks the compiled layers' attention.)"""
+    sdpa takes its causal path without a read of the mask, and the step reads nothing. (Under this counter's
+    dispatch mode torch.compile runs eagerly; tests/gpu_paths/test_compilation.py checks the compiled layers'
+    attention.)"""
     from stoker import Trainer
     from tests.integration.test_trainer import args
 
-    counter = StepSyncs()
+    monkeypatch.setattr("stoker.trainer.answers_mask", lambda model, args, device: True)  # as on a CUDA device
+    counter = StepSyncs(monkeypatch)
     Trainer(_llama("sdpa"), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                 max_steps=3, logging_steps=1000),
+                                 max_steps=3, logging_steps=1000, optim="adamw_torch_fused", learning_rate=1e-3),
             train_dataset=_data("model_loss", "equal"), data_collator=OnesMaskCollator(), callbacks=[counter]).train()
-    for events in counter.steps[1:]:
-        assert [e[0] for e in events] == ["read"] and " agree_on_step" in events[0][2], events
+    for step, events in enumerate(counter.steps[1:], start=2):
+        assert_deferred(step, events)
 
 
 # transformers' own check, once per forward, that mask-free rows with position_ids are packed (it reads whether any
@@ -300,21 +354,22 @@ def test_packed_rows_attend_within_their_sequences_without_reading_the_boundarie
     """packing and padding_free with sdpa, 4 rows a micro-batch: the attention within each sequence
     (stoker.attention) gets its boundaries from the collator, computed on the host, so its GPU kernels read
     nothing. Run with the dense kernel (the GPU's fallback, made on the device from the boundaries; the others have
-    no CPU kernel): nothing is read but agree_on_step and transformers' packed-rows check."""
+    no CPU kernel): nothing is read but transformers' packed-rows check."""
     from stoker import Trainer, attention
     from tests.integration.test_trainer import args
     from tests.unit.test_packing import sft_rows
 
     monkeypatch.setattr(attention, "kernel_for", lambda *a, **k: "dense")
-    counter = StepSyncs()
+    counter = StepSyncs(monkeypatch)
     trainer = Trainer(_llama("sdpa"), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                           max_steps=3, logging_steps=1000, **{setting: True}),
+                                           max_steps=3, logging_steps=1000, optim="adamw_torch_fused",
+                                           learning_rate=1e-3, **{setting: True}),
                       train_dataset=sft_rows(48, seed=3), callbacks=[counter])
     assert trainer.model.config._attn_implementation == attention.NAME
     trainer.train()
     for step, events in enumerate(counter.steps[1:], start=2):
         packed_check = [e for e in events if any(f" {name}" in e[2] for name in PACKED_CHECK)]
-        others = [e for e in events if e not in packed_check and " agree_on_step" not in e[2]]
+        others = [e for e in syncs(events) if e not in packed_check]
         assert others == [], f"step {step}:\n" + "\n".join(map(str, others))
         assert len(packed_check) <= 2  # one per micro-batch
 
@@ -354,6 +409,38 @@ def test_pinned_batches_are_copied_to_the_device_without_waiting(tmp_path, monke
     monkeypatch.setattr(accelerator_module, "pins_memory", lambda a: a.dataloader_pin_memory)
     assert loader_copies() is True  # as on a GPU with dataloader_pin_memory=True (the default)
     assert loader_copies(dataloader_pin_memory=False) is False
+
+
+def test_the_next_batch_is_collated_before_the_host_waits(tmp_path, monkeypatch):
+    """When the host waits for a step's verdict (in step k, after step k's backwards are queued), the batch of step
+    k + 1 is collated already: Accelerate's loader fetches one batch ahead of the one it hands out (and copies that
+    one without waiting where it is pinned), so the host's collation overlaps the GPU's queued work."""
+    from stoker import Trainer
+    from stoker.data import PaddingCollator
+    from stoker.loop import StepCheck
+    from tests.integration.test_trainer import args
+
+    collated, seen_at_wait, take = [], {}, StepCheck.take
+
+    def counting(rows):
+        collated.append(len(rows))
+        return PaddingCollator(0, always_mask=True)(rows)
+
+    def marked_take(check, received):
+        if check.pending is not None:
+            seen_at_wait[check.pending.step + 1] = len(collated)
+        return take(check, received)
+
+    class Start(TrainerCallback):  # the checks of the first rows before the run collate a batch of their own
+        def on_train_begin(self, args, state, control, **kw):
+            collated.clear()
+
+    monkeypatch.setattr(StepCheck, "take", marked_take)
+    Trainer(_llama("eager"), args(tmp_path, per_device_train_batch_size=4, max_steps=5, logging_steps=1000,
+                                  optim="adamw_torch_fused", learning_rate=1e-3),
+            train_dataset=_data("model_loss", "equal"), data_collator=counting, callbacks=[Start()]).train()
+    # waiting in step k (step 5's verdict is settled at the run's end): the batches of steps 1 .. k + 1 are collated
+    assert {k: n for k, n in seen_at_wait.items() if k <= 5} == {2: 3, 3: 4, 4: 5, 5: 6}
 
 
 # --- torch.compile -------------------------------------------------------------------------------------------

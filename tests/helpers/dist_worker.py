@@ -192,6 +192,22 @@ def guards(out: str) -> None:
     r.write()
 
 
+def guards_deferred(out: str) -> None:
+    """The deferred check on two ranks: with fused AdamW, rank 1's non-finite step 2 is skipped on the device on both
+    ranks (the flags all-reduced in the step's one collective), its verdict read in step 3."""
+    r = Report(out, "guards_deferred")
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=5, logging_steps=5,
+                         optim="adamw_torch_fused", learning_rate=1e-3, max_grad_norm=0.0)
+    trainer = NanOnRankOne(llama(), args, train_dataset=TRAIN)
+    trainer.train()
+    log = next(x for x in trainer.state.log_history if "learning_rate" in x)
+    steps = {int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()}
+    r.values.update(global_step=trainer.state.global_step, params=param_digest(trainer.model),
+                    nonfinite_steps_skipped=log.get("nonfinite_steps_skipped", 0), learning_rate=log["learning_rate"],
+                    optimizer_steps=sorted(steps))
+    r.write()
+
+
 class RankRng(TrainerCallback):
     """Draws rank+1 random numbers before the first step, so that every rank's RNG stream (and dropout mask)
     differs from the others; records each rank's torch RNG digest at every step; and, with `pause_at`, holds
@@ -312,6 +328,35 @@ def preempt(out: str) -> None:
         # torchrun's agent sends SIGTERM to the other workers as soon as one exits non-zero; the checkpoint is
         # committed by now, and ignoring that signal lets this rank, too, exit with its own code
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
+    r.values["exit_code"] = 0
+    r.write()
+
+
+class SignalSelfAfter(TrainerCallback):
+    """Rank 1 sends itself SIGTERM at the end of step `step`; rank 0 receives nothing."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step and int(os.environ.get("RANK", "0")) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def preempt_deferred(out: str) -> None:
+    """Fused AdamW (the check deferred), rank 1 alone signalled at the end of step 2: its signal rides step 3's
+    flags, which every rank reads in step 4; both checkpoint step 4 and exit with 75."""
+    r = Report(out, "preempt_deferred")
+    args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=2, max_steps=8,
+                         optim="adamw_torch_fused", learning_rate=1e-3, logging_steps=1000)
+    trainer = Trainer(llama(), args, train_dataset=TRAIN, callbacks=[SignalSelfAfter(2)])
+    try:
+        trainer.train()
+    except TrainingPreempted as e:
+        r.values.update(exit_code=e.code, step=e.step, signal=e.signum)
+        r.write()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as preempt: torchrun's SIGTERM to the others is ignored
         raise
     r.values["exit_code"] = 0
     r.write()
@@ -1108,10 +1153,10 @@ def eval_oom_on_one_rank(out: str) -> None:
 
 SCENARIOS = {f.__name__: f for f in (
     ddp_settings, save_failure, equivalence, equivalence_accumulation, equivalence_after_evaluate, evaluation,
-    guards, rng_resume, preempt, preempt_resume, fsdp2, fsdp1, lora_fsdp2, fsdp_save_failure, ddp_adamw, zero2,
-    zero3, lora_zero3, zero_nonfinite, zero1_config_sections, per_process_tokens, families, iterable, shared_prefix,
-    moe, placement, oom_on_one_rank, oom_in_the_last_backward, eval_oom_on_one_rank, worker_seeds, async_fsdp2,
-    async_kill, async_kill_resume, short_data)}
+    guards, guards_deferred, rng_resume, preempt, preempt_deferred, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
+    fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite, zero1_config_sections,
+    per_process_tokens, families, iterable, shared_prefix, moe, placement, oom_on_one_rank, oom_in_the_last_backward,
+    eval_oom_on_one_rank, worker_seeds, async_fsdp2, async_kill, async_kill_resume, short_data)}
 
 
 def main() -> None:

@@ -52,8 +52,12 @@ class At(TrainerCallback):
 # --- preemption ------------------------------------------------------------------------------------
 
 
-def test_sigterm_checkpoints_the_current_step_exits_75_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"], ids=["sync", "deferred"])
+def test_sigterm_checkpoints_the_current_step_exits_75_and_resumes_exactly(tmp_path, monkeypatch, optim):
+    """With either check (the fused optimizer's is read one step late: the preempted step's is settled before its
+    checkpoint)."""
     data = rows(16)
+    make_args = functools.partial(globals()["make_args"], optim=optim)
     reference = Trainer(llama(), make_args(tmp_path / "ref"), train_dataset=data)
     reference.train()
 
@@ -311,10 +315,13 @@ def regression(n=16):
     return [{"x": x[i], "labels": x[i].sum()} for i in range(n)]
 
 
-def test_nonfinite_step_is_skipped_on_a_non_logging_step(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"], ids=["sync", "deferred"])
+def test_nonfinite_step_is_skipped_on_a_non_logging_step(tmp_path, optim):
+    """With either check (read in its step, or one step late with the update skipped on the device by the fused
+    optimizer), the non-finite step changes neither the parameters nor the optimizer state."""
     model, rec = Poisonable(), StepCounter()
     model.poison_steps = {3}
-    t = Trainer(model, make_args(tmp_path, logging_steps=5, max_steps=5, save_strategy="no"),
+    t = Trainer(model, make_args(tmp_path, logging_steps=5, max_steps=5, save_strategy="no", optim=optim),
                 train_dataset=regression(), callbacks=[rec])
     t.train()
     assert_same(rec.after[2][0], rec.after[3][0])  # parameters unchanged by the poisoned step
@@ -324,14 +331,15 @@ def test_nonfinite_step_is_skipped_on_a_non_logging_step(tmp_path):
     assert log["nonfinite_steps_skipped"] == 1 and log["loss"] == log["loss"]  # the NaN is not averaged in
 
 
-def test_a_window_of_skipped_steps_split_by_a_checkpoint_logs_nan_after_the_resume(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"], ids=["sync", "deferred"])
+def test_a_window_of_skipped_steps_split_by_a_checkpoint_logs_nan_after_the_resume(tmp_path, optim):
     # steps 3 and 4 (the second logging window) are non-finite; the run is checkpointed at step 3 and resumed:
     # its log at step 4 is still the window's NaN, and the whole history is the uninterrupted run's
     def run(out, resume=False):
         model = Poisonable()
         model.poison_steps = {3, 4}
-        t = Trainer(model, make_args(out, logging_steps=2, save_steps=3, max_steps=6), train_dataset=regression(),
-                    callbacks=[StepCounter()])
+        t = Trainer(model, make_args(out, logging_steps=2, save_steps=3, max_steps=6, optim=optim),
+                    train_dataset=regression(), callbacks=[StepCounter()])
         if resume:
             shutil.rmtree(out / "checkpoint-6")
         t.train(resume_from_checkpoint=str(out / "checkpoint-3") if resume else None)
@@ -345,20 +353,67 @@ def test_a_window_of_skipped_steps_split_by_a_checkpoint_logs_nan_after_the_resu
     assert resumed[0][1] == whole[0][1] and resumed[2][1] == whole[2][1]
 
 
-def test_nonfinite_stop_policy_and_the_consecutive_limit(tmp_path):
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"], ids=["sync", "deferred"])
+def test_nonfinite_stop_policy_and_the_consecutive_limit(tmp_path, optim):
     model = Poisonable()
     model.poison_steps = {3}
-    t = Trainer(model, make_args(tmp_path / "a", logging_steps=5, nonfinite_policy="stop"),
+    t = Trainer(model, make_args(tmp_path / "a", logging_steps=5, nonfinite_policy="stop", optim=optim),
                 train_dataset=regression(), callbacks=[StepCounter()])
     with pytest.raises(NonFiniteError, match="step 3"):
         t.train()
     assert sorted(os.listdir(tmp_path / "a")) == ["checkpoint-1", "checkpoint-2"]  # step 3 never saved
     model = Poisonable()
     model.poison_steps = {2, 3, 4}
-    t = Trainer(model, make_args(tmp_path / "b", max_nonfinite_steps=3), train_dataset=regression(),
+    t = Trainer(model, make_args(tmp_path / "b", max_nonfinite_steps=3, optim=optim), train_dataset=regression(),
                 callbacks=[StepCounter()])
     with pytest.raises(NonFiniteError, match="3 non-finite steps in a row"):
         t.train()
+
+
+class RatesUsed(TrainerCallback):
+    """The learning rate each step's update is handed (at on_pre_optimizer_step)."""
+
+    def __init__(self):
+        self.rates = {}
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+        self.rates[state.global_step + 1] = optimizer.param_groups[0]["lr"]
+
+
+def test_a_deferred_check_leaves_what_the_synchronous_one_leaves(tmp_path, monkeypatch):
+    """Fused AdamW, a linear schedule, steps 3 and 4 non-finite, a checkpoint at step 3, logs every 2 steps: the run
+    whose check is read one step late (the update skipped on the device) equals, bit for bit, the same run with the
+    check read in its own step: parameters and optimizer state after every step, the rate every update used (the
+    schedule held on the skipped steps: steps 3, 4 and 5 use step 3's rate), the log, and the checkpoint."""
+    from stoker.distributed.backends import Backend
+
+    def run(out, deferred: bool):
+        model, rec, rates = Poisonable(), StepCounter(), RatesUsed()
+        model.poison_steps = {3, 4}
+        t = Trainer(model, make_args(out, logging_steps=2, save_steps=3, max_steps=6, optim="adamw_torch_fused",
+                                     lr_scheduler_type="linear", max_nonfinite_steps=5),
+                    train_dataset=regression(), callbacks=[rec, rates])
+        with monkeypatch.context() as m:
+            if not deferred:
+                m.setattr(Backend, "skips_on_device", lambda self, optimizer: False)
+            t.train()
+        logs = [{k: v for k, v in r.items() if k not in ("train_runtime", "train_samples_per_second",
+                                                           "train_steps_per_second")} for r in t.state.log_history]
+        saved = {name: (out / "checkpoint-3" / name).read_bytes() for name in sorted(os.listdir(out / "checkpoint-3"))
+                 if name.endswith(".safetensors")}
+        return rec.after, rates.rates, logs, saved
+
+    deferred, sync = run(tmp_path / "deferred", True), run(tmp_path / "sync", False)
+    after, rates, logs, saved = deferred
+    assert after.keys() == sync[0].keys() == set(range(1, 7))
+    for step in after:
+        assert_same(after[step][0], sync[0][step][0])
+        assert after[step][1] == sync[0][step][1], step
+    # the synchronous check runs no update for a non-finite step (no on_pre_optimizer_step); deferred, the update is
+    # queued and skipped on the device, with the rate the schedule held
+    assert {k: v for k, v in rates.items() if k not in (3, 4)} == sync[1] and sync[1].keys() == {1, 2, 5, 6}
+    assert rates[3] == rates[4] == rates[5] < rates[2]
+    assert logs == sync[2] and saved == sync[3] and saved
 
 
 def test_a_nonfinite_model_is_never_saved(tmp_path):

@@ -11,21 +11,59 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stoker import TrainerCallback, TrainingArguments
 from stoker.errors import NonFiniteError
-from stoker.loop import LoopPosition, MicroBatchHalver, NonFinitePolicy, Run, RunningLog, StepVerdict, agree_on_step
+from stoker.loop import LoopPosition, MicroBatchHalver, NonFinitePolicy, Run, RunningLog, StepCheck, StepVerdict
 
-ONE_PROCESS = SimpleNamespace(num_processes=1)
+ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
 OOM = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
+def _verdict(loss, grad_norm, check_grad_norm=True, received=None, deferred=False):
+    check = StepCheck(ONE_PROCESS, deferred, check_grad_norm)
+    skip = check.queue(torch.tensor(loss), torch.tensor(grad_norm), 4, 0.1, received)
+    (step, _, _, learning_rate), verdict = check.take(received)
+    assert (step, learning_rate, check.take(received)) == (4, 0.1, None)  # taken once
+    return verdict, skip
+
+
 def test_one_process_agrees_on_its_own_numbers_and_signal():
-    finite = torch.tensor(1.5)
-    assert agree_on_step(ONE_PROCESS, finite, torch.tensor(0.3), True, None) == StepVerdict(True, True, None)
-    assert agree_on_step(ONE_PROCESS, finite, torch.tensor(math.inf), True, signal.SIGUSR1) == (
-        StepVerdict(False, False, signal.SIGUSR1))
+    assert _verdict(1.5, 0.3) == (StepVerdict(True, True, None), None)
+    assert _verdict(1.5, math.inf, received=signal.SIGUSR1)[0] == StepVerdict(False, False, signal.SIGUSR1)
     # with fp16 loss scaling the gradient norm is the scaler's business: only the loss is checked
-    assert agree_on_step(ONE_PROCESS, finite, torch.tensor(math.inf), False, None).finite
-    assert not agree_on_step(ONE_PROCESS, torch.tensor(math.nan), torch.tensor(0.3), False, None).finite
+    assert _verdict(1.5, math.inf, check_grad_norm=False)[0].finite
+    assert not _verdict(math.nan, 0.3, check_grad_norm=False)[0].finite
+
+
+def test_a_deferred_check_hands_the_optimizer_its_skip_flag_and_keeps_the_step_pending():
+    """Deferred, queue returns the device flag a fused optimizer skips its update on (1.0: skip), as the
+    GradScaler's found_inf; the verdict waits in `pending` until take."""
+    for loss, flag in ((1.5, 0.0), (math.nan, 1.0)):
+        verdict, skip = _verdict(loss, 0.3, deferred=True)
+        assert skip.dtype == torch.float32 and skip.item() == flag and verdict.finite is (flag == 0.0)
+    check = StepCheck(ONE_PROCESS, True, True)
+    assert check.take(None) is None
+    check.queue(torch.tensor(1.0), torch.tensor(1.0), 1, 0.1, None)
+    assert check.pending is not None and check.pending.step == 1
+
+
+def test_a_fused_optimizer_skips_the_whole_update_on_the_flag():
+    """What the deferred check relies on: torch's fused AdamW given found_inf=1 leaves the parameters, moments and
+    step count as they were; given 0, it updates exactly as without the flag."""
+    def stepped(flag):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5))
+        opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+        for f in (0.0, flag, 0.0):
+            p.grad = torch.randn(5)
+            if f is not None:
+                opt.found_inf = torch.tensor(f)
+            opt.step()
+        return p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+
+    plain, flagged, skipped = stepped(None), stepped(0.0), stepped(1.0)
+    assert torch.equal(plain[0], flagged[0]) and all(torch.equal(plain[1][k], flagged[1][k]) for k in plain[1])
+    assert skipped[1]["step"].item() == 2 and not torch.equal(skipped[0], plain[0])
 
 
 def policy(nonfinite_policy="skip", max_nonfinite_steps=3, applied=False) -> NonFinitePolicy:
@@ -58,14 +96,14 @@ def test_the_halver_reruns_a_window_at_half_the_micro_batch_after_out_of_memory(
     window = [{"input_ids": torch.arange(8).view(4, 2)}, {"input_ids": torch.arange(8, 16).view(4, 2)}]
     shapes = []
 
-    def run_window(w):
-        shapes.append([b["input_ids"].shape[0] for b in w])
-        if w[0]["input_ids"].shape[0] > 2:
-            raise OOM
-        return torch.tensor(7.0)
-
-    ran, result = MicroBatchHalver(True, pos, state).accumulate(window, run_window, optimizer)
-    assert shapes == [[4, 4], [2, 2, 2, 2]] and result == 7.0
+    halver, ran = MicroBatchHalver(True, pos, state), window
+    while ran[0]["input_ids"].shape[0] > 2:  # as Trainer._accumulate: out of memory at 4 rows, not at 2
+        shapes.append([b["input_ids"].shape[0] for b in ran])
+        ran = halver.retry(OOM, ran, optimizer)
+    shapes.append([b["input_ids"].shape[0] for b in ran])
+    assert shapes == [[4, 4], [2, 2, 2, 2]]
+    with pytest.raises(ValueError, match="not memory"):
+        halver.retry(ValueError("not memory"), ran, optimizer)
     assert torch.equal(torch.cat([b["input_ids"] for b in ran]), torch.arange(16).view(8, 2))  # the same rows
     assert (pos.micro_batch, pos.accumulation, pos.batches, state.train_batch_size) == (2, 4, 8, 2)
     with MicroBatchHalver(True, pos, state).after_update():  # out of memory in a callback: the next windows
@@ -94,7 +132,7 @@ def test_a_train_call_leaves_nothing_of_its_run_on_the_trainer(tiny_llama, clm_r
                       train_dataset=clm_rows(16))
     before = set(vars(trainer))
     trainer.train()
-    per_run = (Run, Checkpointer, RunningLog, LoopPosition, MicroBatchHalver, NonFinitePolicy)
+    per_run = (Run, Checkpointer, RunningLog, LoopPosition, MicroBatchHalver, NonFinitePolicy, StepCheck)
     assert set(vars(trainer)) == before  # train() adds no attribute
     assert not [name for name, value in vars(trainer).items() if isinstance(value, per_run)]
 
@@ -103,3 +141,58 @@ def test_the_step_reads_in_one_screen():
     from stoker.trainer import Trainer
 
     assert len(inspect.getsource(Trainer._optimizer_step).splitlines()) <= 40
+
+
+class StepProfile(TrainerCallback):
+    """A callback that records the distinct named stoker functions (file, qualified name) entered from one
+    on_step_begin to the next (sys.setprofile, this thread: the loop's own), comprehensions and lambdas left out."""
+
+    def __init__(self):
+        import os
+
+        import stoker
+
+        self.root, self.steps, self._current = os.path.dirname(stoker.__file__) + os.sep, [], None
+
+    def on_step_begin(self, args, state, control, **kw):
+        import sys
+
+        if self._current is not None:
+            self.steps.append(self._current)
+        self._current = set()
+
+        def profile(frame, event, arg):
+            code = frame.f_code
+            if event == "call" and code.co_filename.startswith(self.root) and not code.co_name.startswith("<"):
+                self._current.add((code.co_filename[len(self.root):], code.co_qualname))
+
+        sys.setprofile(profile)
+
+    def on_train_end(self, args, state, control, **kw):
+        import sys
+
+        sys.setprofile(None)
+
+
+def test_a_plain_step_enters_at_most_35_stoker_functions(tmp_path):
+    """The step reads as the normal path: tiny Llama, equal-length rows, no accumulation, nothing logged or saved,
+    the default optimizer (fused AdamW, so the check is deferred): from one on_step_begin to the next a step enters
+    at most 35 named stoker functions (52 in 13 files before the step was redesigned), its checks riding work the
+    step already does. The synchronous check (another optimizer) adds its own few and no more."""
+    from stoker import Trainer
+    from tests.integration.test_trainer import llama, rows
+
+    def profiled(**kw):
+        profile = StepProfile()
+        trainer = Trainer(llama(), TrainingArguments(str(tmp_path / "out"), report_to="none", disable_tqdm=True,
+                                                     save_strategy="no", logging_steps=1000, max_steps=4,
+                                                     per_device_train_batch_size=4, **kw),
+                          train_dataset=rows(32, lo=16, hi=16), callbacks=[profile])
+        trainer.train()
+        return profile.steps[1:]  # step 1 holds the loss convention's probes, once per run
+
+    for step in profiled():
+        assert len(step) <= 35, sorted(step)
+        assert ("loop.py", "StepCheck.take") in step and ("trainer.py", "Trainer._settle") in step
+    for step in profiled(optim="adamw_torch"):  # not fused: the synchronous check
+        assert len(step) <= 35, sorted(step)

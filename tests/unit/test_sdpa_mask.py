@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from stoker import sdpa_mask
 from stoker.data import CountedBatch
-from stoker.sdpa_mask import rows_unpadded, unpadded_attention
+from stoker.sdpa_mask import unpadded_attention
 
 
 def _counted(mask: torch.Tensor) -> dict:
@@ -24,10 +25,16 @@ def _mask(mask, **kw):
     return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**{**args, **kw})
 
 
+def _told(batch) -> bool:
+    """Whether unpadded_attention takes `batch`'s rows as unpadded."""
+    with unpadded_attention(batch):
+        return sdpa_mask._state["unpadded"]
+
+
 def test_the_host_counts_decide_and_only_inside_the_context():
     ones, padded = _counted(torch.ones(2, 6, dtype=torch.long)), _counted(torch.tensor([[1] * 6, [1] * 4 + [0] * 2]))
-    assert rows_unpadded(ones) and not rows_unpadded(padded)
-    assert not rows_unpadded({"attention_mask": torch.ones(2, 6)})  # not counted on the host: read as before
+    assert _told(ones) and not _told(padded) and not sdpa_mask._state["unpadded"]
+    assert not _told({"attention_mask": torch.ones(2, 6)})  # not counted on the host: read as before
     with unpadded_attention(ones):
         assert _mask(ones["attention_mask"]) is None
         # what changes the mask is left to transformers: a KV cache's offset, a sliding window, another pattern
