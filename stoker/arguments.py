@@ -248,7 +248,7 @@ class TrainingArguments:
     bf16: bool | None = field(default=None, metadata=_help(
         "bfloat16 mixed precision (autocast). Not given (None): True on a CUDA GPU with bf16 (compute capability "
         "8.0 or more) unless fp16, deepspeed or gpu_defaults=False say otherwise, else False; False given keeps "
-        "float32."))
+        "float32.") | BARE_FLAG)
     fp16: bool = field(default=False, metadata=_help(
         "float16 mixed precision with loss scaling (needs a GPU)."))
     tf32: bool | None = field(default=None, metadata=_help(
