@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny Llama built from a config (no hub), variable-length causal-LM rows, arguments, and the
-graphs torch.compile builds.
+graphs torch.compile builds, a local Ray.
 
 Every fixture is a factory so that a test can ask for several models / datasets / argument sets.
 """
@@ -7,8 +7,12 @@ Every fixture is a factory so that a test can ask for several models / datasets 
 from __future__ import annotations
 
 import random
+import signal
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB_SIZE = 64
 
@@ -146,3 +150,20 @@ def compiled_graphs(monkeypatch):
     torch._dynamo.reset()
     yield graphs
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray of 2 CPUs for one test module (Ray Train's and Ray Tune's tests), its workers importing the
+    repository's tests by name."""
+    import ray
+
+    # ray.init installs signal handlers of its own in this process, which ray.shutdown leaves: put the test
+    # process's back, or every later test that sends itself SIGTERM meets Ray's handler
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)

@@ -7,31 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.ray_worker import ROWS, SETTINGS, train_func  # Ray's workers import it by this name
 
-ROOT = Path(__file__).resolve().parents[2]
-
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    # ray.init installs signal handlers of its own in this process, which ray.shutdown leaves: put the test
-    # process's back, or every later test that sends itself SIGTERM meets Ray's handler
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 def test_ray_train_fits_reports_checkpoints_and_resumes_after_a_lost_worker(local_ray, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,9 @@ import torch
 
 from tests.helpers import ray_tune_worker as w  # Ray's workers import model_init by this name
 
-ROOT = Path(__file__).resolve().parents[2]
 # the trials of the search (BasicVariantGenerator's points_to_evaluate, in this order: the same trials for both
 # trainers): 1.0 learns fastest, 0.05 and 0.005 are worse than 0.2 and 1.0 at the first evaluation
 RATES = (0.2, 1.0, 0.05, 0.005)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    # ray.init installs signal handlers of its own in this process, which ray.shutdown leaves: put the test
-    # process's back, or every later test that sends itself SIGTERM meets Ray's handler
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 def search(framework: str, out: Path, storage: Path, rates, scheduler, settings=None, **kwargs):
