@@ -501,7 +501,10 @@ DEFAULT_CALLBACKS = [DefaultFlowCallback]
 class JsonlLoggerCallback(TrainerCallback):
     """Appends every log record to output_dir/metrics.jsonl (one JSON object per line, main process only), with
     stoker's diagnostics of the record (throughput, data waiting, MFU, peak memory), which log_history leaves
-    out as transformers does."""
+    out as transformers does, and the id of the run (`run_id`, which checkpoints carry too: a resumed run goes on
+    with its checkpoint's), which the Trainer sets when a run starts."""
+
+    run_id: str | None = None
 
     def on_log(self, args, state, control, logs=None, diagnostics=None, **kwargs):
         if not (state.is_world_process_zero and logs):
@@ -510,6 +513,8 @@ class JsonlLoggerCallback(TrainerCallback):
 
         os.makedirs(args.output_dir, exist_ok=True)
         record = {"step": state.global_step, **logs, "epoch": round(state.epoch, 4), **(diagnostics or {})}
+        if self.run_id is not None:
+            record["run_id"] = self.run_id
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
 

@@ -153,15 +153,23 @@ def mfu(tokens_per_second: float, flops_per_token_: float, peak_tflops_per_devic
 
 
 class Stopwatch:
-    """The seconds the loop spent waiting for batches (`seconds`, added by Trainer._windows around each next())."""
+    """The seconds the loop spent waiting for batches (`seconds`, added by Trainer._windows around each next());
+    `total` is the run's (the goodput ledger's data_wait)."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.taken = 0.0  # the seconds of the windows already taken
 
     def take(self) -> float:
         """Seconds since the last take(), and start again from zero."""
         seconds, self.seconds = self.seconds, 0.0
+        self.taken += seconds
         return seconds
+
+    @property
+    def total(self) -> float:
+        """Every second waited since the stopwatch was made."""
+        return self.taken + self.seconds
 
 
 def data_wait_advice(fraction: float, args, on_gpu: bool) -> str:

@@ -22,6 +22,7 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 from . import diagnostics
 from .errors import NonFiniteError
 from .evaluation import split_batch
+from .goodput import Ledger
 from .log import logger
 
 
@@ -570,3 +571,4 @@ class Run:
     ignore_keys_for_eval: list[str] | None = None
     rows_checked: bool = False  # the first training batch has been checked against the model (trainer_checks)
     started: float = dataclasses.field(default_factory=time.time)  # wall clock, as transformers' speed metrics
+    ledger: Ledger = dataclasses.field(default_factory=Ledger)  # where the call's wall time goes (stoker.goodput)

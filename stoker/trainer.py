@@ -67,6 +67,7 @@ from .evaluation import (
     split_batch,
 )
 from .float8 import use_float8
+from .goodput import Ledger, furthest_step, summary_line
 from .load_balancing import LoadBalancing, has_router_loss
 from .log import logger, set_log_levels, transformers_logger
 from .loop import (
@@ -446,11 +447,13 @@ class Trainer(TrainerAPI):
     def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval, memory):
         """One run: set up (`_start_run`), the loop, the run's metrics."""
         a = self.args
-        run = self._start_run(resolve_resume(resume_from_checkpoint, a), trial, ignore_keys_for_eval)
+        ledger = Ledger()  # where the wall time of the call goes, from here (stoker.goodput)
+        run = self._start_run(resolve_resume(resume_from_checkpoint, a), trial, ignore_keys_for_eval, ledger)
         s = self.state
         self._fire("on_train_begin")
         if a.eval_on_start and not run.resumed:
-            self._evaluate_and_track(run)
+            with ledger.phase("evaluation"):
+                self._evaluate_and_track(run)
             if self._ray_report is not None:
                 self._report_to_ray(None)
 
@@ -462,6 +465,9 @@ class Trainer(TrainerAPI):
             # resumed from the run's last checkpoint (the same script run again): nothing is left to do
             if s.global_step < s.max_steps:
                 preempted = self._train_loop(run)
+            with ledger.phase("checkpoint"):  # the loop waits for the last checkpoint's write (async_save)
+                run.checkpointer.writer.finish()
+        ledger.end_steps()
         if preempted is not None:
             if self.accelerator.num_processes > 1:  # every rank has its share of the checkpoint once all are here
                 self.accelerator.wait_for_everyone()
@@ -473,9 +479,9 @@ class Trainer(TrainerAPI):
         """Those of `hooks` that a class outside stoker defines (stoker's own Seq2SeqTrainer overrides none)."""
         return [m for m in hooks if _defining_class(type(self), m).__module__.split(".")[0] != "stoker"]
 
-    def _start_run(self, resume_dir: str | None, trial, ignore_keys_for_eval) -> Run:
+    def _start_run(self, resume_dir: str | None, trial, ignore_keys_for_eval, ledger: Ledger) -> Run:
         """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
-        the checkpoint resumed from; returns the run."""
+        the checkpoint resumed from (counted in the ledger as resume); returns the run."""
         a, acc = self.args, self.accelerator
         if a.auto_find_batch_size and acc.num_processes > 1 and a.accelerator_config.syncs_each_batch():
             # the processes agree on an out-of-memory error before the window's one gradient all-reduce; with one
@@ -489,7 +495,8 @@ class Trainer(TrainerAPI):
                            accumulation=a.gradient_accumulation_steps)
         dataset_len = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
         # refused before anything of the run is set up; may adopt the micro-batch auto_find_batch_size settled on
-        loop = resume_settings(resume_dir, self._backend, a, dataset_len, pos) if resume_dir else None
+        with ledger.phase("resume") if resume_dir else contextlib.nullcontext():
+            loop = resume_settings(resume_dir, self._backend, a, dataset_len, pos) if resume_dir else None
         # every train() call is a run of its own: fresh state, controls and (unless given) optimizer/schedule
         s = self.state = TrainerState(is_local_process_zero=acc.is_local_main_process,
                                       is_world_process_zero=acc.is_main_process)
@@ -537,12 +544,17 @@ class Trainer(TrainerAPI):
 
         handler = self.callback_handler  # what callbacks receive from now on (as transformers updates them here)
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
+        for writer in handler.writers:  # metrics.jsonl's records name their run (goodput.furthest_step reads them)
+            writer.run_id = checkpointer.run_id
         s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.compute_steps(a, max_steps)
         log = RunningLog(acc.device)
         if resume_dir is not None:
-            pos, log = checkpointer.restore(resume_dir, loop, self._run_objects(), pos)
+            with ledger.phase("resume"):
+                pos, log = checkpointer.restore(resume_dir, loop, self._run_objects(), pos)
+            # the steps an earlier run of this run reached past the checkpoint are redone: counted as recomputed
+            ledger.recompute_until = furthest_step(a.output_dir, checkpointer.run_id)
             if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
                 left = len(window_sizes(max(len(loader) - pos.batches, 0), pos.accumulation))
@@ -563,7 +575,7 @@ class Trainer(TrainerAPI):
                    steps_per_epoch=per_epoch, halver=halver, check=check,
                    schedule_per_step=not self._steps_on_metric(),
                    nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
-                   resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval)
+                   resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval, ledger=ledger)
 
     def _train_loader(self, micro_batch: int):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
@@ -632,6 +644,11 @@ class Trainer(TrainerAPI):
         run.checkpointer.keep_only_best(s.best_model_checkpoint)
         if memory is not None:
             memory.stop_and_update_metrics(metrics)
+        # the ledger goes with the diagnostics (metrics.jsonl, the report), not into train()'s metrics, whose keys
+        # are transformers'
+        diagnostics.update(run.ledger.finish())
+        if s.is_world_process_zero:
+            logger.info(summary_line(diagnostics))
         self._log(metrics, None, diagnostics)
         self._fire("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
@@ -661,6 +678,7 @@ class Trainer(TrainerAPI):
         model = self.model_wrapped
         model.train()
         log.restart_clock()
+        run.ledger.begin_steps(s.global_step, log.data_clock)
         preempted = None
         for epoch in range(pos.epoch, s.num_train_epochs):
             pos.epoch = epoch
@@ -670,6 +688,8 @@ class Trainer(TrainerAPI):
             if first is not None:
                 for window in itertools.chain([first], windows):
                     preempted = self._optimizer_step(model, window, run)
+                    if s.global_step == run.ledger.recompute_until:  # the steps an earlier run reached are redone
+                        run.ledger.caught_up()
                     # read anew after every event: a callback may return a TrainerControl of its own, which then
                     # replaces self.control (as in transformers)
                     if self.control.should_epoch_stop or self.control.should_training_stop:
@@ -931,12 +951,15 @@ class Trainer(TrainerAPI):
         paused = time.perf_counter()
         if self.control.should_evaluate:
             self.control.should_evaluate = False
-            if self._evaluate_and_track(run) and self.args.save_strategy == "best":
+            with run.ledger.phase("evaluation"):
+                best = self._evaluate_and_track(run)
+            if best and self.args.save_strategy == "best":
                 self.control.should_save = True
         if self.control.should_save:
             self.control.should_save = False
             if run.checkpointer.last_saved_step != s.global_step:  # epoch end right after a step save
-                self._save_checkpoint(run)
+                with run.ledger.phase("checkpoint"):  # async_save: the snapshot, and any wait for the last write
+                    self._save_checkpoint(run)
         if self._ray_report is not None:  # a Ray search trial's evaluation, with this step's checkpoint if saved
             self._report_to_ray(self._committed_checkpoint(run))
         log.excluded += time.perf_counter() - paused

@@ -1,0 +1,112 @@
+"""The goodput ledger of real runs (a tiny Llama on CPU): the parts add up to the wall time of train(), each loss
+lands in its part (evaluations, saves, async saves, a resume, the steps a resumed run redoes after a crash), and
+the ledger is in metrics.jsonl's final record and on the console, never in train()'s metrics (transformers'
+keys)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from stoker import Trainer, TrainerCallback
+from stoker.goodput import PARTS
+
+LOSSES = [p for p in PARTS if p != "productive"]
+
+
+def final_record(output_dir) -> dict:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in reversed(records) if "train_runtime" in r)
+
+
+def timed_train(trainer, **kwargs) -> float:
+    started = time.perf_counter()
+    trainer.train(**kwargs)
+    return time.perf_counter() - started
+
+
+class CrashAt(TrainerCallback):
+    """Raises at the end of a step, as a process killed there would stop (before that step's log)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError(f"crash at step {self.step}")
+
+
+def test_the_parts_add_up_to_the_wall_time_of_train(tiny_llama, clm_rows, make_args, tmp_path, capsys):
+    args = make_args(max_steps=8, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
+                     log_level="info")
+    trainer = Trainer(tiny_llama(), args, train_dataset=clm_rows(64), eval_dataset=clm_rows(8, seed=1))
+    started = time.perf_counter()
+    out = trainer.train()
+    wall = time.perf_counter() - started
+    record = final_record(tmp_path / "out")
+    parts = {p: record[f"time_{p}"] for p in PARTS}
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.02)
+    assert sum(parts.values()) == pytest.approx(record["time_wall"], abs=1e-3)
+    assert parts["evaluation"] > 0 and parts["checkpoint"] > 0 and parts["productive"] > 0
+    assert parts["resume"] == parts["recomputed"] == parts["rollback"] == 0
+    assert 0 < record["goodput"] <= 1
+    assert record["goodput"] == pytest.approx(parts["productive"] / record["time_wall"], abs=1e-3)
+    # train()'s metrics keep transformers' keys (tests/parity compare them)
+    assert not [k for k in out.metrics if k.startswith("time_") or k == "goodput"]
+    assert not [r for r in trainer.state.log_history if "goodput" in r]
+    assert f"goodput {100 * record['goodput']:.1f}%: productive" in capsys.readouterr().err
+
+
+def test_evaluation_and_saving_time_is_not_productive(tiny_llama, clm_rows, make_args, tmp_path):
+    """The same steps with and without an evaluation and a save at every step: the extra time goes to their parts,
+    not to the steps."""
+    plain = Trainer(tiny_llama(), make_args(max_steps=4, output_dir=str(tmp_path / "plain")),
+                    train_dataset=clm_rows(32))
+    plain.train()
+    busy = Trainer(tiny_llama(), make_args(max_steps=4, output_dir=str(tmp_path / "busy"), eval_strategy="steps",
+                                           eval_steps=1, save_strategy="steps", save_steps=1),
+                   train_dataset=clm_rows(32), eval_dataset=clm_rows(64, seed=1))
+    busy.train()
+    quiet, loud = final_record(tmp_path / "plain"), final_record(tmp_path / "busy")
+    assert quiet["time_evaluation"] == quiet["time_checkpoint"] == 0
+    assert loud["time_evaluation"] + loud["time_checkpoint"] > loud["time_productive"]
+    assert loud["goodput"] < quiet["goodput"]
+
+
+def test_async_save_a_crash_and_a_resume_count_resume_and_the_recomputed_steps(tiny_llama, clm_rows, make_args,
+                                                                                tmp_path):
+    def trainer(*callbacks):
+        args = make_args(max_steps=12, save_strategy="steps", save_steps=4, async_save=True, eval_strategy="steps",
+                         eval_steps=6)
+        return Trainer(tiny_llama(), args, train_dataset=clm_rows(64), eval_dataset=clm_rows(8, seed=1),
+                       callbacks=list(callbacks))
+
+    with pytest.raises(RuntimeError, match="crash at step 10"):
+        trainer(CrashAt(10)).train()  # checkpoints 4 and 8 written, step 9 logged
+    out = tmp_path / "out"
+    first_run = {json.loads(line)["run_id"] for line in (out / "metrics.jsonl").read_text().splitlines()}
+    assert len(first_run) == 1
+    resumed = trainer()
+    wall = timed_train(resumed, resume_from_checkpoint=str(out / "checkpoint-4"))
+    record = final_record(out)
+    parts = {p: record[f"time_{p}"] for p in PARTS}
+    assert record["run_id"] in first_run  # the same run, gone on
+    assert parts["resume"] > 0 and parts["checkpoint"] > 0
+    assert parts["recomputed"] > 0  # steps 5 to 9, which the crashed run had reached
+    assert parts["productive"] > 0  # steps 10 to 12, new work
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.02)
+    assert 0 < record["goodput"] < 1
+
+
+def test_a_resume_from_the_furthest_checkpoint_recomputes_nothing(tiny_llama, clm_rows, make_args, tmp_path):
+    def trainer(max_steps):
+        return Trainer(tiny_llama(), make_args(max_steps=max_steps, save_strategy="steps", save_steps=4),
+                       train_dataset=clm_rows(64))
+
+    trainer(4).train()
+    resumed = trainer(8)
+    resumed.train(resume_from_checkpoint=True)
+    record = final_record(tmp_path / "out")
+    assert record["time_resume"] > 0 and record["time_recomputed"] == 0 and record["time_productive"] > 0
