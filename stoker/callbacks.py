@@ -438,18 +438,21 @@ def format_logs(logs: dict[str, Any]) -> str:
 
 
 class ProgressCallback(TrainerCallback):
-    """A live tqdm bar on a terminal; elsewhere (CI, log files) a progress line every 5% of the run."""
+    """A live tqdm bar on a terminal; elsewhere (CI, log files) a progress line every 5% of the run, with the time
+    left at the pace of this train() call's own steps (a resumed run's steps before its checkpoint took no time
+    of it)."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.bar = None
         self.started = 0.0
+        self.first_step = 0  # the step this train() call started from
 
     def _live(self, args) -> bool:
         return not args.disable_tqdm and getattr(self.stream, "isatty", lambda: False)()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.started = time.perf_counter()
+        self.started, self.first_step = time.perf_counter(), state.global_step
         if state.is_world_process_zero and self._live(args):
             from tqdm.auto import tqdm
 
@@ -462,9 +465,11 @@ class ProgressCallback(TrainerCallback):
             self.bar.update(state.global_step - self.bar.n)
         elif _is_due(state.global_step, max(1, state.max_steps // 20)) or state.global_step == state.max_steps:
             elapsed = time.perf_counter() - self.started
+            done = state.global_step - self.first_step
+            left = elapsed / done * (state.max_steps - state.global_step) if done > 0 else math.nan
             print(f"[stoker] step {state.global_step}/{state.max_steps} "
                   f"({100 * state.global_step / state.max_steps:.0f}%) epoch {state.epoch:.2f} "
-                  f"elapsed {elapsed:.1f}s", file=self.stream, flush=True)
+                  f"elapsed {elapsed:.1f}s, left {left:.1f}s", file=self.stream, flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:

@@ -339,6 +339,29 @@ def test_progress_lines_on_a_non_tty_stream(tiny_llama, clm_rows, make_args):
     logged = [int(k) for k in re.findall(r"^\[stoker\] step (\d+): loss=", text, flags=re.M)]
     assert logged == [20, 40]
     assert "\r" not in text  # no progress bar
+    lines = re.findall(r"^\[stoker\] step \d+/40 .* elapsed ([\d.]+)s, left ([\d.]+)s$", text, flags=re.M)
+    assert len(lines) == 20 and float(lines[-1][1]) == 0.0
+
+
+def test_progress_lines_give_the_time_left_at_this_calls_pace(monkeypatch):
+    """Resumed at step 10 of 30, 2 s a step since: 18 steps left at step 12 take 36 s (the steps before the
+    checkpoint, which took no time of this call, do not make it look faster)."""
+    import types
+
+    now = [100.0]
+    monkeypatch.setattr(stoker.callbacks, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    stream, args = io.StringIO(), types.SimpleNamespace(disable_tqdm=True)
+    state = TrainerState(global_step=10, max_steps=30, epoch=1.0)
+    progress = ProgressCallback(stream=stream)
+    progress.on_train_begin(args, state, TrainerControl())
+    for step in (11, 12, 30):
+        now[0] += 2 if step < 30 else 36
+        state.global_step = step
+        progress.on_step_end(args, state, TrainerControl())
+    assert stream.getvalue().splitlines() == [
+        "[stoker] step 11/30 (37%) epoch 1.00 elapsed 2.0s, left 38.0s",
+        "[stoker] step 12/30 (40%) epoch 1.00 elapsed 4.0s, left 36.0s",
+        "[stoker] step 30/30 (100%) epoch 1.00 elapsed 40.0s, left 0.0s"]
 
 
 def test_tensorboard_event_files(tiny_llama, clm_rows, make_args, tmp_path):
