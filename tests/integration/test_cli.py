@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -212,3 +213,42 @@ def test_console_script_help():
     proc = subprocess.run([_stoker_executable(), "train", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "optimizer:" in proc.stdout and "--per_device_train_batch_size" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# stoker report
+
+
+def test_report_rewrites_a_runs_report_and_prints_its_goodput(tiny_llama, clm_rows, make_args, tmp_path, capsys):
+    from stoker import Trainer
+
+    out = tmp_path / "out"
+    Trainer(tiny_llama(), make_args(max_steps=6, eval_strategy="steps", eval_steps=3, save_strategy="steps",
+                                    save_steps=3), train_dataset=clm_rows(32), eval_dataset=clm_rows(8, seed=1)).train()
+    (out / "quarantine.jsonl").write_text(json.dumps({"step": 5, "restored_step": 3, "reason": "loss spike",
+                                                      "loss": 9.1, "median": 2.3, "indices": [4, 11, 17],
+                                                      "ranks": [0, 0, 0]}) + "\n")
+    assert not (out / "report.html").exists()
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert f"goodput {100 * final['goodput']:.1f}%: productive" in printed
+    assert re.search(r"^  checkpoint +[\d.]+ s +[\d.]+%$", printed, flags=re.M)
+    assert re.search(r"^  evaluation +[\d.]+ s +[\d.]+%$", printed, flags=re.M)
+    assert "3 rows quarantined in 1 rollback\nstep 5: rolled back to step 3, 3 rows set aside" in printed
+    assert "global_step: 6" in printed and f"report written to {out / 'report.html'}" in printed
+    page = (out / "report.html").read_text()
+    assert '<img alt="Goodput"' in page and '<img alt="Loss"' in page and "Quarantined rows" in page
+
+
+def test_report_of_a_folder_without_a_run_exits_2_naming_it(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert f"OUTPUT_DIR='{tmp_path / 'missing'}': no such folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert f"OUTPUT_DIR='{tmp_path / 'empty'}': no run records in it; expected metrics.jsonl" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert main(["report"]) == 2
+    assert "stoker: " in capsys.readouterr().err
+    assert not (tmp_path / "empty" / "report.html").exists()
