@@ -110,3 +110,14 @@ def test_a_resume_from_the_furthest_checkpoint_recomputes_nothing(tiny_llama, cl
     resumed.train(resume_from_checkpoint=True)
     record = final_record(tmp_path / "out")
     assert record["time_resume"] > 0 and record["time_recomputed"] == 0 and record["time_productive"] > 0
+
+
+def test_torch_compiles_time_is_carved_out_of_the_steps(tiny_llama, clm_rows, make_args, tmp_path):
+    """torch._dynamo's own compile-time counters grow during the run's first steps: that time is compile, not
+    productive (aot_eager compiles without a C++ compiler)."""
+    trainer = Trainer(tiny_llama(), make_args(max_steps=3, torch_compile_backend="aot_eager"),
+                      train_dataset=clm_rows(16))
+    wall = timed_train(trainer)
+    record = final_record(tmp_path / "out")
+    assert record["time_compile"] > 0
+    assert sum(record[f"time_{p}"] for p in PARTS) == pytest.approx(wall, rel=0.02)
