@@ -59,20 +59,42 @@ def test_the_parts_add_up_to_the_wall_time_of_train(tiny_llama, clm_rows, make_a
     assert f"goodput {100 * record['goodput']:.1f}%: productive" in capsys.readouterr().err
 
 
-def test_evaluation_and_saving_time_is_not_productive(tiny_llama, clm_rows, make_args, tmp_path):
-    """The same steps with and without an evaluation and a save at every step: the extra time goes to their parts,
-    not to the steps."""
-    plain = Trainer(tiny_llama(), make_args(max_steps=4, output_dir=str(tmp_path / "plain")),
-                    train_dataset=clm_rows(32))
-    plain.train()
-    busy = Trainer(tiny_llama(), make_args(max_steps=4, output_dir=str(tmp_path / "busy"), eval_strategy="steps",
-                                           eval_steps=1, save_strategy="steps", save_steps=1),
-                   train_dataset=clm_rows(32), eval_dataset=clm_rows(64, seed=1))
-    busy.train()
-    quiet, loud = final_record(tmp_path / "plain"), final_record(tmp_path / "busy")
-    assert quiet["time_evaluation"] == quiet["time_checkpoint"] == 0
-    assert loud["time_evaluation"] + loud["time_checkpoint"] > loud["time_productive"]
-    assert loud["goodput"] < quiet["goodput"]
+class Slow(TrainerCallback):
+    """Sleeps a known time at the end of each step (step time), in each evaluation and in each save."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.slept = seconds, {"step": 0.0, "evaluation": 0.0, "checkpoint": 0.0}
+
+    def _sleep(self, part: str) -> None:
+        time.sleep(self.seconds)
+        self.slept[part] += self.seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._sleep("step")
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._sleep("evaluation")
+
+    def on_save(self, args, state, control, **kwargs):
+        self._sleep("checkpoint")
+
+
+def test_time_lands_in_the_part_it_was_spent_in(tiny_llama, clm_rows, make_args, tmp_path):
+    """Known sleeps at the end of each step, in each evaluation and in each save: each part holds at least its own,
+    and the productive time holds none of the evaluations' or saves' (whatever the machine's load)."""
+    slow = Slow(0.1)
+    trainer = Trainer(tiny_llama(), make_args(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                                              save_steps=2), train_dataset=clm_rows(32),
+                      eval_dataset=clm_rows(8, seed=1), callbacks=[slow])
+    trainer.train()
+    record = final_record(tmp_path / "out")
+    assert slow.slept == {"step": pytest.approx(0.4), "evaluation": pytest.approx(0.4),
+                          "checkpoint": pytest.approx(0.2)}
+    assert record["time_evaluation"] >= slow.slept["evaluation"]
+    assert record["time_checkpoint"] >= slow.slept["checkpoint"]
+    assert record["time_productive"] >= slow.slept["step"]
+    assert record["time_productive"] <= record["time_wall"] - slow.slept["evaluation"] - slow.slept["checkpoint"]
+    assert record["goodput"] < 1 - (slow.slept["evaluation"] + slow.slept["checkpoint"]) / record["time_wall"] + 1e-3
 
 
 def test_async_save_a_crash_and_a_resume_count_resume_and_the_recomputed_steps(tiny_llama, clm_rows, make_args,
