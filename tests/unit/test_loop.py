@@ -28,8 +28,8 @@ def _verdict(loss, grad_norm, check_grad_norm=True, received=None, deferred=Fals
 
 
 def test_one_process_agrees_on_its_own_numbers_and_signal():
-    assert _verdict(1.5, 0.3) == (StepVerdict(True, True, None), None)
-    assert _verdict(1.5, math.inf, received=signal.SIGUSR1)[0] == StepVerdict(False, False, signal.SIGUSR1)
+    assert _verdict(1.5, 0.3) == (StepVerdict(True, True, None, 1.5), None)  # the window's loss rides along
+    assert _verdict(1.5, math.inf, received=signal.SIGUSR1)[0] == StepVerdict(False, False, signal.SIGUSR1, 1.5)
     # with fp16 loss scaling the gradient norm is the scaler's business: only the loss is checked
     assert _verdict(1.5, math.inf, check_grad_norm=False)[0].finite
     assert not _verdict(math.nan, 0.3, check_grad_norm=False)[0].finite
@@ -73,7 +73,7 @@ def policy(nonfinite_policy="skip", max_nonfinite_steps=3, applied=False) -> Non
 
 
 def test_the_policy_skips_counts_and_stops_after_too_many_in_a_row():
-    log, bad, good = RunningLog(torch.device("cpu")), StepVerdict(False, False, None), StepVerdict(True, True, None)
+    log, bad, good = RunningLog(torch.device("cpu")), StepVerdict(False, False, None, math.nan), StepVerdict(True, True, None, 1.0)
     skip = policy(max_nonfinite_steps=2)
     nan = torch.tensor(math.nan)
     assert not skip.allows(bad, log, nan, 1.0, 1, 0)
@@ -83,7 +83,7 @@ def test_the_policy_skips_counts_and_stops_after_too_many_in_a_row():
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
         skip.allows(bad, log, nan, 1.0, 4, 0)
     with pytest.raises(NonFiniteError, match="on another process .*nonfinite_policy='stop'"):
-        policy("stop").allows(StepVerdict(False, True, None), RunningLog(torch.device("cpu")), torch.tensor(1.0),
+        policy("stop").allows(StepVerdict(False, True, None, math.nan), RunningLog(torch.device("cpu")), torch.tensor(1.0),
                               1.0, 1, 0)
     with pytest.raises(NonFiniteError, match="DeepSpeed has applied the update"):
         policy(applied=True).allows(bad, RunningLog(torch.device("cpu")), nan, 1.0, 1, 0)
