@@ -327,7 +327,7 @@ class StepVerdict(NamedTuple):
     finite: bool  # the window's loss and gradient norm are finite on every process
     finite_here: bool  # ... on this one
     preempted: int | None  # the signal to checkpoint and stop on, if any process has received one
-    loss: float  # the window's loss over every process (what the log shows for it): spike_rollback's figure
+    loss: float  # with reads_loss, the window's loss over every process (what the log shows for it), else NaN
 
 
 class PendingStep(NamedTuple):
@@ -354,16 +354,17 @@ class StepCheck:
     Otherwise the host reads the verdict right after the window (`take` at once: one host sync per step), and the
     update is applied only if it is finite.
 
-    The window's loss over every process rides the same all-reduce and copy (spike_rollback compares it with the
-    running median of the windows before).
+    With `reads_loss` (spike_rollback), the window's loss over every process rides the same all-reduce and copy, to
+    be compared with the running median of the windows before.
 
     The host copy is a numpy view of one host tensor (pinned on a GPU, where the copy is asynchronous and an event
     marks its end): reading it is a read of host memory, never a device sync of its own."""
 
-    def __init__(self, accelerator, deferred: bool, check_grad_norm: bool, averaged_across_devices: bool = True):
+    def __init__(self, accelerator, deferred: bool, check_grad_norm: bool, reads_loss: bool = False,
+                 averaged_across_devices: bool = True):
         self.accelerator, self.deferred, self.check_grad_norm = accelerator, deferred, check_grad_norm
         # each process's loss is a mean of its own where the losses are not averaged over the processes' tokens
-        self._loss_share = 1.0 if averaged_across_devices else 1.0 / accelerator.num_processes
+        self._loss_share = (1.0 if averaged_across_devices else 1.0 / accelerator.num_processes) if reads_loss else None
         on_gpu = accelerator.device.type == "cuda"
         self._host = torch.zeros(4, pin_memory=on_gpu)  # bad anywhere, signalled anywhere, loss, bad here
         self._values = self._host.numpy()
@@ -382,7 +383,8 @@ class StepCheck:
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
         flags = torch.zeros(4, device=device)
         flags[0] = bad  # a copy on the device, as below: no number comes from the host
-        flags[2] = window_loss.detach() * self._loss_share
+        if self._loss_share is not None:
+            flags[2] = window_loss.detach() * self._loss_share
         if self.accelerator.num_processes > 1:  # the check's one collective; a signal seen here counts everywhere
             flags[1].fill_(float(received is not None))
             flags[:3] = self.accelerator.reduce(flags[:3].clone(), reduction="sum")
@@ -406,7 +408,8 @@ class StepCheck:
             self.preempted = received
         else:  # a signal another process received reads as the scheduler's usual SIGTERM here
             self.preempted = (received or signal.SIGTERM) if signalled else None
-        return pending, StepVerdict(not bad_anywhere, not bad_here, self.preempted, float(loss))
+        return pending, StepVerdict(not bad_anywhere, not bad_here, self.preempted,
+                                    float(loss) if self._loss_share is not None else math.nan)
 
 
 class NonFinitePolicy:

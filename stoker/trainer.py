@@ -561,7 +561,7 @@ class Trainer(TrainerAPI):
         halver = MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend)
         # the step's check, deferred to the next step where a non-finite update can be skipped on the device
         check = StepCheck(acc, self._backend.skips_on_device(self.optimizer), not self._backend.scaler_handles_inf(),
-                          a.average_tokens_across_devices)
+                          a.spike_rollback, a.average_tokens_across_devices)
         return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader, healer=healer,
                    steps_per_epoch=per_epoch, halver=halver, check=check,
                    schedule_per_step=not self._steps_on_metric(),

@@ -232,3 +232,72 @@ def test_an_iterable_dataset_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="spike_rollback=True: needs a train_dataset with a length"):
         Trainer(Regressor(), args(tmp_path, **HEAL), train_dataset=Stream())
     assert not os.path.exists(tmp_path / QUARANTINE_NAME)
+
+
+# --- a transformers model: LoRA, packed rows ----------------------------------------------------------------
+
+POISON_TOKEN = 63  # only the poisoned rows hold it; their loss is 10^4 times what it would be
+
+
+def clm(n: int, poisoned=()) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        ids = torch.randint(1, POISON_TOKEN, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+        if i in poisoned:
+            ids[-1] = POISON_TOKEN
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def poisoned_loss(outputs, labels, num_items_in_batch=None):
+    logits = outputs.logits.float()
+    loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                       ignore_index=-100, reduction="sum") / num_items_in_batch
+    return loss * (1e4 if bool((labels == POISON_TOKEN).any()) else 1.0)
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def test_a_lora_run_rolls_back_its_adapter_and_optimizer_and_ends_as_the_run_without_the_rows(tmp_path):
+    from peft import LoraConfig
+
+    lora = lambda: LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")  # noqa: E731
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=10, learning_rate=1e-2)
+    healed = Trainer(llama(), args(tmp_path / "healed", **kw, **HEAL), train_dataset=clm(48, poisoned={25}),
+                     peft_config=lora(), compute_loss_func=poisoned_loss)
+    healed.train()
+    [record] = records(tmp_path / "healed")
+    assert (record["step"], record["indices"]) == (7, [24, 25, 26, 27])
+    reference = Trainer(llama(), args(tmp_path / "reference", **kw), peft_config=lora(),
+                        train_dataset=[r for i, r in enumerate(clm(48)) if i not in record["indices"]],
+                        compute_loss_func=poisoned_loss)
+    reference.train()
+    assert_same(params(healed), params(reference))
+    assert history(healed) == history(reference)
+
+
+def test_packed_rows_are_quarantined_with_the_rows_they_were_packed_from(tmp_path):
+    kw = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=10, learning_rate=1e-2,
+              packing=True, packing_length=16)
+    data = clm(60, poisoned={17})
+    healed = Trainer(llama(), args(tmp_path / "healed", **kw, **HEAL), train_dataset=data,
+                     compute_loss_func=poisoned_loss)
+    sources = healed.train_dataset.sources
+    assert sorted(i for s in sources for i in s) == list(range(60))  # every row packed once
+    healed.train()
+    [record] = records(tmp_path / "healed")
+    assert record["source_indices"] == [sources[i] for i in record["indices"]]
+    assert any(17 in s for s in record["source_indices"])  # the poisoned row is among them
+    SkippingRows.skipped = set(record["indices"])
+    reference = SkippingRows(llama(), args(tmp_path / "reference", **kw), train_dataset=data,
+                             compute_loss_func=poisoned_loss)
+    reference.train()
+    assert_same(params(healed), params(reference))
+    assert history(healed) == history(reference)
