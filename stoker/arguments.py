@@ -462,6 +462,23 @@ class TrainingArguments:
         "update (parameters and optimizer state unchanged, counted in the logs) or 'stop' with an error."))
     max_nonfinite_steps: int = field(default=3, metadata=_help(
         "Stop with an error after this many consecutive non-finite steps, whatever nonfinite_policy says."))
+    spike_rollback: bool = field(default=False, metadata=_help(
+        "Heal loss spikes in the run: a window whose loss is above spike_factor x the running median of the last "
+        "spike_window windows (after spike_window steps), or is not finite, rolls the run back to its last "
+        "in-memory snapshot, quarantines the window's rows (output_dir/quarantine.jsonl, and every later "
+        "checkpoint) and trains on without them."))
+    spike_factor: float = field(default=3.0, metadata=_help(
+        "spike_rollback: a window's loss above this many times the running median of the last spike_window "
+        "windows is a spike (> 1)."))
+    spike_window: int = field(default=20, metadata=_help(
+        "spike_rollback: the windows the running median is taken over, and the steps before spikes are looked "
+        "for (>= 2)."))
+    spike_snapshot_steps: int = field(default=20, metadata=_help(
+        "spike_rollback: steps between two in-memory snapshots of the run (host memory for one copy of the "
+        "trainable weights and the optimizer state); a rollback recomputes at most this many steps."))
+    max_rollbacks: int = field(default=3, metadata=_help(
+        "spike_rollback: after this many rollbacks, the next spike stops the run with SpikeError, its last good "
+        "state checkpointed and the spike's rows quarantined."))
     save_on_signal: bool = field(default=True, metadata=_help(
         "On SIGTERM or SIGUSR1 (preemption, SLURM time limits), finish the optimizer step, write a checkpoint "
         "and exit with code 75 (stoker.errors.PREEMPTED_EXIT_CODE); resume with resume_from_checkpoint=True."))
@@ -699,6 +716,11 @@ class TrainingArguments:
             bad("nonfinite_policy", f"accepted: {', '.join(NONFINITE_POLICIES)}")
         if self.max_nonfinite_steps < 1:
             bad("max_nonfinite_steps", "must be >= 1")
+        if not (isinstance(self.spike_factor, (int, float)) and self.spike_factor > 1):
+            bad("spike_factor", "must be a number > 1 (a spike is a loss above spike_factor x the running median)")
+        for name, least in (("spike_window", 2), ("spike_snapshot_steps", 1), ("max_rollbacks", 0)):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < least:
+                bad(name, f"must be a whole number >= {least}")
         if self.resume_mismatch not in RESUME_MISMATCH:
             bad("resume_mismatch", f"accepted: {', '.join(RESUME_MISMATCH)}")
         if self.moe_aux_loss_scope not in MOE_AUX_LOSS_SCOPES:
@@ -1170,8 +1192,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "saving": ("save_strategy", "save_steps", "save_total_limit", "load_best_model_at_end",
         "resume_from_checkpoint", "save_only_model", "async_save", "save_on_each_node",
         "restore_callback_states_from_checkpoint"),
-    "faults": ("nonfinite_policy", "max_nonfinite_steps", "save_on_signal", "resume_mismatch",
-        "enable_jit_checkpoint"),
+    "faults": ("nonfinite_policy", "max_nonfinite_steps", "spike_rollback", "spike_factor", "spike_window",
+        "spike_snapshot_steps", "max_rollbacks", "save_on_signal", "resume_mismatch", "enable_jit_checkpoint"),
     "distributed": ("use_cpu", "accelerator_config", "fsdp", "fsdp_config", "deepspeed", "ddp_backend",
         "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_timeout",
         "ddp_static_graph", "parallelism_config", "local_rank"),

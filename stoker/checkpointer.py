@@ -199,6 +199,7 @@ class Checkpointer:
         self._waits = 0  # saves that found the previous checkpoint still being written
         self._reserved = False  # async_save's host buffers (reserved after the first step)
         self._last_save_at: float | None = None  # async_save: when the last save (or the first step) was
+        self.healer = None  # the run's stoker.rollback.Healer: its quarantine goes into every checkpoint
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -429,6 +430,7 @@ class Checkpointer:
             "train_dataset_len": self.dataset_len,
             "run_id": self.run_id,
             "save_only_model": a.save_only_model,
+            **(self.healer.loop_state() if self.healer is not None else {}),
         }
 
     # -- resuming ----------------------------------------------------------------------------------------

@@ -38,6 +38,11 @@ class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient norm (see nonfinite_policy)."""
 
 
+class SpikeError(RuntimeError):
+    """Training stopped on a loss spike after max_rollbacks rollbacks (spike_rollback): the last good state is
+    checkpointed, with the spike's rows quarantined."""
+
+
 class TrainingPreempted(SystemExit):
     """Raised by train() once the checkpoint after a SIGTERM/SIGUSR1 is committed; exits with code 75."""
 

@@ -30,6 +30,7 @@ PARTS = ("productive", "startup", "compile", "data_wait", "evaluation", "checkpo
          "rollback", "other")
 LOSSES = PARTS[1:]
 METRICS_FILE = "metrics.jsonl"
+QUARANTINE_FILE = "quarantine.jsonl"  # spike_rollback: one line per rollback, its step, the step restored, the rows
 
 
 def compile_seconds() -> float:

@@ -328,6 +328,7 @@ class StepVerdict(NamedTuple):
     finite: bool  # the window's loss and gradient norm are finite on every process
     finite_here: bool  # ... on this one
     preempted: int | None  # the signal to checkpoint and stop on, if any process has received one
+    loss: float  # with reads_loss, the window's loss over every process (what the log shows for it), else NaN
 
 
 class PendingStep(NamedTuple):
@@ -354,13 +355,19 @@ class StepCheck:
     Otherwise the host reads the verdict right after the window (`take` at once: one host sync per step), and the
     update is applied only if it is finite.
 
+    With `reads_loss` (spike_rollback), the window's loss over every process rides the same all-reduce and copy, to
+    be compared with the running median of the windows before.
+
     The host copy is a numpy view of one host tensor (pinned on a GPU, where the copy is asynchronous and an event
     marks its end): reading it is a read of host memory, never a device sync of its own."""
 
-    def __init__(self, accelerator, deferred: bool, check_grad_norm: bool):
+    def __init__(self, accelerator, deferred: bool, check_grad_norm: bool, reads_loss: bool = False,
+                 averaged_across_devices: bool = True):
         self.accelerator, self.deferred, self.check_grad_norm = accelerator, deferred, check_grad_norm
+        # each process's loss is a mean of its own where the losses are not averaged over the processes' tokens
+        self._loss_share = (1.0 if averaged_across_devices else 1.0 / accelerator.num_processes) if reads_loss else None
         on_gpu = accelerator.device.type == "cuda"
-        self._host = torch.zeros(3, pin_memory=on_gpu)  # bad anywhere, signalled anywhere, bad here
+        self._host = torch.zeros(4, pin_memory=on_gpu)  # bad anywhere, signalled anywhere, loss, bad here
         self._values = self._host.numpy()
         self._event = torch.cuda.Event() if on_gpu else None
         self.pending: PendingStep | None = None
@@ -375,12 +382,14 @@ class StepCheck:
         bad = ~torch.isfinite(window_loss)
         if self.check_grad_norm:  # with fp16 loss scaling, inf gradients are the scaler's business
             bad |= ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
-        flags = torch.zeros(3, device=device)
+        flags = torch.zeros(4, device=device)
         flags[0] = bad  # a copy on the device, as below: no number comes from the host
+        if self._loss_share is not None:
+            flags[2] = window_loss.detach() * self._loss_share
         if self.accelerator.num_processes > 1:  # the check's one collective; a signal seen here counts everywhere
             flags[1].fill_(float(received is not None))
-            flags[:2] = self.accelerator.reduce(flags[:2].clone(), reduction="sum")
-        flags[2] = bad
+            flags[:3] = self.accelerator.reduce(flags[:3].clone(), reduction="sum")
+        flags[3] = bad
         self._host.copy_(flags, non_blocking=True)
         if self._event is not None:
             self._event.record()
@@ -395,12 +404,13 @@ class StepCheck:
             return None
         if self._event is not None:
             self._event.synchronize()
-        bad_anywhere, signalled, bad_here = self._values
+        bad_anywhere, signalled, loss, bad_here = self._values
         if self.accelerator.num_processes == 1:  # alone, the signal is this process's own
             self.preempted = received
         else:  # a signal another process received reads as the scheduler's usual SIGTERM here
             self.preempted = (received or signal.SIGTERM) if signalled else None
-        return pending, StepVerdict(not bad_anywhere, not bad_here, self.preempted)
+        return pending, StepVerdict(not bad_anywhere, not bad_here, self.preempted,
+                                    float(loss) if self._loss_share is not None else math.nan)
 
 
 class NonFinitePolicy:
@@ -570,5 +580,6 @@ class Run:
     resumed: bool
     ignore_keys_for_eval: list[str] | None = None
     rows_checked: bool = False  # the first training batch has been checked against the model (trainer_checks)
+    healer: Any = None  # spike_rollback, or rows a resumed run keeps skipping: its stoker.rollback.Healer
     started: float = dataclasses.field(default_factory=time.time)  # wall clock, as transformers' speed metrics
     ledger: Ledger = dataclasses.field(default_factory=Ledger)  # where the call's wall time goes (stoker.goodput)

@@ -79,16 +79,17 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
     return bins
 
 
-def pack_rows(rows, max_length: int, truncate: bool = False) -> list[dict[str, list[int]]]:
+def pack_rows(rows, max_length: int, truncate: bool = False) -> PackedRows:
     """Pack tokenised rows ({"input_ids", optional "labels", optional all-ones "attention_mask"}) into rows of
-    at most max_length tokens by best-fit-decreasing; returns rows of {"input_ids", "labels", "position_ids"}.
+    at most max_length tokens by best-fit-decreasing; returns rows of {"input_ids", "labels", "position_ids"}
+    (a list, whose `sources` name the rows packed into each).
 
     Rows longer than max_length are an error unless truncate=True (then they are cut to max_length). Other
     columns are dropped: a packed row has no single value for them.
     """
     if not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length={max_length!r}: must be an integer >= 2")
-    ids, labels, problems = [], [], []
+    ids, labels, sources, problems = [], [], [], []
     for n, row in enumerate(rows):
         if not isinstance(row, Mapping) or "input_ids" not in row:
             raise ValueError(f"pack_rows: row {n} has no 'input_ids' (rows must be dicts of token ids)")
@@ -105,11 +106,12 @@ def pack_rows(rows, max_length: int, truncate: bool = False) -> list[dict[str, l
             continue  # an empty row trains nothing
         ids.append(x[:max_length])
         labels.append(y[:max_length])
+        sources.append(n)
         if len(problems) >= 5:
             break
     if problems:
         raise ValueError("pack_rows: " + "; ".join(problems))
-    packed = []
+    packed = PackedRows()
     for group in best_fit_decreasing([len(x) for x in ids], max_length):
         row = {"input_ids": [], "labels": [], "position_ids": []}
         for i in group:
@@ -117,7 +119,17 @@ def pack_rows(rows, max_length: int, truncate: bool = False) -> list[dict[str, l
             row["labels"] += [IGNORE_INDEX] + labels[i][1:]  # never predict across a boundary
             row["position_ids"] += range(len(ids[i]))
         packed.append(row)
+        packed.sources.append([sources[i] for i in group])
     return packed
+
+
+class PackedRows(list):
+    """pack_rows' packed rows, with `sources`: for each packed row, the indices of the rows packed into it (what a
+    quarantined packed row maps back to, stoker.rollback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sources: list[list[int]] = []
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:

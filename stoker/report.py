@@ -20,7 +20,7 @@ from typing import Any
 from .callbacks import TrainerCallback, TrainerState
 from .checkpoint_format import checkpoint_step, list_checkpoints, read_json
 from .errors import ConfigError
-from .goodput import METRICS_FILE, format_seconds, ledger_of, read_records, summary_line
+from .goodput import METRICS_FILE, QUARANTINE_FILE, format_seconds, ledger_of, read_records, summary_line
 
 REPORT_NAME = "report.html"
 # (title, y label, keys drawn in it); a figure is drawn when the history holds any of its keys
@@ -34,7 +34,6 @@ FIGURES = [
     ("Peak memory", "GiB", ("peak_memory_allocated_gb",)),
 ]
 _NOT_CURVES = ("_runtime", "_samples_per_second", "_steps_per_second")
-QUARANTINE_FILE = "quarantine.jsonl"  # one line per rollback: its step, the step restored, the rows set aside
 # what the time-series charts mark: (name in the legend, colour, line style)
 MARKS = {"evaluation": ("evaluation", "tab:green", ":"), "save": ("checkpoint saved", "tab:gray", "--"),
          "rollback": ("rollback", "tab:red", "-")}

@@ -54,7 +54,7 @@ from .data import (
 from .diagnostics import peak_memory_metrics
 from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
-from .errors import ConfigError, TrainingPreempted, exit_with_code_after_preemption
+from .errors import ConfigError, SpikeError, TrainingPreempted, exit_with_code_after_preemption
 from .evaluation import (
     Collected,
     OutOfMemoryInEvaluation,
@@ -90,6 +90,7 @@ from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metric
 from .packing import packed_train_set
 from .prefix import prefix_body
 from .report import ReportCallback
+from .rollback import Healer, SpikeDetected
 from .sdpa_mask import answers_mask, unpadded_attention
 from .trainer_api import TrainerAPI
 from .trainer_checks import batch_problems, trainer_input_problems
@@ -531,7 +532,8 @@ class Trainer(TrainerAPI):
         # what the number of steps (and so the schedule) must be planned from
         self._answers_mask = answers_mask(_unwrap_peft(self.model), a, acc.device)
         loader = self._train_loader(pos.micro_batch)
-        max_steps, per_epoch = plan_steps(loader, pos.accumulation, a)
+        max_steps, per_epoch = plan_steps(loader, pos.accumulation, a)  # planned over every row, as first run
+        healer = self._healer(loop, checkpointer, loader)
         if loop is not None and per_epoch:
             max_steps = checkpointer.replanned_steps(resume_dir, loop, pos, len(loader), per_epoch) or max_steps
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
@@ -570,12 +572,34 @@ class Trainer(TrainerAPI):
             checkpointer.open_output_dir()
         halver = MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend)
         # the step's check, deferred to the next step where a non-finite update can be skipped on the device
-        check = StepCheck(acc, self._backend.skips_on_device(self.optimizer), not self._backend.scaler_handles_inf())
-        return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader,
+        check = StepCheck(acc, self._backend.skips_on_device(self.optimizer), not self._backend.scaler_handles_inf(),
+                          a.spike_rollback, a.average_tokens_across_devices)
+        return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader, healer=healer,
                    steps_per_epoch=per_epoch, halver=halver, check=check,
                    schedule_per_step=not self._steps_on_metric(),
                    nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
                    resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval, ledger=ledger)
+
+    def _healer(self, loop: dict | None, checkpointer: Checkpointer, loader) -> Healer | None:
+        """The run's spike rollback (stoker.rollback), or, without spike_rollback, the rows a resumed run keeps
+        skipping: those its checkpoint quarantined and those its run recorded in quarantine.jsonl after it (a
+        crash between a rollback and the next checkpoint). None where there is neither."""
+        a = self.args
+        quarantined = set((loop or {}).get("quarantine", []))
+        if loop is not None:
+            quarantined.update(i for r in Healer.recorded(a.output_dir, checkpointer.run_id) for i in r["indices"])
+        if not (a.spike_rollback or quarantined):
+            return None
+        healer = Healer(a, self.accelerator, checkpointer.run_id, quarantined, (loop or {}).get("spike_losses", []),
+                        getattr(self.train_dataset, "sources", None))
+        healer.install(loader)
+        if healer.sampler is None:
+            raise ConfigError([f"spike_rollback={a.spike_rollback}: the training loader has no index sampler to "
+                               "skip quarantined rows with (a get_train_dataloader of your own, or an "
+                               "IterableDataset); return a DataLoader over a dataset with a length, or set "
+                               "spike_rollback=False"], "Trainer")
+        checkpointer.healer = healer
+        return healer
 
     def _train_loader(self, micro_batch: int):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
@@ -634,6 +658,8 @@ class Trainer(TrainerAPI):
         }
         diagnostics = {"train_tokens_per_second": round(log.tokens_seen / runtime, 3),
                        **peak_memory_metrics(self.accelerator.device)}
+        if run.healer is not None:  # spike_rollback's record (quarantine.jsonl names the rows)
+            diagnostics.update(rollbacks=run.healer.rollbacks, quarantined_rows=len(run.healer.quarantined))
         self.store_flos()
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
@@ -673,12 +699,57 @@ class Trainer(TrainerAPI):
         return self._memory
 
     def _train_loop(self, run: Run) -> int | None:
-        """The epochs from the run's position on; returns the signal that preempted the run, or None."""
-        s, pos, log = self.state, run.position, run.log
-        model = self.model_wrapped
-        model.train()
+        """The epochs from the run's position on, rolled back to the last snapshot on a spike (spike_rollback);
+        returns the signal that preempted the run, or None."""
+        log, healer = run.log, run.healer
+        self.model_wrapped.train()
         log.restart_clock()
-        run.ledger.begin_steps(s.global_step, log.data_clock)
+        run.ledger.begin_steps(self.state.global_step, log.data_clock)
+        if healer is not None and healer.enabled:
+            self._snapshot(run)
+        try:
+            while True:
+                try:
+                    preempted = self._epochs(run)
+                    break
+                except SpikeDetected as spike:
+                    self._roll_back(run, spike)
+        finally:
+            if healer is not None:
+                healer.release()
+        if log.steps:  # loss and tokens of steps after the last log
+            log.total_loss += log.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
+        log.fold_tokens(self.accelerator, self.state, self.args.include_num_input_tokens_seen)
+        return preempted
+
+    def _snapshot(self, run: Run) -> None:
+        """spike_rollback: snapshot the run as it stands after the current step (its verdict read first)."""
+        with run.ledger.phase("rollback"):  # the cost of being able to roll back
+            self._settle(run)
+            run.healer.take(self._run_objects(), run.position, run.log, self.current_flos, run.ledger.mark())
+
+    def _roll_back(self, run: Run, spike: SpikeDetected) -> None:
+        """A spike: its window's rows quarantined and recorded, the run put back to its last snapshot (every process
+        does the same). After max_rollbacks, the snapshot's state is checkpointed and SpikeError raised."""
+        healer = run.healer
+        with run.ledger.phase("rollback"):
+            record = healer.quarantine(spike)
+            snapshot = healer.restore(self._run_objects(), run.position, run.log)
+        run.ledger.rolled_back(snapshot.ledger_mark)  # the steps since the snapshot are lost
+        self.current_flos = snapshot.current_flos
+        if self.accelerator.is_main_process:
+            logger.warning(healer.describe(record))
+        if healer.rollbacks > self.args.max_rollbacks:
+            path = self._save_checkpoint(run)
+            raise SpikeError(f"{healer.describe(record)}: more than max_rollbacks={self.args.max_rollbacks} "
+                             f"rollbacks, stopping; {path} holds the last good state with the spike's rows "
+                             f"quarantined (resume from it to go on without them, or raise max_rollbacks or "
+                             f"spike_factor)")
+
+    def _epochs(self, run: Run) -> int | None:
+        """The epochs from the run's position on; returns the signal that preempted the run, or None."""
+        s, pos = self.state, run.position
+        model = self.model_wrapped
         preempted = None
         for epoch in range(pos.epoch, s.num_train_epochs):
             pos.epoch = epoch
@@ -702,9 +773,6 @@ class Trainer(TrainerAPI):
             pos.batches, self.control.should_epoch_stop = 0, False
             if self.control.should_training_stop or s.global_step >= s.max_steps:
                 break
-        if log.steps:  # loss and tokens of steps after the last log
-            log.total_loss += log.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
-        log.fold_tokens(self.accelerator, s, self.args.include_num_input_tokens_seen)
         return preempted
 
     def _optimizer_step(self, model, window: list[dict], run: Run) -> int | None:
@@ -717,6 +785,8 @@ class Trainer(TrainerAPI):
         for batch in window:
             run.log.count(batch, acc.num_processes)
             self.current_flos += float(self.floating_point_ops(batch))
+        if run.healer is not None:  # the window's rows, named if its verdict is a spike
+            run.healer.window(s.global_step + 1, pos, len(window), run.checkpointer.layout(pos))
         pos.batches += len(window)
         # with max_grad_norm=0 this only measures the norm (the check needs it); FSDP2's is a DTensor, made whole
         grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf)
@@ -757,6 +827,8 @@ class Trainer(TrainerAPI):
         if taken is None:
             return True
         (step, loss, grad_norm, learning_rate), verdict = taken
+        if run.healer is not None and run.healer.enabled:  # a spike (or a non-finite step) rolls the run back
+            run.healer.judge(step, verdict.loss, verdict.finite)
         allowed = verdict.finite or run.nonfinite.allows(verdict, run.log, loss, grad_norm, step,
                                                          self.accelerator.process_index)
         if verdict.finite:
@@ -875,6 +947,8 @@ class Trainer(TrainerAPI):
             size = pos.micro_batch
             if self._train_batch_size != size:
                 run.train_dataloader = self._train_loader(size)
+                if run.healer is not None:
+                    run.healer.install(run.train_dataloader)
             loader = run.train_dataloader
             if hasattr(loader, "set_epoch"):  # a loader of the user's own may have none, as in transformers
                 loader.set_epoch(pos.epoch)
@@ -962,6 +1036,10 @@ class Trainer(TrainerAPI):
                     self._save_checkpoint(run)
         if self._ray_report is not None:  # a Ray search trial's evaluation, with this step's checkpoint if saved
             self._report_to_ray(self._committed_checkpoint(run))
+        healer = run.healer
+        if (healer is not None and healer.enabled and s.global_step % self.args.spike_snapshot_steps == 0
+                and healer.snapshot.step != s.global_step):
+            self._snapshot(run)
         log.excluded += time.perf_counter() - paused
 
     def log(self, logs: dict[str, float], start_time: float | None = None, diagnostics: dict | None = None) -> None:

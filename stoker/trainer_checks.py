@@ -41,6 +41,9 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
             p.append("max_steps=-1: a train_dataset without a length (an IterableDataset) needs max_steps > 0")
         if a.group_by_length:
             p.append("group_by_length=True: needs a train_dataset with a length")
+        if a.spike_rollback:
+            p.append("spike_rollback=True: needs a train_dataset with a length (quarantined rows are skipped by "
+                     "their index in it), not an IterableDataset; or set spike_rollback=False")
     if not isinstance(model, torch.nn.Module):
         p.append(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if a.gradient_checkpointing and isinstance(model, torch.nn.Module) and not hasattr(

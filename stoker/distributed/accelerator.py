@@ -42,6 +42,11 @@ def argument_problems(args) -> list[str]:
         p += deepspeed_config(args)[1]
         if args.async_save:
             p.append(async_save_refusal(f"deepspeed={args.deepspeed!r}"))
+        if args.spike_rollback:
+            p.append(f"spike_rollback=True and deepspeed={args.deepspeed!r}: a rollback restores the weights and "
+                     "optimizer state in place, and DeepSpeed's engine keeps its own (ZeRO partitions, fp32 master "
+                     "copies) out of reach; accepted with DeepSpeed: spike_rollback=False (spike_rollback runs with "
+                     "one process, DDP and FSDP)")
     return p
 
 

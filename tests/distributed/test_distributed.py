@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -250,6 +251,47 @@ def test_the_deferred_check_skips_one_ranks_nonfinite_step_on_every_rank(two_ran
 
 
 # --- resume ------------------------------------------------------------------------------------------
+
+
+def test_two_processes_roll_a_spike_back_together_and_end_as_one_process_without_its_rows(two_ranks, tmp_path):
+    from tests.integration.test_rollback_runs import Regressor, args
+    from tests.integration.test_rollback_runs import rows as regression_rows
+
+    r0, r1 = ranks(two_ranks, "spike")
+    assert r0["records"] == r1["records"] and r0["losses"] == r1["losses"]  # the same decision and rows everywhere
+    [record] = r0["records"]
+    assert (record["step"], record["restored_step"], record["indices"]) == (6, 4, list(range(40, 48)))
+    assert record["ranks"] == [0, 0, 1, 1, 0, 0, 1, 1]  # the micro-batches dealt to the processes in turn
+    reference = Trainer(Regressor(), args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                        train_dataset=[row for i, row in enumerate(regression_rows()) if not 40 <= i < 48])
+    reference.train()
+    final = load_file(str(two_ranks / "spike" / "final.safetensors"))
+    assert_params_close(final, params_of(reference), atol=1e-6)
+    assert [s for s, _ in r0["losses"]] == list(range(1, 13))
+    # its checkpoint-8, resumed on one process (the same global batch), keeps skipping the rows
+    out = tmp_path / "resumed"
+    shutil.copytree(two_ranks / "spike" / "out", out)
+    resumed = Trainer(Regressor(), args(out, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                      train_dataset=regression_rows(poisoned={43}))
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    assert_params_close(final, params_of(resumed), atol=1e-6)
+    assert len((out / "quarantine.jsonl").read_text().splitlines()) == 1  # the poisoned row was not met again
+
+
+def test_fsdp2_rolls_its_shards_back_and_ends_as_one_process_without_the_rows(two_ranks, tmp_path):
+    from tests.integration.test_rollback_runs import args, clm, llama, poisoned_loss, records
+
+    r0, r1 = ranks(two_ranks, "spike_fsdp2")
+    assert r0["dtensors"] and r0["losses"] == r1["losses"]
+    [record] = records(two_ranks / "spike_fsdp2" / "out")
+    assert (record["step"], record["indices"], record["ranks"]) == (7, [24, 25, 26, 27], [0, 1, 0, 1])
+    reference = Trainer(llama(), args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                      max_steps=10, learning_rate=1e-2),
+                        train_dataset=[r for i, r in enumerate(clm(48)) if i not in record["indices"]],
+                        compute_loss_func=poisoned_loss)
+    reference.train()
+    assert_params_close(load_file(str(two_ranks / "spike_fsdp2" / "final.safetensors")), params_of(reference),
+                        atol=1e-5)
 
 
 def test_resume_with_two_processes_is_exact(two_ranks):

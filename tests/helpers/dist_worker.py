@@ -604,6 +604,59 @@ def async_kill_resume(out: str) -> None:
     r.write()
 
 
+def spike(out: str) -> None:
+    """spike_rollback on 2 processes x micro-batch 2 x accumulation 2 (a global batch of 8, in the sequential
+    order): step 6's window holds a poisoned row on rank 1. Every rank rolls back to step 4 together, each names
+    the same 8 rows (with the rank that trained each), and the run goes on without them; the test compares it
+    with one process on the data without those rows, and resumes its checkpoint-8 on one process."""
+    from stoker.rollback import Healer
+    from tests.integration.test_rollback_runs import HEAL, Regressor, args
+    from tests.integration.test_rollback_runs import rows as regression_rows
+
+    r = Report(out, "spike")
+    named, quarantine = [], Healer.quarantine
+
+    def spy(self, found):
+        record = quarantine(self, found)
+        named.append(record)
+        return record
+
+    Healer.quarantine = spy
+    try:
+        trainer = Trainer(Regressor(), args(os.path.join(r.folder, "out"), per_device_train_batch_size=2,
+                                            gradient_accumulation_steps=2, save_strategy="steps", save_steps=8,
+                                            **HEAL),
+                          train_dataset=regression_rows(poisoned={43}))
+        trainer.train()
+    finally:
+        Healer.quarantine = quarantine
+    r.values.update(records=[{k: v for k, v in rec.items() if k != "run_id"} for rec in named],
+                    losses=losses(trainer), global_step=trainer.state.global_step)
+    r.save_tensors("final", {k: v.detach().contiguous() for k, v in trainer.model.named_parameters()})
+    r.write()
+
+
+def spike_fsdp2(out: str) -> None:
+    """spike_rollback under FSDP2 (2 processes x micro-batch 1 x accumulation 2): each process snapshots and
+    restores its own shards of the weights and the optimizer state; step 7's window (rows 24-27) holds a poisoned
+    row. The test compares the gathered model with one process on the data without the window's rows."""
+    from tests.integration.test_rollback_runs import HEAL, args, clm, poisoned_loss
+    from tests.integration.test_rollback_runs import llama as seeded_llama
+
+    r = Report(out, "spike_fsdp2")
+    trainer = Trainer(seeded_llama(), args(os.path.join(r.folder, "out"), per_device_train_batch_size=1,
+                                           gradient_accumulation_steps=2, max_steps=10, learning_rate=1e-2, **HEAL),
+                      train_dataset=clm(48, poisoned={25}), compute_loss_func=poisoned_loss)
+    fsdp_on_cpu(trainer)
+    trainer.train()
+    r.values.update(losses=losses(trainer), dtensors=all(type(p).__name__ == "DTensor"
+                                                         for p in trainer.model_wrapped.parameters()))
+    gathered = gathered_state(trainer)
+    if r.rank == 0:
+        r.save_tensors("final", {k: v.contiguous() for k, v in gathered.items()})
+    r.write()
+
+
 def without_deepspeed_shm_build() -> None:
     """Test-only: DeepSpeed compiles a shared-memory fast path for collectives within a node on first use (C++,
     about 40 s on 2 cores); the gloo process group serves without it."""
@@ -1156,7 +1209,7 @@ SCENARIOS = {f.__name__: f for f in (
     guards, guards_deferred, rng_resume, preempt, preempt_deferred, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
     fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite, zero1_config_sections,
     per_process_tokens, families, iterable, shared_prefix, moe, placement, oom_on_one_rank, oom_in_the_last_backward,
-    eval_oom_on_one_rank, worker_seeds, async_fsdp2, async_kill, async_kill_resume, short_data)}
+    eval_oom_on_one_rank, worker_seeds, async_fsdp2, async_kill, async_kill_resume, short_data, spike, spike_fsdp2)}
 
 
 def main() -> None:

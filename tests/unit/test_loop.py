@@ -20,7 +20,7 @@ OOM = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def _verdict(loss, grad_norm, check_grad_norm=True, received=None, deferred=False):
-    check = StepCheck(ONE_PROCESS, deferred, check_grad_norm)
+    check = StepCheck(ONE_PROCESS, deferred, check_grad_norm, reads_loss=True)
     skip = check.queue(torch.tensor(loss), torch.tensor(grad_norm), 4, 0.1, received)
     (step, _, _, learning_rate), verdict = check.take(received)
     assert (step, learning_rate, check.take(received)) == (4, 0.1, None)  # taken once
@@ -28,8 +28,12 @@ def _verdict(loss, grad_norm, check_grad_norm=True, received=None, deferred=Fals
 
 
 def test_one_process_agrees_on_its_own_numbers_and_signal():
-    assert _verdict(1.5, 0.3) == (StepVerdict(True, True, None), None)
-    assert _verdict(1.5, math.inf, received=signal.SIGUSR1)[0] == StepVerdict(False, False, signal.SIGUSR1)
+    assert _verdict(1.5, 0.3) == (StepVerdict(True, True, None, 1.5), None)  # the window's loss rides along
+    assert _verdict(1.5, math.inf, received=signal.SIGUSR1)[0] == StepVerdict(False, False, signal.SIGUSR1, 1.5)
+    # without spike_rollback the loss is not copied at all
+    check = StepCheck(ONE_PROCESS, False, True)
+    check.queue(torch.tensor(1.5), torch.tensor(0.3), 1, 0.1, None)
+    assert math.isnan(check.take(None)[1].loss)
     # with fp16 loss scaling the gradient norm is the scaler's business: only the loss is checked
     assert _verdict(1.5, math.inf, check_grad_norm=False)[0].finite
     assert not _verdict(math.nan, 0.3, check_grad_norm=False)[0].finite
@@ -73,7 +77,8 @@ def policy(nonfinite_policy="skip", max_nonfinite_steps=3, applied=False) -> Non
 
 
 def test_the_policy_skips_counts_and_stops_after_too_many_in_a_row():
-    log, bad, good = RunningLog(torch.device("cpu")), StepVerdict(False, False, None), StepVerdict(True, True, None)
+    log = RunningLog(torch.device("cpu"))
+    bad, good = StepVerdict(False, False, None, math.nan), StepVerdict(True, True, None, 1.0)
     skip = policy(max_nonfinite_steps=2)
     nan = torch.tensor(math.nan)
     assert not skip.allows(bad, log, nan, 1.0, 1, 0)
@@ -83,8 +88,8 @@ def test_the_policy_skips_counts_and_stops_after_too_many_in_a_row():
     with pytest.raises(NonFiniteError, match="2 non-finite steps in a row"):
         skip.allows(bad, log, nan, 1.0, 4, 0)
     with pytest.raises(NonFiniteError, match="on another process .*nonfinite_policy='stop'"):
-        policy("stop").allows(StepVerdict(False, True, None), RunningLog(torch.device("cpu")), torch.tensor(1.0),
-                              1.0, 1, 0)
+        policy("stop").allows(StepVerdict(False, True, None, math.nan), RunningLog(torch.device("cpu")),
+                              torch.tensor(1.0), 1.0, 1, 0)
     with pytest.raises(NonFiniteError, match="DeepSpeed has applied the update"):
         policy(applied=True).allows(bad, RunningLog(torch.device("cpu")), nan, 1.0, 1, 0)
 
