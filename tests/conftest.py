@@ -17,6 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB_SIZE = 64
 
 
+@pytest.fixture(autouse=True)
+def log_levels():
+    """A run sets the levels of the 'transformers' and 'stoker' loggers from its log_level, for the process (as
+    transformers does); each test starts from the levels the session started with, whatever ran before it."""
+    import logging
+
+    names = ("transformers", "stoker")
+    levels = [logging.getLogger(name).level for name in names]
+    yield
+    for name, level in zip(names, levels, strict=True):
+        logging.getLogger(name).setLevel(level)
+
+
 @pytest.fixture
 def tiny_llama():
     """tiny_llama(seed=0, **config_overrides) -> a freshly initialised LlamaForCausalLM (~40k parameters)."""

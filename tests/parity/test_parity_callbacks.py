@@ -337,6 +337,7 @@ def test_resuming_without_a_stateful_callback_warns_as_transformers(tmp_path):
                        train_dataset=regression_rows(8), callbacks=[counter()]).train()
         trainer = module.Trainer(Regressor(as_dict=True), module.TrainingArguments(**{**settings, "max_steps": 3}),
                                  train_dataset=regression_rows(8))
+        transformers.logging.set_verbosity_warning()  # transformers' default, whatever ran before
         with captured("transformers.trainer") as log:
             trainer.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-2"))
         messages[name] = log.getvalue()
