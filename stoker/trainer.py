@@ -658,8 +658,6 @@ class Trainer(TrainerAPI):
         }
         diagnostics = {"train_tokens_per_second": round(log.tokens_seen / runtime, 3),
                        **peak_memory_metrics(self.accelerator.device)}
-        if run.healer is not None:  # spike_rollback's record (quarantine.jsonl names the rows)
-            diagnostics.update(rollbacks=run.healer.rollbacks, quarantined_rows=len(run.healer.quarantined))
         self.store_flos()
         metrics["total_flos"] = s.total_flos
         if a.load_best_model_at_end and s.best_model_checkpoint:
@@ -670,14 +668,17 @@ class Trainer(TrainerAPI):
         run.checkpointer.keep_only_best(s.best_model_checkpoint)
         if memory is not None:
             memory.stop_and_update_metrics(metrics)
-        # the ledger goes with the diagnostics (metrics.jsonl, the report), not into train()'s metrics, whose keys
-        # are transformers'
-        diagnostics.update(run.ledger.finish())
+        # the ledger, and spike_rollback's counts (quarantine.jsonl names the rows), are train()'s metrics and the
+        # final record's diagnostics (metrics.jsonl, the report); the logged record keeps transformers' keys alone
+        ledger = run.ledger.finish()
+        if run.healer is not None:
+            ledger.update(rollbacks=run.healer.rollbacks, quarantined_rows=len(run.healer.quarantined))
+        diagnostics.update(ledger)
         if s.is_world_process_zero:
             logger.info(summary_line(diagnostics))
         self._log(metrics, None, diagnostics)
         self._fire("on_train_end")
-        return TrainOutput(s.global_step, metrics["train_loss"], metrics)
+        return TrainOutput(s.global_step, metrics["train_loss"], {**metrics, **ledger})
 
     def _seed(self) -> None:
         if self.args.full_determinism:

@@ -104,6 +104,8 @@ def test_a_spike_is_rolled_back_and_the_run_equals_the_run_without_its_rows(tmp_
     assert [r["step"] for r in healed.state.log_history if "loss" in r] == list(range(1, 13))
     final = json.loads((tmp_path / "healed" / "metrics.jsonl").read_text().splitlines()[-1])
     assert (final["rollbacks"], final["quarantined_rows"]) == (1, 8)
+    assert (out.metrics["rollbacks"], out.metrics["quarantined_rows"]) == (1, 8)
+    assert "rollbacks" not in reference_out.metrics and "rollbacks" not in healed.state.log_history[-1]
 
 
 def test_a_second_spike_after_the_first_in_a_shuffled_order(tmp_path):

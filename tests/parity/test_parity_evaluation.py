@@ -14,6 +14,7 @@ import transformers
 
 import stoker
 from stoker.data import PaddingCollator
+from stoker.goodput import PARTS
 from tests.parity.families import FAMILIES, rows
 from tests.parity.oracle import run
 
@@ -326,6 +327,10 @@ def test_returned_metrics_carry_epoch_as_transformers(tmp_path, disable_tqdm):
         keys[name] = [sorted(k for k in m if not k.endswith("_model_preparation_time"))
                       for m in (before, trained, after, predicted)]
         epochs[name] = [m.get("epoch") for m in (before, trained, after, predicted)]
+    # train()'s metrics add stoker's goodput ledger (docs/goodput.md) to transformers' keys, and nothing else
+    ledger = [k for k in keys["stoker"][1] if k == "goodput" or k.startswith("time_")]
+    assert sorted(ledger) == sorted(["goodput", *(f"time_{part}" for part in PARTS), "time_wall"])
+    keys["stoker"][1] = [k for k in keys["stoker"][1] if k not in ledger]
     assert keys["stoker"] == keys["hf"]
     assert epochs["stoker"] == epochs["hf"] == [0, 1.5, 1.5, None]  # 3 steps of 4 rows over 8 rows
     assert ("total_flos" in keys["stoker"][1]) is (not disable_tqdm)
