@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from .arguments import ConfigError, replaced
-from .distributed.accelerator import build_accelerator
 from .distributed.deepspeed import non_embedding_parameters
 from .hp_search import run_hp_search_ray
 from .loop import plan_steps
@@ -39,9 +38,9 @@ class TrainerAPI:
     state: Any  # TrainerState
     current_flos: float
     # ... and its own: the loss normalisation of the model (its target count for get_batch_samples), the
-    # optimizers given to the constructor (create_accelerator_and_postprocess builds with them)
+    # background checkpoint writer (a checkpoint in flight is committed before the Accelerator is rebuilt)
     _convention: Any  # stoker.loss_normalization.LossConvention
-    _given_optimizers: tuple
+    _checkpoint_writer: Any  # stoker.background_save.BackgroundWriter
     # ... and, empty at first, this mixin's own: the trial of the last train() call, a Ray trial's evaluation
     # waiting for its step's checkpoint, and floating_point_ops' parameter count of the model it was counted for
     _trial: Any
@@ -53,8 +52,9 @@ class TrainerAPI:
         """The prepared evaluation loader of `dataset` (get_test_dataloader's)."""
         raise NotImplementedError
 
-    def _build_accelerator(self) -> None:
-        """The Accelerator (and what hangs on it) built anew for the current arguments."""
+    def _build_accelerator(self, model=None) -> None:
+        """The Accelerator (and what hangs on it: the backend, the background checkpoint writer) built anew for the
+        current arguments."""
         raise NotImplementedError
 
     def _fire(self, event: str, **kwargs) -> None:
@@ -78,8 +78,10 @@ class TrainerAPI:
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
 
     def create_accelerator_and_postprocess(self) -> None:
-        """Build the Accelerator anew from the arguments (after changing them, say)."""
-        self.accelerator = build_accelerator(self.args, self.model, self._given_optimizers)
+        """Build the Accelerator anew from the arguments (after changing them, say), with the backend and the
+        checkpoint writer that hang on it; a checkpoint still written in the background is committed first."""
+        self._checkpoint_writer.finish()
+        self._build_accelerator(self.model)
 
     def set_initial_training_values(self, args, dataloader) -> tuple[int, int, int, int, int, int | None, int]:
         """(num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,

@@ -238,6 +238,19 @@ def test_second_train_on_the_same_trainer_continues_the_model(tiny_llama, make_a
     assert sorted(os.listdir(t.args.output_dir)) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]
 
 
+def test_create_accelerator_and_postprocess_rebuilds_what_hangs_on_the_accelerator(tiny_llama, make_args):
+    """transformers' name for building the Accelerator anew: the backend and the background checkpoint writer are
+    built on the new one too (a backend left on the old Accelerator would prepare and save through it)."""
+    t = Trainer(tiny_llama(), make_args(max_steps=2, save_strategy="steps", save_steps=1, async_save=True),
+                train_dataset=rows(8))
+    old = t.accelerator
+    t.create_accelerator_and_postprocess()
+    assert t.accelerator is not old
+    assert t._backend.accelerator is t.accelerator and t._checkpoint_writer.accelerator is t.accelerator
+    assert t.train().global_step == 2
+    assert sorted(os.listdir(t.args.output_dir)) == ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]
+
+
 def _run_id(folder) -> str:
     return json.loads((folder / "loop_state.json").read_text())["run_id"]
 
