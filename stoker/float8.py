@@ -151,8 +151,9 @@ def use_float8(model: nn.Module, args) -> None:
         return
     converted = convert_to_float8(model, args.fp8, emulate=not torch.cuda.is_available())
     linear = sum(isinstance(m, nn.Linear) for m in model.modules())
-    logger.info("fp8=%r: %d of %d linear layers compute in float8 (the output layer and layers with a dimension "
-                "not a multiple of %d stay in bfloat16)", args.fp8, len(converted), linear, ALIGNMENT)
+    logger.info("fp8=%r: %d of %d linear layers compute in float8 (left as they were: the output layer, layers with "
+                "a dimension not a multiple of %d, adapters and quantized layers)", args.fp8, len(converted), linear,
+                ALIGNMENT)
     if not args.torch_compile:
         logger.warning("fp8=%r without torch_compile=True: float8's casts run as separate kernels, usually slower "
                        "than bfloat16; set torch_compile=True", args.fp8)

@@ -132,8 +132,9 @@ class ModelArguments:
     load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bits (needs use_peft)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit data type: nf4 or fp4."})
     use_bnb_nested_quant: bool = field(default=True, metadata={"help": "Double quantisation of the 4-bit scales."})
-    bnb_4bit_compute_dtype: str = field(default="float32", metadata={
-        "help": "dtype of 4-bit matmuls: float32, bfloat16 or float16."})
+    bnb_4bit_compute_dtype: str | None = field(default=None, metadata={
+        "help": "dtype of 4-bit matmuls: float32, bfloat16 or float16. Unset: the run's precision (bfloat16 under "
+                "bf16, float16 under fp16, else float32)."})
     merge_adapter: bool = field(default=True, metadata={
         "help": "After LoRA training, also save the adapter merged into the base in output_dir/merged."})
 
