@@ -114,6 +114,8 @@ def _float8_device() -> str:
 
 def test_float8_under_the_gpu_default_precision(tmp_path, gpu, monkeypatch):
     pytest.importorskip("torchao")
+    if ON_GPU and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU has no float8 matmuls (its refusal is rehearsed where the queries are mocked)")
     import bitsandbytes as bnb
     from peft import LoraConfig, get_peft_model
 

@@ -103,7 +103,7 @@ def test_resuming_loads_exactly_the_saved_weights_into_either_model(tmp_path, mo
             torch.testing.assert_close(p.detach(), weights[name], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_every_token_count_passes_the_float8_backward(recipe):
     """The weight gradient's matmul runs over the batch's tokens (its inner dimension), which torch._scaled_mm needs
     to be a multiple of 16: checked by its meta kernel, so the real (not emulated) float8 path runs here on the meta
