@@ -21,9 +21,9 @@ The third matmul of each layer, the weight's gradient (grad_output.T @ input), r
 its inner dimension is the token count, which torch._scaled_mm needs to be a multiple of 16 as well. A batch of 148
 tokens would fail at its first backward. torchao's `pad_inner_dim` pads that operand pair with zeros up to the next
 multiple (exact: zeros add nothing to the sum), so every batch shape works. It is the cheaper of the two ways:
-padding the batches instead would push up to 15 more tokens per row through every layer and the attention, and
-every collator and packed layout would have to honour it; the pad copies only the float8 operands of the matmul (1
-byte a value; in eager mode even when already aligned, compiled it fuses into the cast that makes them).
+padding the batches instead would run the padding tokens through every layer and the attention, and every collator
+and packed layout would have to keep to it; the pad copies only the float8 operands of the matmul (1 byte a value;
+in eager mode even when already aligned, compiled it fuses into the cast that makes them).
 
 float8 matmuls need compute capability 8.9 or more (Ada, Hopper, Blackwell): elsewhere the setting is refused before
 any work. The casts are fused into the surrounding kernels by torch.compile; without it float8 is usually slower
