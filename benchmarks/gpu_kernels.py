@@ -6,17 +6,22 @@
 
 Ways (each a forward, backward and optimizer step, timed after warm-up steps, medians of --steps):
 
-    attention   a Llama (the 374M job's shape: hidden 1024, 24 layers, vocab 32k) trained on rows of 64-2048
-                tokens (log-uniform), 16k real tokens a micro-batch, three ways: packed rows attending within each
-                sequence (stoker.attention, the kernel it picks here: varlen_attn on a recent torch), the same
-                packed rows through the dense block-diagonal mask (the fallback), and the rows padded to the
-                longest of each micro-batch (sdpa with a padding mask). Real tokens per second
-    loss        the output layer and loss alone at vocabularies 32k and 128k (hidden 4096, 16k target tokens,
-                bfloat16): transformers' plain cross-entropy over full logits against stoker's chunked loss
-                (stoker.chunked_loss). Tokens per second and peak memory
+    attention   a Llama (the 374M job's shape: hidden 1024, 24 layers, vocab 32k) trained on rows of 64-2047
+                tokens (log-uniform, every length odd), 16k real tokens a micro-batch, four ways: packed rows
+                attending within each sequence (stoker.attention, the kernel it picks here: varlen_attn on a recent
+                torch), the same with float32 weights under bf16 autocast (what a Trainer run with the GPU default
+                precision computes), the packed rows through the dense block-diagonal mask (the fallback), and the
+                rows padded to the longest of each micro-batch (sdpa with a padding mask). Real tokens per second
+    loss        the output layer and loss alone at vocabularies 32k and 128k (hidden 4096, 16k tokens, an odd
+                16,383 targets): transformers' plain cross-entropy over full logits against stoker's chunked loss
+                (stoker.chunked_loss), on bfloat16 weights and on float32 weights under bf16 autocast (the GPU
+                default's dtype flow); and Liger's fused kernel (use_liger_kernel=True) where it is installed, with
+                its loss's and weight gradient's error against stoker's chunks. Tokens per second and peak memory
     float8      bf16 against fp8='tensorwise' (torchao, compiled both ways) on the 374M job's Llama and on a ~1B
-                Llama (hidden 2048, 16 layers), rows of 2048 tokens. Tokens per second (needs compute capability
-                8.9+; skipped, saying so, elsewhere)
+                Llama (hidden 2048, 16 layers), rows of 2047 tokens (8 x 2047: no multiple of 16, which the weight
+                gradient's float8 matmul needs unless padded), on bfloat16 weights and on float32 weights under
+                bf16 autocast (as the Trainer runs fp8). Tokens per second (needs compute capability 8.9+;
+                skipped, saying so, elsewhere)
 
 It prints a table (and --json writes one record per way); it is a measurement, not a test, and exits 0 unless
 a way fails. Goals of issue 46 on one H200: packed >= 2.5x padded; the chunked loss at <= 0.6x the plain loss's
@@ -26,7 +31,7 @@ peak and >= 1.0x its speed at 128k; float8 >= 1.2x bf16 on the ~1B model.
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import json
 import math
 import os
@@ -81,12 +86,17 @@ def timed(step, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def llama(shape: dict, attention: str = "sdpa"):
+def llama(shape: dict, attention: str = "sdpa", dtype: torch.dtype = torch.bfloat16):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(**shape, max_position_embeddings=4096, attn_implementation=attention, use_cache=False)
-    return LlamaForCausalLM(config).to(device(), torch.bfloat16)
+    return LlamaForCausalLM(config).to(device(), dtype)
+
+
+def precision(autocast: bool):
+    """bf16 autocast (the GPU default's: float32 weights, bfloat16 matmuls), or nothing (bfloat16 weights)."""
+    return torch.autocast(device().type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
 
 # --- attention: packed (varlen) vs dense mask vs padded ------------------------------------------------------------
@@ -100,7 +110,8 @@ def attention_way(rehearse: bool, steps: int) -> list[dict]:
     lo, hi, budget = (8, 64, 256) if rehearse else (64, 2048, 16384)
     lengths = []
     while sum(lengths) < budget:
-        lengths.append(min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))))
+        # odd lengths: no row, and no packed sequence, lands on a multiple of 8 or 16 by chance
+        lengths.append(min(hi - 1, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))) | 1)
     rows = [{"input_ids": ids, "labels": ids} for ids in ([rng.randint(1, 200) for _ in range(n)] for n in lengths)]
     tokens = sum(lengths)
     dev = device()
@@ -110,8 +121,9 @@ def attention_way(rehearse: bool, steps: int) -> list[dict]:
     padded = [to(PaddingCollator()(rows[i:i + rows_per_batch])) for i in range(0, len(rows), rows_per_batch)]
     shape = TINY if rehearse else M374
     results = []
-    for way in ("packed, varlen", "packed, dense mask", "padded"):
-        model = llama(shape)
+    for way in ("packed, varlen", "packed, varlen, float32 weights + bf16 autocast", "packed, dense mask", "padded"):
+        autocast = "autocast" in way
+        model = llama(shape, dtype=torch.float32 if autocast else torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         forced = None
         if way != "padded":
@@ -120,9 +132,11 @@ def attention_way(rehearse: bool, steps: int) -> list[dict]:
                 forced = attention.kernel_for
                 attention.kernel_for = lambda *a, **k: "dense"
 
-        def step(model=model, optimizer=optimizer, way=way):
+        def step(model=model, optimizer=optimizer, way=way, autocast=autocast):
             for batch in ([packed] if way != "padded" else padded):
-                model(**batch).loss.backward()
+                with precision(autocast):
+                    loss = model(**batch).loss
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -132,7 +146,7 @@ def attention_way(rehearse: bool, steps: int) -> list[dict]:
         finally:
             if forced is not None:
                 attention.kernel_for = forced
-        kernel = attention.kernel_for(dev.type, torch.bfloat16) if way == "packed, varlen" else ""
+        kernel = attention.kernel_for(dev.type, torch.bfloat16) if way.startswith("packed, varlen") else ""
         results.append({"way": f"attention: {way}" + (f" ({kernel})" if kernel else ""),
                         "tokens_per_s": tokens / seconds, "peak_gib": peak_gib()})
         del model, optimizer
@@ -144,42 +158,75 @@ def attention_way(rehearse: bool, steps: int) -> list[dict]:
 
 # --- the fused loss vs the plain one -------------------------------------------------------------------------------
 
-def loss_step(way: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
-    """One forward and backward of the output layer and loss: over full float32 logits, or chunked."""
+def loss_step(way: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+              autocast: bool = False) -> torch.Tensor:
+    """One forward and backward of the output layer and loss: over full float32 logits, chunked (stoker's chunks,
+    or Liger's kernel: 'liger'), in bf16 autocast's dtypes when `autocast` (the chunks' compute dtype, as the
+    Trainer hands it from lm_head's autocast). Returns the loss."""
     from stoker.chunked_loss import chunked_cross_entropy
 
-    if way == "plain":
-        logits = torch.nn.functional.linear(hidden, weight).float()
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:])
-    else:
-        loss = chunked_cross_entropy(hidden, weight, labels, num_targets=labels.shape[1] - 1)
+    with precision(autocast):
+        if way == "plain":
+            logits = torch.nn.functional.linear(hidden, weight).float()
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:])
+    if way != "plain":
+        loss = chunked_cross_entropy(hidden, weight, labels, num_targets=labels.shape[1] - 1,
+                                     compute_dtype=torch.bfloat16 if autocast else None, fused=way == "liger")
     loss.backward()
-    hidden.grad = weight.grad = None
+    return loss.detach()
+
+
+def liger_error(hidden, weight, labels) -> dict:
+    """Liger's loss and weight gradient against stoker's chunks on the same inputs: the largest differences."""
+    from stoker.chunked_loss import chunked_cross_entropy
+
+    found = {}
+    for way in ("chunked", "liger"):
+        loss = chunked_cross_entropy(hidden, weight, labels, num_targets=labels.shape[1] - 1, fused=way == "liger")
+        loss.backward()
+        found[way] = (loss.detach().float(), weight.grad.float())
+        hidden.grad = weight.grad = None
+    (loss, grad), (liger, liger_grad) = found["chunked"], found["liger"]
+    return {"loss_err": abs(loss - liger).item(), "grad_err": (grad - liger_grad).abs().max().item()}
 
 
 def loss_way(rehearse: bool, steps: int) -> list[dict]:
+    from stoker import chunked_loss
+
     dev = device()
     hidden_size, tokens = (64, 512) if rehearse else (4096, 16384)
     vocabs = (1024, 4096) if rehearse else (32000, 128256)
     results = []
+    liger = dev.type == "cuda" and chunked_loss.fused_kernel("cuda", opted_in=True) is not None
     for vocab in vocabs:
-        g = torch.Generator(device=dev).manual_seed(0)
-        hidden = torch.randn(1, tokens, hidden_size, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
-        weight = (torch.randn(vocab, hidden_size, device=dev, generator=g, dtype=torch.bfloat16) / 64).requires_grad_()
-        labels = torch.randint(0, vocab, (1, tokens), device=dev, generator=g)
-        pair = []
-        for way in ("plain", "chunked"):
-            reset_peak()
-            seconds = timed(functools.partial(loss_step, way, hidden, weight, labels), steps,
-                            warmup=1 if rehearse else 2)
-            pair.append({"way": f"loss at vocab {vocab}: {way}", "tokens_per_s": tokens / seconds,
-                         "peak_gib": peak_gib()})
-        plain, chunked = pair
-        chunked["vs"] = chunked["tokens_per_s"] / plain["tokens_per_s"]
-        if plain["peak_gib"]:
-            chunked["peak_vs"] = chunked["peak_gib"] / plain["peak_gib"]
-        plain["vs"] = 1.0
-        results += pair
+        for autocast in (False, True):
+            g = torch.Generator(device=dev).manual_seed(0)
+            dtype = torch.float32 if autocast else torch.bfloat16
+            hidden = torch.randn(1, tokens, hidden_size, device=dev, generator=g, dtype=dtype).requires_grad_()
+            weight = (torch.randn(vocab, hidden_size, device=dev, generator=g, dtype=dtype) / 64).requires_grad_()
+            labels = torch.randint(0, vocab, (1, tokens), device=dev, generator=g)
+            weights = "float32 weights + bf16 autocast" if autocast else "bf16 weights"
+            ways = ("plain", "chunked", "liger") if liger and not autocast else ("plain", "chunked")
+            group = []
+            for way in ways:
+                def step(way=way, hidden=hidden, weight=weight, labels=labels, autocast=autocast):
+                    loss_step(way, hidden, weight, labels, autocast)
+                    hidden.grad = weight.grad = None
+
+                reset_peak()
+                seconds = timed(step, steps, warmup=1 if rehearse else 2)
+                group.append({"way": f"loss at vocab {vocab}, {weights}: {way}", "tokens_per_s": tokens / seconds,
+                              "peak_gib": peak_gib()})
+            plain = group[0]
+            for r in group:
+                r["vs"] = r["tokens_per_s"] / plain["tokens_per_s"]
+                if plain["peak_gib"]:
+                    r["peak_vs"] = r["peak_gib"] / plain["peak_gib"]
+            if len(group) == 3:
+                group[2].update(liger_error(hidden, weight, labels))
+            results += group
+    if dev.type == "cuda" and not liger:
+        results.append({"way": "loss: liger", "skipped": "liger-kernel is not installed"})
     return results
 
 
@@ -194,28 +241,33 @@ def float8_way(rehearse: bool, steps: int) -> list[dict]:
         return [{"way": "float8", "skipped": "; ".join(float8_problems("tensorwise", True, capability))}]
     results = []
     for name, shape in (("tiny", TINY),) if rehearse else (("374M", M374), ("1B", B1)):
-        batch, length = (2, 32) if rehearse else (8, 2048)
+        # an odd row length: batch x length is no multiple of 16, the float8 weight gradient's inner dimension
+        batch, length = (2, 31) if rehearse else (8, 2047)
         ids = torch.randint(0, shape["vocab_size"], (batch, length), device=device())
-        pair = []
-        for way in ("bf16", "fp8 tensorwise"):
-            model = llama(shape)
-            if way != "bf16":
-                convert_to_float8(model, "tensorwise", emulate=not cuda)
-            run = torch.compile(model) if cuda else model
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+        for autocast in (False, True):
+            weights = "float32 weights + bf16 autocast" if autocast else "bf16 weights"
+            pair = []
+            for way in ("bf16", "fp8 tensorwise"):
+                model = llama(shape, dtype=torch.float32 if autocast else torch.bfloat16)
+                if way != "bf16":
+                    convert_to_float8(model, "tensorwise", emulate=not cuda)
+                run = torch.compile(model) if cuda else model
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
 
-            def step(run=run, optimizer=optimizer, ids=ids):
-                run(input_ids=ids, labels=ids).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                def step(run=run, optimizer=optimizer, ids=ids, autocast=autocast):
+                    with precision(autocast):
+                        loss = run(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
 
-            reset_peak()
-            seconds = timed(step, steps, warmup=1 if rehearse else 4)
-            pair.append({"way": f"float8 on {name}: {way}", "tokens_per_s": batch * length / seconds,
-                         "peak_gib": peak_gib()})
-            del model, run, optimizer
-        pair[0]["vs"], pair[1]["vs"] = 1.0, pair[1]["tokens_per_s"] / pair[0]["tokens_per_s"]
-        results += pair
+                reset_peak()
+                seconds = timed(step, steps, warmup=1 if rehearse else 4)
+                pair.append({"way": f"float8 on {name}, {weights}: {way}", "tokens_per_s": batch * length / seconds,
+                             "peak_gib": peak_gib()})
+                del model, run, optimizer
+            pair[0]["vs"], pair[1]["vs"] = 1.0, pair[1]["tokens_per_s"] / pair[0]["tokens_per_s"]
+            results += pair
     return results
 
 
@@ -223,14 +275,16 @@ WAYS = {"attention": attention_way, "loss": loss_way, "float8": float8_way}
 
 
 def table(results: list[dict]) -> str:
-    lines = [f"{'way':<58} {'tokens/s':>12} {'vs base':>8} {'peak GiB':>9} {'peak vs':>8}"]
+    lines = [f"{'way':<72} {'tokens/s':>12} {'vs base':>8} {'peak GiB':>9} {'peak vs':>8}"]
     for r in results:
         if "skipped" in r or "failed" in r:
-            lines.append(f"{r['way']:<58} {r.get('skipped') or 'FAILED: ' + r['failed']}")
+            lines.append(f"{r['way']:<72} {r.get('skipped') or 'FAILED: ' + r['failed']}")
             continue
         peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
         ratio = f"{r['peak_vs']:.2f}x" if "peak_vs" in r else ""
-        lines.append(f"{r['way']:<58} {r['tokens_per_s']:>12,.0f} {r.get('vs', 1.0):>7.2f}x {peak:>9} {ratio:>8}")
+        error = f"  loss err {r['loss_err']:.2e}, grad err {r['grad_err']:.2e}" if "loss_err" in r else ""
+        lines.append(f"{r['way']:<72} {r['tokens_per_s']:>12,.0f} {r.get('vs', 1.0):>7.2f}x {peak:>9} {ratio:>8}"
+                     + error)
     return "\n".join(lines)
 
 

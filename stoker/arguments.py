@@ -298,7 +298,8 @@ class TrainingArguments:
         "Passed to model.gradient_checkpointing_enable (as gradient_checkpointing_kwargs), a dict or JSON."))
     use_liger_kernel: bool = field(default=False, metadata=_help(
         "Patch the model with Liger kernels when training starts (needs the liger-kernel package then); a "
-        "loss-only evaluation asks the model to skip its logits."))
+        "loss-only evaluation asks the model to skip its logits. With chunked_loss on a GPU, Liger's fused "
+        "kernel computes that loss (two host reads a micro-batch; stoker.chunked_loss)."))
     liger_kernel_config: dict | str | None = field(default=None, metadata=_help(
         "Keyword arguments for liger_kernel's _apply_liger_kernel_to_instance, a dict or JSON."))
     use_cache: bool = field(default=False, metadata=_help(

@@ -18,8 +18,11 @@ for a copy queued before the forward, never for the forward itself (the GPU's qu
 positions: for chat rows whose answer is a tenth of the tokens, ten times that work.
 
 Written by hand because the fused linear-cross-entropy kernels that exist (Liger's, Apple's
-cut-cross-entropy) are Triton, GPU-only; this is plain torch and runs wherever the model does. Where Liger is
-installed and the model is on a GPU, its kernel computes the same sum instead (`fused_kernel`).
+cut-cross-entropy) are Triton, GPU-only; this is plain torch and runs wherever the model does. Liger's kernel
+computes the same sum instead only where the run opts in (use_liger_kernel=True) and the model is on a GPU
+(`fused_kernel`): it reads the device twice per micro-batch (its count of target tokens in the forward, a check of
+the incoming gradient in the backward), each a wait for everything queued, and it has not been measured faster
+than these chunks; asked to, it sums the weight's gradient in float32 as these chunks do.
 
 The Trainer uses it with `chunked_loss=True`: `chunked_causal_lm_loss` runs the whole (possibly DDP-wrapped,
 compiled, peft) model with its lm_head short-circuited, so every wrapper still sees its forward, then
@@ -30,12 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 from torch import nn
 
 from .data import IGNORE_INDEX, host_target_count
 from .loss_normalization import model_family
+
+logger = logging.getLogger("stoker")
 
 # A chunk is as many target tokens as their logits fit in a memory budget: each token's row of logits costs
 # vocab x (4 + 2) bytes (the float32 logits, turned in place into the softmax's gradient, and its 16-bit copy for
@@ -64,7 +70,7 @@ def chunk_tokens_for(vocab: int, device: torch.device, dtype: torch.dtype = torc
     return max(1, min(MAX_CHUNK_TOKENS, budget // per_token))
 
 
-_OUT_DTYPE_MATMUL = [True]  # torch.addmm(out_dtype=float32) on CUDA; set False if this torch refuses it
+_OUT_DTYPE_MATMUL = [True]  # torch.addmm(out_dtype=float32) on CUDA; set False (and said) if this torch refuses it
 
 
 def _add_weight_gradient(grad_w: torch.Tensor, probs: torch.Tensor, low: torch.Tensor, h: torch.Tensor) -> None:
@@ -73,14 +79,26 @@ def _add_weight_gradient(grad_w: torch.Tensor, probs: torch.Tensor, low: torch.T
     if h.dtype == grad_w.dtype:
         grad_w.addmm_(probs.t(), h)
         return
-    if h.is_cuda and _OUT_DTYPE_MATMUL[0]:
-        try:  # cuBLAS: 16-bit inputs, the float32 accumulator read and written in place (beta = 1)
-            torch.addmm(grad_w, low.t(), h, out_dtype=grad_w.dtype, out=grad_w)
-            return
-        except (RuntimeError, TypeError):
-            _OUT_DTYPE_MATMUL[0] = False
+    if h.is_cuda and _out_dtype_matmul(grad_w, low, h):
+        return
     # a float32 matmul from the float32 softmax gradient: a [chunk, hidden] copy of h, no [vocab, hidden] one
     grad_w.addmm_(probs.t(), h.to(grad_w.dtype))
+
+
+def _out_dtype_matmul(grad_w: torch.Tensor, low: torch.Tensor, h: torch.Tensor) -> bool:
+    """grad_w += low.T @ h by cuBLAS: 16-bit inputs, the float32 accumulator read and written in place (beta = 1).
+    False where this torch build refuses out_dtype: said once, and not tried again in this process."""
+    if not _OUT_DTYPE_MATMUL[0]:
+        return False
+    try:
+        torch.addmm(grad_w, low.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+        return True
+    except (RuntimeError, TypeError) as e:
+        _OUT_DTYPE_MATMUL[0] = False
+        logger.warning("chunked_loss: this torch build refuses torch.addmm(out_dtype=%s) (%s); the output layer's "
+                       "weight gradient is summed by a float32 matmul instead, at float32 matmul speed and with a "
+                       "float32 copy of each chunk's hidden states", grad_w.dtype, e)
+        return False
 
 
 def _accumulation_dtype(t: torch.Tensor) -> torch.dtype:
@@ -183,24 +201,26 @@ def _liger():
         return None
 
     def loss_sum(hidden, weight, targets, bias):
+        # accum_dtype: the weight's gradient summed over chunks in float32; left None, Liger sums it in the
+        # weight's dtype (bfloat16 loses what each chunk's matmul kept)
         out = liger_fused_linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=IGNORE_INDEX,
-                                               reduction="sum")
+                                               reduction="sum", accum_dtype=torch.float32)
         return (out[0] if isinstance(out, tuple) else out).float()  # (loss, z_loss) in some versions
 
     return loss_sum
 
 
-def fused_kernel(device_type: str):
-    """Liger's fused linear cross-entropy (Triton) where it is installed and the tensors are on a GPU: the same sum
-    of token losses over the same target rows, with its chunks and its gradients made in its kernels. None
-    otherwise (then stoker's own chunks)."""
-    return _liger() if device_type == "cuda" else None
+def fused_kernel(device_type: str, opted_in: bool = False):
+    """Liger's fused linear cross-entropy (Triton) where the run opts in (use_liger_kernel=True), it is installed
+    and the tensors are on a GPU: the same sum of token losses over the same target rows, with its chunks and its
+    gradients made in its kernels, at two host reads a micro-batch. None otherwise (then stoker's own chunks)."""
+    return _liger() if opted_in and device_type == "cuda" else None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           num_items_in_batch=None, bias: torch.Tensor | None = None, shift: bool = True,
                           chunk_tokens: int | None = None, compute_dtype: torch.dtype | None = None,
-                          num_targets: int | None = None) -> torch.Tensor:
+                          num_targets: int | None = None, fused: bool = False) -> torch.Tensor:
     """Causal-LM cross-entropy of `hidden @ weight.T + bias` against labels, without materialising logits.
 
     hidden [..., T, H], labels [..., T] with -100 for ignored positions; shift=True predicts token t+1 from
@@ -208,6 +228,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     mean over target tokens when num_items_in_batch is None, like transformers. compute_dtype is the
     precision of the lm_head matmul (an autocast dtype); the reduction is always float32. `num_targets`, the
     labels' target count (TargetCount), saves reading it here: on a GPU a read that waits for everything queued.
+    fused=True lets Liger's kernel compute the sum on a GPU (`fused_kernel`).
     """
     labels = _shifted(labels, shift).to(hidden.device)
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -221,9 +242,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if compute_dtype is not None:
         hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
         bias = bias.to(compute_dtype) if bias is not None else None
-    fused = fused_kernel(hidden.device.type) if chunk_tokens is None else None
-    if fused is not None:
-        total = fused(hidden, weight, targets, bias)
+    kernel = fused_kernel(hidden.device.type, fused) if chunk_tokens is None else None
+    if kernel is not None:
+        total = kernel(hidden, weight, targets, bias)
     else:
         chunk = chunk_tokens or chunk_tokens_for(weight.shape[0], hidden.device, hidden.dtype)
         total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
@@ -320,9 +341,9 @@ def chunked_loss_problems(model: nn.Module) -> list[str]:
 
 
 def chunked_causal_lm_loss(model: nn.Module, lm_head: nn.Linear, inputs: dict, labels: torch.Tensor,
-                           num_items_in_batch=None):
-    """Run `model(**inputs)` (labels removed) with lm_head bypassed, then the chunked loss on its input.
-    Returns (loss, the model's outputs, whose logits are empty)."""
+                           num_items_in_batch=None, fused: bool = False):
+    """Run `model(**inputs)` (labels removed) with lm_head bypassed, then the chunked loss on its input (Liger's
+    kernel on a GPU with `fused`). Returns (loss, the model's outputs, whose logits are empty)."""
     known = host_target_count(labels)  # a training batch's, counted before its copy to the device
     count = TargetCount(labels) if known is None else None  # else before the forward, read after it is queued
     with lm_head_bypassed(lm_head) as captured:
@@ -330,5 +351,6 @@ def chunked_causal_lm_loss(model: nn.Module, lm_head: nn.Linear, inputs: dict, l
     if captured.hidden is None:
         raise RuntimeError(f"chunked_loss: {type(lm_head).__name__} was never called during the forward pass")
     loss = chunked_cross_entropy(captured.hidden, lm_head.weight, labels, num_items_in_batch, bias=lm_head.bias,
-                                 compute_dtype=captured.dtype, num_targets=known if count is None else count.wait())
+                                 compute_dtype=captured.dtype, num_targets=known if count is None else count.wait(),
+                                 fused=fused)
     return loss, outputs

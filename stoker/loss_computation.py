@@ -104,11 +104,12 @@ class SmoothedLoss(ModelLoss):
 
 class ChunkedLoss(ModelLoss):
     """chunked_loss: the loss from the final hidden states and `head`'s weight, never the full logits; the model's
-    own loss when the caller asks for the outputs (an evaluation that keeps its predictions needs the logits)."""
+    own loss when the caller asks for the outputs (an evaluation that keeps its predictions needs the logits).
+    `fused`: Liger's kernel computes it on a GPU (use_liger_kernel=True; stoker.chunked_loss.fused_kernel)."""
 
-    def __init__(self, head: torch.nn.Linear, *args, **kwargs):
+    def __init__(self, head: torch.nn.Linear, *args, fused: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.head = head
+        self.head, self.fused = head, fused
         head_bypass(head)  # registered now, before the model is prepared (and maybe compiled)
 
     def compute(self, model, inputs: dict, accelerator, num_items, return_outputs: bool) -> tuple[Any, Any]:
@@ -116,18 +117,19 @@ class ChunkedLoss(ModelLoss):
         if labels is None or return_outputs:
             return super().compute(model, inputs, accelerator, num_items, return_outputs)
         del inputs[self.label_name]
-        return chunked_causal_lm_loss(model, self.head, inputs, labels, num_items)
+        return chunked_causal_lm_loss(model, self.head, inputs, labels, num_items, fused=self.fused)
 
 
 def loss_computation(convention: LossConvention, forward_kwargs: dict, *, chunked_head=None, compute_loss_func=None,
                      label_smoothing: float = 0.0, base_model=None, prefix_body=None,
-                     balancing: LoadBalancing | None = None) -> ModelLoss:
+                     balancing: LoadBalancing | None = None, fused_loss: bool = False) -> ModelLoss:
     """The one way a model's loss is computed in this Trainer (chunked_loss with compute_loss_func, or with label
     smoothing, is refused before this by trainer_checks). `balancing` weighs a MoE model's load-balancing loss,
-    which only the model's own loss carries (the other kinds leave it out, as transformers does)."""
+    which only the model's own loss carries (the other kinds leave it out, as transformers does). `fused_loss`: the
+    chunked loss may take Liger's kernel on a GPU (use_liger_kernel=True)."""
     common = (convention, forward_kwargs, prefix_body)
     if chunked_head is not None:
-        return ChunkedLoss(chunked_head, *common)
+        return ChunkedLoss(chunked_head, *common, fused=fused_loss)
     if compute_loss_func is not None:
         return FunctionLoss(compute_loss_func, *common)
     if label_smoothing:

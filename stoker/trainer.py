@@ -310,7 +310,7 @@ class Trainer(TrainerAPI):
         self._loss = loss_computation(self._convention, self._forward_kwargs, chunked_head=chunked_head,
                                       compute_loss_func=self.compute_loss_func, label_smoothing=label_smoothing,
                                       base_model=base, prefix_body=prefix_body(model) if a.shared_prefix else None,
-                                      balancing=balancing)
+                                      balancing=balancing, fused_loss=a.use_liger_kernel)
         self._set_collator(base)
         return model
 

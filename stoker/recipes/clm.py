@@ -35,7 +35,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     """Train a causal LM as the arguments say; save it and report. Returns {'before', 'after', 'train'} metrics,
     with 'sample' (a generated answer) for prompt/completion data and 'merged' for a LoRA run."""
     # --- setup: tokenizer and model (its weights drawn from the seed when it is built from scratch)
-    tokenizer, model = build_causal_lm(m, args.seed)
+    tokenizer, model = build_causal_lm(m, args.seed, args.bf16, args.fp16)
     lora = peft_config_for(m, model)
     lora_base_in_bf16(m, args.bf16, model, lora)  # with LoRA under bf16, the frozen base in bf16
 

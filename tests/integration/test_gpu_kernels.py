@@ -1,5 +1,7 @@
 """benchmarks/gpu_kernels.py (packed attention, the fused loss and float8 on a GPU): its rehearsal, tiny sizes on
-this CPU, runs every way and prints its table, so that the GPU run is not the first time the script runs."""
+this CPU, runs every way and prints its table, so that the GPU run is not the first time the script runs: bfloat16
+weights and float32 weights under bf16 autocast (the GPU default's), odd row lengths and a float8 job whose token
+count is no multiple of 16."""
 
 from __future__ import annotations
 
@@ -22,9 +24,13 @@ def test_the_rehearsal_runs_every_way_and_prints_the_table(tmp_path):
                            "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ways = [r["way"] for r in json.loads(out.read_text())["results"]]
-    assert ways == ["attention: packed, varlen (per_sequence)", "attention: packed, dense mask", "attention: padded",
-                    "loss at vocab 1024: plain", "loss at vocab 1024: chunked", "loss at vocab 4096: plain",
-                    "loss at vocab 4096: chunked", "float8 on tiny: bf16", "float8 on tiny: fp8 tensorwise"]
+    loss = [f"loss at vocab {v}, {w}: {way}" for v in (1024, 4096)
+            for w in ("bf16 weights", "float32 weights + bf16 autocast") for way in ("plain", "chunked")]
+    float8 = [f"float8 on tiny, {w}: {way}" for w in ("bf16 weights", "float32 weights + bf16 autocast")
+              for way in ("bf16", "fp8 tensorwise")]
+    assert ways == ["attention: packed, varlen (per_sequence)",
+                    "attention: packed, varlen, float32 weights + bf16 autocast (per_sequence)",
+                    "attention: packed, dense mask", "attention: padded", *loss, *float8]
     assert "(rehearsal: tiny sizes)" in proc.stdout and "tokens/s" in proc.stdout
 
 

@@ -171,30 +171,141 @@ def test_at_a_128k_vocabulary_the_largest_tensor_is_a_chunk_not_the_logits():
     assert peaks["chunked"] < peaks["plain"] / 2
 
 
-def test_liger_is_used_on_a_gpu_where_it_is_installed(monkeypatch):
-    """The dispatch (Liger is not installed here): on a GPU its kernel computes the sum of the target rows' losses,
-    which the chunked loss then normalises as its own; on a CPU, or when chunk_tokens is given, stoker's chunks."""
+class _LigerStandIn(torch.autograd.Function):
+    """Liger's fused linear cross-entropy as it treats the host: its forward counts the target tokens with
+    `.item()` and its backward compares the incoming gradient with `torch.equal(grad, torch.tensor(1.0))`, each a
+    read of the device; the sum itself by torch."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, ignore_index):
+        (targets != ignore_index).sum().item()  # Liger's total_n_non_ignore
+        with torch.enable_grad():
+            h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+            loss = nn.functional.cross_entropy(nn.functional.linear(h, w, bias).float(), targets,
+                                               ignore_index=ignore_index, reduction="sum")
+            grads = torch.autograd.grad(loss, (h, w))
+        ctx.save_for_backward(*grads)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        if not torch.equal(grad, torch.tensor(1.0, device=grad.device)):  # Liger's shortcut for a gradient of 1
+            grad_h, grad_w = grad_h * grad, grad_w * grad
+        return grad_h, grad_w, None, None, None
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """A liger_kernel package in sys.modules whose liger_fused_linear_cross_entropy records its calls (the rows it
+    got, their dtype, its accum_dtype) and reads the device as Liger's does (_LigerStandIn)."""
+    import sys
+    import types
+
     calls = []
 
-    def liger_stand_in(hidden, weight, targets, bias):
-        calls.append((hidden.shape, targets.shape))
-        return nn.functional.cross_entropy(nn.functional.linear(hidden, weight, bias).float(), targets,
-                                           reduction="sum")
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                                         accum_dtype=None, **kwargs):
+        assert reduction == "sum" and not kwargs
+        calls.append({"rows": input.shape[0], "dtype": input.dtype, "accum_dtype": accum_dtype})
+        return _LigerStandIn.apply(input, weight, target, bias, ignore_index), None  # (loss, z_loss)
 
-    assert chunked.fused_kernel("cpu") is None
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    for name, module in (("liger_kernel", types.ModuleType("liger_kernel")),
+                         ("liger_kernel.transformers", types.ModuleType("liger_kernel.transformers")),
+                         ("liger_kernel.transformers.functional", functional)):
+        monkeypatch.setitem(sys.modules, name, module)
     chunked._liger.cache_clear()
-    monkeypatch.setitem(__import__("sys").modules, "liger_kernel", None)  # not importable: no fused kernel
-    assert chunked.fused_kernel("cuda") is None
+    yield calls
     chunked._liger.cache_clear()
-    monkeypatch.setattr(chunked, "fused_kernel", lambda device_type: liger_stand_in)
+
+
+def as_on_a_gpu(monkeypatch):
+    """fused_kernel deciding as it would for tensors on a CUDA device (these are on the CPU)."""
+    decide = chunked.fused_kernel
+    monkeypatch.setattr(chunked, "fused_kernel", lambda device_type, opted_in=False: decide("cuda", opted_in))
+
+
+def test_liger_is_used_only_where_the_run_opts_in_on_a_gpu(monkeypatch, fake_liger):
+    """Installed, Liger's kernel is still not taken unless asked for (use_liger_kernel=True), and only on a GPU;
+    asked for, it computes the sum of the target rows' losses with the weight's gradient summed in float32
+    (accum_dtype), which the chunked loss then normalises as its own."""
+    assert chunked.fused_kernel("cuda") is None and chunked.fused_kernel("cpu", True) is None
+    assert chunked.fused_kernel("cuda", True) is not None
+    chunked._liger.cache_clear()
+    with monkeypatch.context() as uninstalled:
+        uninstalled.setitem(__import__("sys").modules, "liger_kernel.transformers.functional", None)
+        assert chunked.fused_kernel("cuda", True) is None
+    chunked._liger.cache_clear()
+    as_on_a_gpu(monkeypatch)
     hidden, weight = torch.randn(2, 9, 8, requires_grad=True), torch.randn(30, 8)
     labels = torch.randint(0, 30, (2, 9))
     labels[0, 4] = IGNORE_INDEX
-    got = chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=20)
-    assert calls == [(torch.Size([15, 8]), torch.Size([15]))]  # the 15 target rows only
+    assert chunked_cross_entropy(hidden, weight, labels) is not None and fake_liger == []  # not opted in
+    got = chunked_cross_entropy(hidden, weight, labels, num_items_in_batch=20, fused=True)
+    assert fake_liger == [{"rows": 15, "dtype": torch.float32, "accum_dtype": torch.float32}]  # the 15 targets
     torch.testing.assert_close(got, reference_loss(hidden, weight, None, labels, 20))
-    chunked_cross_entropy(hidden, weight, labels, chunk_tokens=4)
-    assert len(calls) == 1
+    chunked_cross_entropy(hidden, weight, labels, chunk_tokens=4, fused=True)  # a chunk size asked for: stoker's
+    assert len(fake_liger) == 1
+
+
+def test_liger_reads_the_device_twice_a_micro_batch_and_stokers_chunks_never(monkeypatch, fake_liger):
+    """Counted as a GPU would wait: the chunked loss's forward and backward of a training micro-batch (its target
+    count known on the host) read nothing back; Liger's read twice, its count and its gradient check."""
+    from tests.gpu_paths.test_syncs import HostSyncCounter
+
+    class WithEquality(HostSyncCounter):  # torch.equal hands the host a bool: a read of the device too
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.equal.default and not self.paused:
+                self.events.append(("read", str(func), ""))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    as_on_a_gpu(monkeypatch)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(4, 17, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+    labels = torch.randint(0, 64, (4, 17))
+    labels[:, :5] = IGNORE_INDEX  # prompts
+    targets = int((labels[:, 1:] != IGNORE_INDEX).sum())  # as the Trainer counts a training batch on the host
+    reads = {}
+    for fused in (False, True):
+        with WithEquality() as counter:
+            chunked_cross_entropy(hidden, weight, labels, targets, num_targets=targets, fused=fused).backward()
+        reads[fused] = [op for kind, op, _ in counter.events if kind == "read"]
+    assert reads[False] == []
+    assert reads[True] == ["aten._local_scalar_dense.default", "aten.equal.default"]
+    assert len(fake_liger) == 1
+
+
+def test_a_torch_that_refuses_the_out_dtype_matmul_is_said_once(monkeypatch, caplog):
+    """The weight gradient's 16-bit matmul into the float32 sum (torch.addmm(out_dtype=...)): where a torch build
+    refuses it, one warning, and the float32 matmul from then on, with the same sum."""
+    monkeypatch.setattr(chunked, "_OUT_DTYPE_MATMUL", [True])
+    tried = []
+
+    def refusing_addmm(*args, **kwargs):
+        tried.append(kwargs.get("out_dtype"))
+        raise RuntimeError("out_dtype is not supported for this build")
+
+    monkeypatch.setattr(torch, "addmm", refusing_addmm)
+    torch.manual_seed(0)
+    probs, h = torch.randn(6, 40), torch.randn(6, 8, dtype=torch.bfloat16)
+    grad_w = torch.zeros(40, 8)
+    with caplog.at_level("WARNING", logger="stoker"):
+        for _ in range(3):
+            if not chunked._out_dtype_matmul(grad_w, probs.to(torch.bfloat16), h):
+                grad_w.addmm_(probs.t(), h.float())
+    assert tried == [torch.float32]  # tried once, not on every chunk
+    (record,) = [r for r in caplog.records if "out_dtype" in r.getMessage()]
+    assert "refuses torch.addmm(out_dtype=torch.float32)" in record.getMessage() and "not supported" in \
+        record.getMessage()
+    torch.testing.assert_close(grad_w, 3 * probs.t() @ h.float())
+
+
+def test_the_trainer_takes_liger_for_the_chunked_loss_only_with_use_liger_kernel(tmp_path):
+    plain = Trainer(llama(), args(tmp_path, chunked_loss=True), train_dataset=rows(4))
+    opted = Trainer(llama(), args(tmp_path, chunked_loss=True, use_liger_kernel=True), train_dataset=rows(4))
+    assert (plain._loss.fused, opted._loss.fused) == (False, True)
 
 
 @pytest.mark.parametrize("tied", [True, False])

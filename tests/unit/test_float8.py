@@ -101,3 +101,85 @@ def test_resuming_loads_exactly_the_saved_weights_into_either_model(tmp_path, mo
         assert unexpected == [] and set(missing) <= {"lm_head.weight"}
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), weights[name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_every_token_count_passes_the_float8_backward(recipe):
+    """The weight gradient's matmul runs over the batch's tokens (its inner dimension), which torch._scaled_mm needs
+    to be a multiple of 16: checked by its meta kernel, so the real (not emulated) float8 path runs here on the meta
+    device, as on an H100 (148 tokens failed there before the padding; 144 passed)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32, dtype=torch.bfloat16),
+                                    torch.nn.Linear(32, 64, dtype=torch.bfloat16))
+    assert len(convert_to_float8(model, recipe)) == 2
+    assert model[0].config.pad_inner_dim and not model[0].config.emulate
+    for tokens in (148, 1, 17, 144, 2049):
+        x = torch.empty(tokens, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        model(x).sum().backward()
+        assert model[0].weight.grad.shape == (32, 64) and x.grad.shape == (tokens, 64)
+        model.zero_grad(set_to_none=True)
+
+
+def test_padding_the_token_dimension_leaves_the_gradients_exact():
+    """Zeros added to the weight gradient's inner dimension add nothing: the emulated float8 gradients of 37 tokens
+    equal those without padding."""
+    import dataclasses
+
+    from torchao.float8 import convert_to_float8_training
+
+    from stoker.float8 import float8_config
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(32, 16)
+    padded, unpadded = (torch.nn.Sequential(torch.nn.Linear(32, 16)) for _ in range(2))
+    for m in (padded, unpadded):
+        m[0].load_state_dict(plain.state_dict())
+    config = float8_config("tensorwise", emulate=True)
+    convert_to_float8_training(padded, config=config)
+    convert_to_float8_training(unpadded, config=dataclasses.replace(config, pad_inner_dim=False))
+    x = torch.randn(37, 32)
+    for m in (padded, unpadded):
+        m(x).square().sum().backward()
+    torch.testing.assert_close(padded[0].weight.grad, unpadded[0].weight.grad, atol=0, rtol=0)
+
+
+def test_quantized_layers_and_lora_adapters_stay_unconverted():
+    """bitsandbytes' Linear4bit and Linear8bitLt subclass nn.Linear, and LoRA's A and B of rank 16 have aligned
+    dimensions: none of them is a dense layer of the base that float8 can compute."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+
+    from stoker.float8 import float8_filter, kbit_bits
+
+    mixed = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64), bnb.nn.Linear8bitLt(64, 64), torch.nn.Linear(64, 64),
+                                torch.nn.Linear(64, 64, dtype=torch.float16))
+    keep = float8_filter(mixed)
+    assert [keep(m, str(i)) for i, m in enumerate(mixed)] == [False, False, True, False]
+    assert kbit_bits(mixed[:1]) == 4 and kbit_bits(mixed[1:]) == 8 and kbit_bits(mixed[2:]) is None
+
+    peft_model = get_peft_model(small_llama(), LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    converted = convert_to_float8(peft_model, "tensorwise", emulate=True)
+    assert not [n for n in converted if "lora_" in n]
+    layer = "base_model.model.model.layers.0"
+    assert f"{layer}.self_attn.q_proj.base_layer" in converted and f"{layer}.mlp.up_proj" in converted
+    assert type(peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]) is torch.nn.Linear
+
+
+def test_fp8_with_a_kbit_base_is_refused_before_any_work(tmp_path, monkeypatch):
+    import bitsandbytes as bnb
+
+    from stoker.recipes.args import ModelArguments, input_problems
+
+    _float8_allowed(monkeypatch)
+    model = small_llama()
+    model.model.layers[0].mlp.up_proj = bnb.nn.Linear4bit(32, 64)
+    with pytest.raises(ConfigError) as e:
+        Trainer(model, args(tmp_path, fp8="rowwise", bf16=True), train_dataset=rows(4))
+    (problem,) = [p for p in e.value.problems if p.startswith("fp8=")]
+    assert "fp8='rowwise': the base is loaded in 4 bits" in problem and "load_in_4bit=False" in problem
+    # a recipe names it before it loads the base
+    m = ModelArguments(model_name_or_path="x", use_peft=True, load_in_8bit=True)
+    training = args(tmp_path, fp8="tensorwise", bf16=True)
+    (problem,) = input_problems({ModelArguments: m, TrainingArguments: training}, checks=())
+    assert problem.startswith("fp8='tensorwise': the base is loaded in 8 bits")
+    assert input_problems({ModelArguments: m, TrainingArguments: args(tmp_path, bf16=True)}, checks=()) == []
