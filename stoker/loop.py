@@ -349,11 +349,11 @@ class StepCheck:
     Deferred (`deferred`, decided once per run: an optimizer whose skip of an update on the device is exact, as
     torch's fused AdamW / Adam skip it for the GradScaler's `found_inf` (Backend.skips_on_device), on the plain
     backend without fp16 loss scaling), step k's update is queued with the flag that skips it on the device, and
-    the host reads step k's verdict (`take`) only after step k+1's forwards and backwards are queued: the wait is for the flags' copy,
-    which the GPU made before step k's update, so the GPU always has a step's work queued. The schedule and the log
-    are then told of step k one step late, before step k+1's update (whose learning rate is so the right one).
-    Otherwise the host reads the verdict right after the window (`take` at once: one host sync per step), and the
-    update is applied only if it is finite.
+    the host reads step k's verdict (`take`) only after step k+1's forwards and backwards are queued: the wait is
+    for the flags' copy, which the GPU made before step k's update, so the GPU always has a step's work queued.
+    The schedule and the log are then told of step k one step late, before step k+1's update (whose learning rate
+    is so the right one). Otherwise the host reads the verdict right after the window (`take` at once: one host
+    sync per step), and the update is applied only if it is finite.
 
     With `reads_loss` (spike_rollback), the window's loss over every process rides the same all-reduce and copy, to
     be compared with the running median of the windows before.
