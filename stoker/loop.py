@@ -127,7 +127,7 @@ class RunningLog:
         self.samples_seen, self.samples_at_log, self.tokens_seen = 0, 0, 0
         self.nonfinite_run, self.nonfinite_total = 0, 0
         self.nonfinite_at_log = 0  # nonfinite_total when the last log was made: the window's skipped steps
-        self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(), False, None
+        self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(device), False, None
         # sum of length^2 over the sequences since the last log (diagnostics.attention_pairs): MFU's attention
         # term; a diagnostic, so not saved with a checkpoint
         self.attention_pairs = torch.zeros((), dtype=torch.long, device=device)
@@ -221,11 +221,10 @@ class RunningLog:
         """Where a logging window's time went (stoker.diagnostics): the fraction spent waiting for data (warned
         about once above DATA_WAIT_WARNING) and, on a GPU, MFU and the peak of allocated memory so far."""
         on_gpu = accelerator.device.type == "cuda"
-        wait = min(self.data_clock.take() / elapsed, 1.0)
-        out = {"data_wait_fraction": round(wait, 4)}
-        if wait > diagnostics.DATA_WAIT_WARNING and not self.warned_data_wait:
+        out, advice = diagnostics.data_wait_metrics(self.data_clock.take(), elapsed, args, on_gpu)
+        if advice is not None and not self.warned_data_wait:
             self.warned_data_wait = True
-            logger.warning(diagnostics.data_wait_advice(wait, args, on_gpu))
+            logger.warning(advice)
         pairs, self.attention_pairs = self.attention_pairs, torch.zeros_like(self.attention_pairs)
         if not on_gpu:
             return out

@@ -964,9 +964,10 @@ class Trainer(TrainerAPI):
             if pos.batches:
                 loader = self.get_resumed_dataloader(loader, pos.batches)
             # the time spent waiting for batches (starting the loader's workers included) is summed for the log
-            window, clock, waiting = [], run.log.data_clock, time.perf_counter()
+            window, clock = [], run.log.data_clock
+            clock.start()
             for batch in loader:
-                clock.seconds += time.perf_counter() - waiting
+                clock.stop()
                 # a transformers collator's BatchEncoding is a Mapping, not a dict; what is no Mapping at all is
                 # refused by the first batch's check (_first_window)
                 window.append(dict(batch) if isinstance(batch, Mapping) else batch)
@@ -975,9 +976,9 @@ class Trainer(TrainerAPI):
                     window = []
                     if pos.micro_batch != size:
                         break
-                waiting = time.perf_counter()
+                clock.start()
             else:
-                clock.seconds += time.perf_counter() - waiting
+                clock.stop()
                 if window:
                     yield window
                 return
