@@ -585,14 +585,22 @@ def print_row(name: str, status: str, row: dict | None = None, note: str = "") -
     return line
 
 
-def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
+def run_checks(table: dict, names: list[str], budget: Budget, table_file: str | None = None) -> list[str]:
     """Run the named checks within the budget; returns the failed ones. A check not started for lack of time
     is SKIPPED, one interrupted by it is TIMEOUT (a failure); a row a check returns with "not_run" (what this
     machine cannot show, and why) is "not run", not a failure; the summary table is printed at the end, and on
-    SIGTERM (gpu_check.sh's hard limit) before exiting."""
-    failed, not_run, lines = [], [], []
+    SIGTERM (gpu_check.sh's hard limit) before exiting; its rows are appended to `table_file` too (gpu_all.sh's
+    one table, append_rows)."""
+    failed, not_run, lines, rows = [], [], [], []
+
+    def line(name: str, status: str, row: dict | None = None, note: str = "") -> str:
+        rows.append({**(row or {}), "name": f"check {row['name'] if row else name}", "status": status,
+                     "note": (row or {}).get("note", "") + note})
+        return print_row(name, status, row, note)
 
     def summary(signum=None, frame=None):
+        if table_file:
+            append_rows(table_file, rows)
         print("\n" + "\n".join([f"{'check':<18} {'status':<8} {'tokens/s':>12} {'peak GiB':>9}  note", *lines]))
         print(f"gpu_check: {len(failed)} failed ({', '.join(failed) or 'none'}), {len(not_run)} not run on this "
               f"machine ({', '.join(not_run) or 'none'}) in {budget.clock() - budget.started:.0f}s", flush=True)
@@ -604,22 +612,22 @@ def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
     try:
         for name in names:
             if not budget.may_start():
-                lines.append(print_row(name, "SKIPPED", note=f"out of time budget ({budget.left():.0f}s left)"))
+                lines.append(line(name, "SKIPPED", note=f"out of time budget ({budget.left():.0f}s left)"))
                 continue
             t0 = budget.clock()
             try:
                 for row in run_within(budget, table[name]):
                     if "not_run" in row:  # what this machine cannot show: said, and not a failure
                         not_run.append(row["name"])
-                        lines.append(print_row(row["name"], "not run", note=row["not_run"]))
+                        lines.append(line(row["name"], "not run", note=row["not_run"]))
                     else:
-                        lines.append(print_row(name, "ok", row, f" ({budget.clock() - t0:.0f}s)"))
+                        lines.append(line(name, "ok", row, f" ({budget.clock() - t0:.0f}s)"))
             except OutOfTime as e:
                 failed.append(name)
-                lines.append(print_row(name, "TIMEOUT", note=str(e)))
+                lines.append(line(name, "TIMEOUT", note=str(e)))
             except Exception as e:  # one failed check must not hide the others
                 failed.append(name)
-                lines.append(print_row(name, "FAILED", note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                lines.append(line(name, "FAILED", note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
                 traceback.print_exc(file=sys.stderr)
             finally:
                 row = None  # no row (nor anything it refers to) outlives its check
@@ -630,6 +638,27 @@ def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
     return failed
 
 
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Rows of a table, as JSON lines appended to `path`: {"name", "status", and where measured "tokens_per_s",
+    "mfu", "peak_gb", "note"}, what `one_table` prints (gpu_all.sh gathers both scripts' rows there)."""
+    keys = ("name", "status", "tokens_per_s", "mfu", "peak_gb", "note")
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps({k: row[k] for k in keys if isinstance(row.get(k), (str, int, float))}) + "\n")
+
+
+def one_table(path: str) -> str:
+    """The rows append_rows wrote to `path`, as one table, in the order they were written."""
+    rows = []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    number = lambda row, key, form: format(row[key], form) if isinstance(row.get(key), (int, float)) else ""
+    out = [f"{'what':<28} {'status':<8} {'tokens/s':>12} {'MFU':>6} {'peak GiB':>9}  note"]
+    out += [f"{r['name']:<28} {r['status']:<8} {number(r, 'tokens_per_s', ',.0f'):>12} {number(r, 'mfu', '.1%'):>6} "
+            f"{number(r, 'peak_gb', '.2f'):>9}  {r.get('note', '')}" for r in rows]
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only these checks")
@@ -637,8 +666,13 @@ def main() -> int:
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes, CPU-capable checks only")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for every check (default "
                         f"{BUDGET_S}); gpu_all.sh gives gpu_speed.py the rest of its 10 minutes")
+    parser.add_argument("--table", help="also append the table's rows to this file as JSON lines (gpu_all.sh)")
+    parser.add_argument("--one_table", help="print the rows of this file (gpu_all.sh's two scripts) as one table")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a check run inside torchrun or a fresh process
     a = parser.parse_args()
+    if a.one_table:
+        print(one_table(a.one_table))
+        return 0
     global BUDGET
     if a.budget != BUDGET.total:
         BUDGET = Budget(total=a.budget)
@@ -663,7 +697,7 @@ def main() -> int:
     if unknown:
         print(f"gpu_check: --only {' '.join(unknown)}: no such check; checks: {', '.join(table)}")
         return 2
-    failed = run_checks(table, a.only or list(table), BUDGET)
+    failed = run_checks(table, a.only or list(table), BUDGET, a.table)
     return 1 if failed else 0
 
 
