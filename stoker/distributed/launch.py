@@ -7,10 +7,12 @@ Cheap to import: torch is imported where it is used.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 
 from ..errors import ConfigError
+from .parsing import load_json_config
 
 # Environment variables in which launchers state the number of processes: torchrun and `accelerate launch`
 # set WORLD_SIZE, MPI launchers the others (the same list Accelerate reads).
@@ -123,10 +125,6 @@ def launcher_precision(deepspeed) -> tuple[str, str] | None:
 def _deepspeed_dict(value) -> dict:
     """A DeepSpeed config given as a dict, a JSON object string or a JSON file, as a dict ({} for none, or for one
     that cannot be read: TrainingArguments' validation names that problem)."""
-    import json
-
-    from .parsing import load_json_config
-
     if isinstance(value, str) and value.lstrip().startswith("{"):
         try:
             value = json.loads(value)
