@@ -18,6 +18,7 @@ import functools
 import os
 import re
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -166,8 +167,8 @@ class Waited(NamedTuple):
 
 
 class Stopwatch:
-    """The loop's wait for batches: Trainer._windows calls `start()` before each next() on the loader and `stop()`
-    after it. `take()` returns a logging window's wait, `total` the run's (the goodput ledger's data_wait).
+    """The loop's wait for batches: Trainer._windows takes its batches through `timed(loader)`, which times each
+    next() on the loader. `take()` returns a logging window's wait, `total` the run's (the goodput ledger's data_wait).
 
     On the host that is the seconds inside next(). On a GPU it is not the device's loss: the host runs a step
     ahead (the deferred check keeps the next step's work queued), so a fetch that overlaps queued work costs the
@@ -186,22 +187,31 @@ class Stopwatch:
         self.seconds = 0.0  # the host's seconds inside next() since the last take()
         self.taken = 0.0  # the seconds of the windows already taken (the device's, where it has events)
         self._device = 0.0  # the device's idle seconds read since the last take()
-        self._started, self._opened, self._pairs = 0.0, None, []
+        self._pairs = []  # (event before, event after) of the fetches not yet read
 
-    def start(self) -> None:
-        """A fetch begins: the host's clock, and an event after the work queued so far."""
-        self._started = self.clock()
-        if self.events is not None:
-            self._opened = self.events()
-            self._opened.record()
-
-    def stop(self) -> None:
-        """The fetch is done (the batch's copy queued): the host's seconds, and an event before the work to come."""
-        self.seconds += self.clock() - self._started
-        if self.events is not None:
-            closed = self.events()
-            closed.record()
-            self._pairs.append((self._opened, closed))
+    def timed(self, loader) -> Iterator:
+        """The loader's batches, each fetch timed: the host's clock around next(), and on a GPU an event before it
+        (after the work queued so far) and one after it (before the work to come). One function a step crosses,
+        inlined for that."""
+        batches = None
+        while True:
+            started = self.clock()
+            opened = self.events() if self.events is not None else None
+            if opened is not None:
+                opened.record()
+            try:
+                if batches is None:  # a loader may start its workers here
+                    batches = iter(loader)
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:  # the last fetch, which finds the loader done, waited too
+                self.seconds += self.clock() - started
+                if opened is not None:
+                    closed = self.events()
+                    closed.record()
+                    self._pairs.append((opened, closed))
+            yield batch
 
     def _read_device(self) -> None:
         """The idle gaps of the fetches whose events the device has passed, in order, never waiting for one."""

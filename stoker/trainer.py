@@ -970,10 +970,8 @@ class Trainer(TrainerAPI):
             if pos.batches:
                 loader = self.get_resumed_dataloader(loader, pos.batches)
             # the time spent waiting for batches (starting the loader's workers included) is summed for the log
-            window, clock = [], run.log.data_clock
-            clock.start()
-            for batch in loader:
-                clock.stop()
+            window = []
+            for batch in run.log.data_clock.timed(loader):
                 # a transformers collator's BatchEncoding is a Mapping, not a dict; what is no Mapping at all is
                 # refused by the first batch's check (_first_window)
                 window.append(dict(batch) if isinstance(batch, Mapping) else batch)
@@ -982,9 +980,7 @@ class Trainer(TrainerAPI):
                     window = []
                     if pos.micro_batch != size:
                         break
-                clock.start()
             else:
-                clock.stop()
                 if window:
                     yield window
                 return

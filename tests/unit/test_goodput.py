@@ -240,13 +240,16 @@ def _window_on_a_fake_gpu(step: float, fetch: float, pinned: bool):
 
     gpu = FakeGPU()
     clock = Stopwatch(events=gpu.event, clock=lambda: gpu.now)
-    for _ in range(4):
-        clock.start()
-        gpu.now += fetch  # loading and collating on the host
-        if not pinned:
-            gpu.wait()
-        gpu.queue(0.01)  # the copy
-        clock.stop()
+
+    def loader():
+        for _ in range(4):
+            gpu.now += fetch  # loading and collating on the host
+            if not pinned:
+                gpu.wait()
+            gpu.queue(0.01)  # the copy
+            yield {}
+
+    for _ in clock.timed(loader()):
         gpu.queue(step)  # the step's forwards, backwards and update: queued, not waited for
     gpu.wait()  # the log's own sync
     args = TrainingArguments(output_dir="x", report_to="none", dataloader_pin_memory=pinned)
@@ -278,8 +281,11 @@ def test_on_the_cpu_the_data_wait_is_the_hosts_and_logged_once():
 
     now = Clock()
     clock = Stopwatch(clock=now)
-    clock.start()
-    now.tick(3)
-    clock.stop()
+
+    def loader():
+        now.tick(3)
+        yield {}
+
+    assert [batch for batch in clock.timed(loader())] == [{}]
     logs, advice = data_wait_metrics(clock.take(), 10.0, TrainingArguments(output_dir="x", report_to="none"), False)
     assert logs == {"data_wait_fraction": 0.3} and "30.0%" in advice and clock.total == 3
