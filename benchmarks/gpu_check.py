@@ -471,9 +471,12 @@ def nonfinite_run(sizes: dict, steps: int, batch: int, seq_len: int, injected: i
     return {"params": parameters(model), "deferred": deferred, "skipped": skipped}
 
 
-def check_nan_skip(sizes: dict, steps: int, batch: int, seq_len: int) -> list[dict]:
+def check_nan_skip(sizes: dict, steps: int, batch: int, seq_len: int, rehearse: bool = False) -> list[dict]:
     """A NaN at step 3 with fused AdamW: skipped on the device by the deferred check, it leaves exactly the
-    parameters a synchronous skip leaves (full_determinism; bf16 on a GPU)."""
+    parameters a synchronous skip leaves (full_determinism; bf16 on a GPU). In a fresh process of its own, as
+    check_checkpoint, for full_determinism's process-wide settings."""
+    if os.environ.get(CHILD_VARIABLE) is None:
+        return child("nan_skip", rehearse)
     injected, t0 = 3, time.perf_counter()
     device = nonfinite_run(sizes, steps, batch, seq_len, injected, on_device=True)
     host = nonfinite_run(sizes, steps, batch, seq_len, injected, on_device=False)
@@ -633,7 +636,7 @@ def checks(rehearse: bool) -> dict:
         s = dict(sizes=TINY, steps=6, batch=2, seq_len=16)
         long = dict(sizes=TINY, steps=4, batch=4, seq_len=96)  # rows long enough for a 64-token prompt
         return {"bf16": lambda: check_precision("bf16", bf16=True, **s),
-                "nan_skip": lambda: check_nan_skip(**s),
+                "nan_skip": lambda: check_nan_skip(**s, rehearse=True),
                 "qlora": lambda: check_qlora(bf16=False, **s),
                 "checkpoint": lambda: check_checkpoint(**s, rehearse=True),
                 "chunked_loss": lambda: check_chunked_loss(**s),
