@@ -883,9 +883,8 @@ class TrainingArguments:
         gpu_defaults, bf16 autocast (10-15x the matmul rate of float32 there; unless fp16 is given, or deepspeed,
         whose config decides its precision) and TF32; elsewhere bf16 False and tf32 left alone. Where bf16 and fp16
         are not given, a precision that a DeepSpeed config or accelerate launch sets (launch.launcher_precision)
-        wins over the default, on any device, as transformers takes it. A bf16 or tf32
-        given, False included, is kept. Returns the notice the Trainer logs once, or None when nothing was
-        decided here."""
+        wins over the default, on any device, as transformers takes it. A bf16 or tf32 given, False included, is
+        kept. Returns the notice the Trainer logs once, or None when nothing was decided here."""
         import torch
 
         asked_bf16, asked_tf32 = self.bf16 is not None, self.tf32 is not None
