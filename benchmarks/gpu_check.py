@@ -7,6 +7,10 @@
 Checks, each a short stoker training run of a Llama built from a config (nothing is downloaded):
 
     bf16, fp16        mixed precision (fp16 with loss scaling) on a ~40M-parameter Llama
+    nan_skip          a NaN loss injected at step 3 with fused AdamW: skipped on the device by the deferred check,
+                      the parameters equal a synchronous skip's exactly (full_determinism)
+    syncs             torch.cuda.set_sync_debug_mode("error") over steps 2-20, with the model's loss, chunked_loss
+                      and label smoothing: a step that makes the host wait for the device fails, naming it
     tf32              float32 weights, TF32 matmuls
     compile           bf16 + torch.compile
     fsdp2             FSDP2 (fsdp='full_shard', version 2) in one process under torchrun, then save_model
@@ -435,6 +439,89 @@ def check_fp16_overflow(sizes: dict, steps: int, batch: int, seq_len: int) -> li
                      f"{records[injected - 1]['scale']:.0f}, schedule held, step {injected + 1} applied"}]
 
 
+def nonfinite_run(sizes: dict, steps: int, batch: int, seq_len: int, injected: int, on_device: bool) -> dict:
+    """A full_determinism run with fused AdamW whose step `injected` has a NaN loss (the logits made NaN), its
+    update skipped on the device (the deferred check) or by the host (`on_device` False: the synchronous check,
+    as with an optimizer that has no fused kernel); its parameters at the end."""
+    from stoker import Trainer, TrainerCallback, TrainingArguments
+    from stoker.distributed.backends import Backend
+
+    class Inject(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.step = 0
+            model.lm_head.register_forward_hook(lambda m, i, out: out * math.nan if self.step == injected else out)
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.step = state.global_step + 1
+
+    model = llama(sizes, seq_len)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
+                                 learning_rate=1e-3, report_to="none", disable_tqdm=True, logging_steps=steps,
+                                 save_strategy="no", optim="adamw_torch_fused", full_determinism=True,
+                                 bf16=torch.cuda.is_available())
+        trainer = Trainer(model, args, train_dataset=rows(batch * steps, seq_len, model.config.vocab_size),
+                          callbacks=[Inject()])
+        if not on_device:
+            trainer._backend.skips_on_device = lambda optimizer: False
+        trainer.train()
+        deferred = Backend.skips_on_device(trainer._backend, trainer.optimizer) if on_device else False
+        skipped = trainer.state.log_history[-2].get("nonfinite_steps_skipped")
+        del trainer
+    return {"params": parameters(model), "deferred": deferred, "skipped": skipped}
+
+
+def check_nan_skip(sizes: dict, steps: int, batch: int, seq_len: int, rehearse: bool = False) -> list[dict]:
+    """A NaN at step 3 with fused AdamW: skipped on the device by the deferred check, it leaves exactly the
+    parameters a synchronous skip leaves (full_determinism; bf16 on a GPU). In a fresh process of its own, as
+    check_checkpoint, for full_determinism's process-wide settings."""
+    if os.environ.get(CHILD_VARIABLE) is None:
+        return child("nan_skip", rehearse)
+    injected, t0 = 3, time.perf_counter()
+    device = nonfinite_run(sizes, steps, batch, seq_len, injected, on_device=True)
+    host = nonfinite_run(sizes, steps, batch, seq_len, injected, on_device=False)
+    seconds = time.perf_counter() - t0
+    if not device["deferred"]:
+        raise RuntimeError("fused AdamW did not take the deferred check")
+    if device["skipped"] != 1 or host["skipped"] != 1:
+        raise RuntimeError(f"steps skipped: {device['skipped']} deferred, {host['skipped']} synchronous; expected 1")
+    diff = max_diff(device["params"], host["params"])
+    if diff != 0:
+        raise RuntimeError(f"deferred skip against synchronous skip: max |diff| {diff:.1e}, expected 0")
+    return [{"name": "nan_skip", "tokens_per_s": 2 * steps * batch * seq_len / seconds, "peak_gb": peak_gb(),
+             "note": f"NaN at step {injected} skipped on the device = synchronous skip exactly (max |diff| 0)"}]
+
+
+def check_syncs(sizes: dict, steps: int, batch: int, seq_len: int) -> list[dict]:
+    """torch.cuda.set_sync_debug_mode("error") from the second step to the last of `steps` (no log, evaluation
+    or save among them), with each loss stoker computes: the model's own, chunked_loss and label smoothing. A
+    step that made the host wait for the device raises there, naming the operation."""
+    from stoker import TrainerCallback
+
+    class Strict(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 1:  # after the first step: its one-off reads (the first batch's check) done
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == steps:  # before the end's settle and log, which wait on purpose
+                torch.cuda.set_sync_debug_mode("default")
+
+    notes, t0 = [], time.perf_counter()
+    for loss, kw in (("model loss", {}), ("chunked_loss", {"chunked_loss": True}),
+                     ("label smoothing", {"label_smoothing_factor": 0.1})):
+        with tempfile.TemporaryDirectory() as out:
+            try:
+                train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=1, bf16=True, logging_steps=1000,
+                      callbacks=[Strict()], **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        notes.append(loss)
+    seconds = time.perf_counter() - t0
+    return [{"name": "syncs", "tokens_per_s": 3 * steps * batch * seq_len / seconds, "peak_gb": peak_gb(),
+             "note": f"no host sync in steps 2-{steps} with each loss ({', '.join(notes)})"}]
+
+
 def peak_gb() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
@@ -549,6 +636,7 @@ def checks(rehearse: bool) -> dict:
         s = dict(sizes=TINY, steps=6, batch=2, seq_len=16)
         long = dict(sizes=TINY, steps=4, batch=4, seq_len=96)  # rows long enough for a 64-token prompt
         return {"bf16": lambda: check_precision("bf16", bf16=True, **s),
+                "nan_skip": lambda: check_nan_skip(**s, rehearse=True),
                 "qlora": lambda: check_qlora(bf16=False, **s),
                 "checkpoint": lambda: check_checkpoint(**s, rehearse=True),
                 "chunked_loss": lambda: check_chunked_loss(**s),
@@ -559,6 +647,8 @@ def checks(rehearse: bool) -> dict:
     short = dict(s, steps=10)
     return {
         "bf16": lambda: check_precision("bf16", bf16=True, **s),
+        "nan_skip": lambda: check_nan_skip(**short),
+        "syncs": lambda: check_syncs(**dict(s, steps=20)),
         "fp16": lambda: check_precision("fp16", fp16=True, **s),
         "tf32": lambda: check_precision("tf32", tf32=True, **s),
         "compile": lambda: check_precision("compile", bf16=True, torch_compile=True, **s),
@@ -585,14 +675,22 @@ def print_row(name: str, status: str, row: dict | None = None, note: str = "") -
     return line
 
 
-def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
+def run_checks(table: dict, names: list[str], budget: Budget, table_file: str | None = None) -> list[str]:
     """Run the named checks within the budget; returns the failed ones. A check not started for lack of time
     is SKIPPED, one interrupted by it is TIMEOUT (a failure); a row a check returns with "not_run" (what this
     machine cannot show, and why) is "not run", not a failure; the summary table is printed at the end, and on
-    SIGTERM (gpu_check.sh's hard limit) before exiting."""
-    failed, not_run, lines = [], [], []
+    SIGTERM (gpu_check.sh's hard limit) before exiting; its rows are appended to `table_file` too (gpu_all.sh's
+    one table, append_rows)."""
+    failed, not_run, lines, rows = [], [], [], []
+
+    def line(name: str, status: str, row: dict | None = None, note: str = "") -> str:
+        rows.append({**(row or {}), "name": f"check {row['name'] if row else name}", "status": status,
+                     "note": (row or {}).get("note", "") + note})
+        return print_row(name, status, row, note)
 
     def summary(signum=None, frame=None):
+        if table_file:
+            append_rows(table_file, rows)
         print("\n" + "\n".join([f"{'check':<18} {'status':<8} {'tokens/s':>12} {'peak GiB':>9}  note", *lines]))
         print(f"gpu_check: {len(failed)} failed ({', '.join(failed) or 'none'}), {len(not_run)} not run on this "
               f"machine ({', '.join(not_run) or 'none'}) in {budget.clock() - budget.started:.0f}s", flush=True)
@@ -604,22 +702,22 @@ def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
     try:
         for name in names:
             if not budget.may_start():
-                lines.append(print_row(name, "SKIPPED", note=f"out of time budget ({budget.left():.0f}s left)"))
+                lines.append(line(name, "SKIPPED", note=f"out of time budget ({budget.left():.0f}s left)"))
                 continue
             t0 = budget.clock()
             try:
                 for row in run_within(budget, table[name]):
                     if "not_run" in row:  # what this machine cannot show: said, and not a failure
                         not_run.append(row["name"])
-                        lines.append(print_row(row["name"], "not run", note=row["not_run"]))
+                        lines.append(line(row["name"], "not run", note=row["not_run"]))
                     else:
-                        lines.append(print_row(name, "ok", row, f" ({budget.clock() - t0:.0f}s)"))
+                        lines.append(line(name, "ok", row, f" ({budget.clock() - t0:.0f}s)"))
             except OutOfTime as e:
                 failed.append(name)
-                lines.append(print_row(name, "TIMEOUT", note=str(e)))
+                lines.append(line(name, "TIMEOUT", note=str(e)))
             except Exception as e:  # one failed check must not hide the others
                 failed.append(name)
-                lines.append(print_row(name, "FAILED", note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                lines.append(line(name, "FAILED", note=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
                 traceback.print_exc(file=sys.stderr)
             finally:
                 row = None  # no row (nor anything it refers to) outlives its check
@@ -630,6 +728,27 @@ def run_checks(table: dict, names: list[str], budget: Budget) -> list[str]:
     return failed
 
 
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Rows of a table, as JSON lines appended to `path`: {"name", "status", and where measured "tokens_per_s",
+    "mfu", "peak_gb", "note"}, what `one_table` prints (gpu_all.sh gathers both scripts' rows there)."""
+    keys = ("name", "status", "tokens_per_s", "mfu", "peak_gb", "note")
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps({k: row[k] for k in keys if isinstance(row.get(k), (str, int, float))}) + "\n")
+
+
+def one_table(path: str) -> str:
+    """The rows append_rows wrote to `path`, as one table, in the order they were written."""
+    rows = []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    number = lambda row, key, form: format(row[key], form) if isinstance(row.get(key), (int, float)) else ""
+    out = [f"{'what':<28} {'status':<8} {'tokens/s':>12} {'MFU':>6} {'peak GiB':>9}  note"]
+    out += [f"{r['name']:<28} {r['status']:<8} {number(r, 'tokens_per_s', ',.0f'):>12} {number(r, 'mfu', '.1%'):>6} "
+            f"{number(r, 'peak_gb', '.2f'):>9}  {r.get('note', '')}" for r in rows]
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only these checks")
@@ -637,8 +756,13 @@ def main() -> int:
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes, CPU-capable checks only")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for every check (default "
                         f"{BUDGET_S}); gpu_all.sh gives gpu_speed.py the rest of its 10 minutes")
+    parser.add_argument("--table", help="also append the table's rows to this file as JSON lines (gpu_all.sh)")
+    parser.add_argument("--one_table", help="print the rows of this file (gpu_all.sh's two scripts) as one table")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a check run inside torchrun or a fresh process
     a = parser.parse_args()
+    if a.one_table:
+        print(one_table(a.one_table))
+        return 0
     global BUDGET
     if a.budget != BUDGET.total:
         BUDGET = Budget(total=a.budget)
@@ -663,7 +787,7 @@ def main() -> int:
     if unknown:
         print(f"gpu_check: --only {' '.join(unknown)}: no such check; checks: {', '.join(table)}")
         return 2
-    failed = run_checks(table, a.only or list(table), BUDGET)
+    failed = run_checks(table, a.only or list(table), BUDGET, a.table)
     return 1 if failed else 0
 
 

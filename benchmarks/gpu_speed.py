@@ -1,7 +1,7 @@
 """Speed on one GPU, side by side: the same jobs through a hand-written loop, transformers.Trainer, stoker with a
 script's settings and stoker with its fast settings; tokens/s, MFU and peak memory, each way in a fresh process.
 
-    python benchmarks/gpu_speed.py                 # every job and way, within --budget seconds (default 270)
+    python benchmarks/gpu_speed.py                 # every job and way, within --budget seconds (default 300)
     python benchmarks/gpu_speed.py --jobs full lora --ways transformers stoker
     python benchmarks/gpu_speed.py --rehearse      # tiny sizes on a CPU, a few steps each (the test suite)
 
@@ -24,14 +24,20 @@ Ways:
                    TrainingArguments has the field (so that settings added later are picked up by name), and
                    packing=True for the packed job
 
-Each (job, way) runs in a fresh Python process (imports, model, warm-up and compilation inside it), after a
-warm-up of WARMUP_STEPS optimizer steps, which are not timed; the steps after them are, each ending in a device
-synchronisation. Tokens/s counts real tokens (padding excluded): the job's mean real tokens per step times the
-steps timed, over their time. MFU is stoker.diagnostics' (6N per trained token, 4N per frozen one, plus
-attention over each sequence's own length) against the card's bf16 peak. The whole script keeps within a budget
-(gpu_check's Budget: a way starts only while its MIN_START_S is left, and a child gets the time left as its
-timeout); gpu_all.sh runs it beside gpu_check.sh in one 10-minute command. A measurement, not a test: it prints
-a table and exits 0 unless a way failed.
+Each way runs in a fresh Python process (imports, CUDA context and compilation inside it) that runs the jobs in
+JOBS' order, the most important first, each on a model built anew on the device, the memory of the one before
+freed and the peak statistics reset. Each job trains WARMUP_STEPS optimizer steps that are not timed, then the
+timed ones: the device is synchronised once when the warm-up ends and once after the last step, the same for every
+way, so that what a way overlaps between the host and the device (the deferred check, non-blocking copies) shows in
+its time; a synchronisation after every step would hide it. Tokens/s counts real tokens (padding excluded): the
+job's mean real tokens per step times the steps timed, over their time. MFU is stoker.diagnostics' (6N per trained
+token, 4N per frozen one, plus attention over each sequence's own length) against the card's bf16 peak.
+
+The whole script keeps within a budget (gpu_check's Budget): each way's process gets an equal share of the time
+left (a way that finishes early leaves its rest to the ways after it) and prints each job's result as it is done,
+so that a way cut off by its share keeps the jobs it finished, and the rows it did not reach say so. gpu_all.sh
+runs it after gpu_check.py in one 10-minute command and prints one table of both. A measurement, not a test: it
+prints a table and exits 0 unless a way failed.
 """
 
 from __future__ import annotations
@@ -162,7 +168,8 @@ def build_model(job: str, s: Sizes, device: torch.device):
     torch.manual_seed(0)
     config = LlamaConfig(**s.model, max_position_embeddings=s.seq_len)
     config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
+    with torch.device(device):  # initialised on the device: seconds less per job on a GPU than on its host
+        model = LlamaForCausalLM(config)
     peft_config = None
     if job == "lora":
         from peft import LoraConfig
@@ -174,19 +181,26 @@ def build_model(job: str, s: Sizes, device: torch.device):
 
 
 class StepTimes:
-    """When each optimizer step ended (after a device synchronisation)."""
+    """The time of the timed steps: `mark()` is called as each optimizer step is queued; the device is synchronised
+    only where the warm-up ends and after the last of `steps`, the clock read there, so that the host and the device
+    overlap between them as they do in training."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.ends = device, []
+    def __init__(self, device: torch.device, steps: int):
+        self.device, self.steps, self.done, self.ends = device, steps, 0, []
 
     def mark(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.ends.append(time.perf_counter())
+        self.done += 1
+        if self.done in (WARMUP_STEPS, self.steps):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+    @property
+    def steps_timed(self) -> int:
+        return self.done - WARMUP_STEPS
 
     def seconds_per_step(self) -> float:
-        timed = self.ends[WARMUP_STEPS - 1:]  # from the end of the last warm-up step
-        return (timed[-1] - timed[0]) / (len(timed) - 1)
+        return (self.ends[-1] - self.ends[0]) / self.steps_timed
 
 
 def run_hand(job: str, s: Sizes, device: torch.device, times: StepTimes):
@@ -273,13 +287,18 @@ def run_stoker(job: str, s: Sizes, device: torch.device, times: StepTimes, out: 
 
 def child(job: str, way: str, rehearse: bool, steps: int | None) -> dict:
     """One way of one job in this process: its tokens/s, MFU, peak memory and last loss."""
+    import gc
     import tempfile
 
     from stoker import diagnostics
 
     s = Sizes(rehearse, steps)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    times = StepTimes(device)
+    times = StepTimes(device, s.steps)
+    gc.collect()  # the job before it in this process: its model, optimizer and Trainer gone, its peak forgotten
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     # TF32 as each way leaves it: stoker turns it on for what bf16 autocast leaves in float32 (gpu_defaults), the
     # others keep torch's setting; the matmuls that count run in bf16 in every way
     with tempfile.TemporaryDirectory() as out:
@@ -298,26 +317,33 @@ def child(job: str, way: str, rehearse: bool, steps: int | None) -> dict:
         mfu = diagnostics.mfu(tokens_per_s, per_token, peak, 1)
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     return {"job": job, "way": way, "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_gb": peak_gb, "loss": loss,
-            "steps_timed": len(times.ends) - WARMUP_STEPS}
+            "steps_timed": times.steps_timed}
 
 
 # ---------------------------------------------------------------------------------------------------
 # the parent: every (job, way) in a fresh process, within the budget
 
 
-def measure(jobs: list[str], way: str, rehearse: bool, steps: int | None, budget) -> list[dict]:
-    """The results of `way` on `jobs`, in one fresh process (one job per process but in the rehearsal, where
-    the imports of 16 processes would cost minutes on a CPU)."""
+def measure(jobs: list[str], way: str, rehearse: bool, steps: int | None, timeout: float) -> tuple[list[dict], str]:
+    """The results of `way` on `jobs` in order, in one fresh process within `timeout` seconds, and why it stopped
+    short of the last job ("" if it did not): the jobs it finished before its time ran out are kept."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", ",".join(jobs), way] \
         + (["--rehearse"] if rehearse else []) + (["--steps", str(steps)] if steps else [])
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget.child_timeout())
-    except subprocess.TimeoutExpired as e:
-        raise gpu_check.OutOfTime(f"ran out of the time left ({e.timeout:.0f}s)") from None
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the child failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return [json.loads(line[len("RESULT "):]) for line in lines]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr, returncode, stopped = done.stdout, done.stderr, done.returncode, ""
+    except subprocess.TimeoutExpired as e:  # what it printed before: the jobs it finished
+        stdout, stderr, returncode = (_text(e.stdout), _text(e.stderr), None)
+        stopped = f"out of this way's share of the budget ({e.timeout:.0f}s)"
+    results = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if returncode not in (0, None) or (returncode == 0 and len(results) < len(jobs)):
+        raise RuntimeError(f"the child failed ({returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    return results, stopped
+
+
+def _text(output) -> str:
+    """A timed-out child's output so far (bytes, whatever `text` asked for, or None)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def row_text(job: str, way: str, status: str, r: dict | None, base: dict) -> str:
@@ -330,13 +356,27 @@ def row_text(job: str, way: str, status: str, r: dict | None, base: dict) -> str
             f"{ratios}")
 
 
+def table_rows(results: dict, skipped: dict, failed: list[str]) -> list[dict]:
+    """The rows of gpu_all.sh's one table (gpu_check.append_rows): each (job, way) measured, skipped or failed."""
+    rows = []
+    for job, done in results.items():
+        for way, r in done.items():
+            ratios = " ".join(f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x {name}" for name, b in done.items()
+                              if name != way and b.get("tokens_per_s"))
+            rows.append({"name": f"speed {job}/{way}", "status": "ok", "tokens_per_s": r["tokens_per_s"],
+                         "mfu": r["mfu"], "peak_gb": r["peak_gb"], "note": f"loss {r['loss']:.4f}; {ratios}"})
+    rows += [{"name": f"speed {job}/{way}", "status": "SKIPPED", "note": why} for (job, way), why in skipped.items()]
+    return rows + [{"name": f"speed {name}", "status": "FAILED", "note": "see above"} for name in failed]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", nargs="*", choices=JOBS, default=list(JOBS))
     parser.add_argument("--ways", nargs="*", choices=WAYS, default=list(WAYS))
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes on a CPU, a few steps")
     parser.add_argument("--steps", type=int, help=f"optimizer steps per way, {WARMUP_STEPS} warm-up ones included")
-    parser.add_argument("--budget", type=float, default=270.0, help="seconds for the whole script")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
+    parser.add_argument("--table", help="also append the table's rows to this file as JSON lines (gpu_all.sh)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.steps is not None and a.steps < WARMUP_STEPS + 2:
@@ -358,27 +398,30 @@ def main() -> int:
              if torch.cuda.is_available() else f"CPU rehearsal, torch {torch.__version__}")
     applied, missing = fast_settings(a.rehearse)
     print(f"gpu_speed: {where}; stoker_fast adds {applied}" + (f" (not in stoker: {missing})" if missing else ""))
-    failed, results = [], {job: {} for job in a.jobs}
-    # the rehearsal runs every job of a way in one process; a GPU run each (job, way) in its own, job by job
-    groups = [(a.jobs, way) for way in a.ways] if a.rehearse else [([job], way) for job in a.jobs for way in a.ways]
-    for jobs, way in groups:
+    failed, skipped, results = [], {}, {job: {} for job in a.jobs}
+    for i, way in enumerate(a.ways):  # each way in its own process, the jobs in order, an equal share of what is left
         if not budget.may_start():
-            for job in jobs:
-                print(row_text(job, way, f"SKIPPED (out of time budget, {budget.left():.0f}s left)", None, {}),
-                      flush=True)
+            skipped.update({(job, way): f"out of time budget, {budget.left():.0f}s left" for job in a.jobs})
             continue
         try:
-            for r in measure(jobs, way, a.rehearse, a.steps, budget):
-                results[r["job"]][way] = r
+            done, stopped = measure(a.jobs, way, a.rehearse, a.steps, budget.left() / (len(a.ways) - i))
         except Exception as e:  # one failed way must not hide the others
-            failed += [f"{job}/{way}" for job in jobs]
-            print(row_text(",".join(jobs), way, f"FAILED {type(e).__name__}: {str(e).strip()[-600:]}", None, {}),
+            failed += [f"{job}/{way}" for job in a.jobs]
+            print(row_text(",".join(a.jobs), way, f"FAILED {type(e).__name__}: {str(e).strip()[-600:]}", None, {}),
                   flush=True)
+            continue
+        for r in done:
+            results[r["job"]][way] = r
+        skipped.update({(job, way): stopped for job in a.jobs if way not in results[job]})
+    for (job, way), why in skipped.items():
+        print(row_text(job, way, f"SKIPPED ({why})", None, {}), flush=True)
     print(f"\n{'job':<8} {'way':<13} {'tokens/s':>11} {'MFU':>7} {'peak GiB':>9} {'loss':>8}  speed against the "
           "others")
     for job, done in results.items():
         for way, r in done.items():
             print(row_text(job, way, "ok", r, done))
+    if a.table:
+        gpu_check.append_rows(a.table, table_rows(results, skipped, failed))
     print(f"gpu_speed: {len(failed)} failed ({', '.join(failed) or 'none'}) in "
           f"{budget.clock() - budget.started:.0f}s", flush=True)
     return 1 if failed else 0

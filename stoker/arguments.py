@@ -23,7 +23,7 @@ from typing import Any
 
 from .compilation import COMPILE_SCOPES
 from .distributed.accelerator import argument_problems
-from .distributed.launch import launcher_world_size, wants_cpu
+from .distributed.launch import LAUNCHER_PRECISIONS, launcher_precision, launcher_world_size, wants_cpu
 from .errors import ConfigError, suggest
 from .float8 import float8_problems
 from .optim import OPTIMIZERS
@@ -247,8 +247,8 @@ class TrainingArguments:
     # --- precision ------------------------------------------------------------------------------
     bf16: bool | None = field(default=None, metadata=_help(
         "bfloat16 mixed precision (autocast). Not given (None): True on a CUDA GPU with bf16 (compute capability "
-        "8.0 or more) unless fp16, deepspeed or gpu_defaults=False say otherwise, else False; False given keeps "
-        "float32.") | BARE_FLAG)
+        "8.0 or more) unless fp16, gpu_defaults=False, a DeepSpeed config (an enabled bf16 / fp16 section decides) or "
+        "accelerate launch's mixed_precision say otherwise, else False; False given keeps float32.") | BARE_FLAG)
     fp16: bool = field(default=False, metadata=_help(
         "float16 mixed precision with loss scaling (needs a GPU)."))
     tf32: bool | None = field(default=None, metadata=_help(
@@ -882,9 +882,10 @@ class TrainingArguments:
     def _apply_gpu_defaults(self) -> str | None:
         """bf16 and tf32 where they were not given (None): on a CUDA GPU of compute capability 8.0 or more, with
         gpu_defaults, bf16 autocast (10-15x the matmul rate of float32 there; unless fp16 is given, or deepspeed,
-        whose config decides its precision) and TF32; elsewhere bf16 False and tf32 left alone. A bf16 or tf32
-        given, False included, is kept. Returns the notice the Trainer logs once, or None when nothing was
-        decided here."""
+        whose config decides its precision) and TF32; elsewhere bf16 False and tf32 left alone. Where bf16 and fp16
+        are not given, a precision that a DeepSpeed config or accelerate launch sets (launch.launcher_precision)
+        wins over the default, on any device, as transformers takes it. A bf16 or tf32 given, False included, is
+        kept. Returns the notice the Trainer logs once, or None when nothing was decided here."""
         import torch
 
         asked_bf16, asked_tf32 = self.bf16 is not None, self.tf32 is not None
@@ -892,13 +893,23 @@ class TrainingArguments:
         ampere = (self.gpu_defaults and not self.use_cpu and torch.cuda.is_available()
                   and torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", "0"))
                                                        % torch.cuda.device_count())[0] >= 8)
-        if not asked_bf16:
+        # what a DeepSpeed config or accelerate launch sets wins where the script set nothing: bf16 over a
+        # DeepSpeed config's fp16 makes Accelerate raise, and Accelerator(mixed_precision=...) replaces the
+        # launcher's; one it cannot run is refused by validation (distributed.accelerator.argument_problems)
+        launcher = None if asked_bf16 or self.fp16 else launcher_precision(self.deepspeed)
+        if launcher is not None and launcher[0] in LAUNCHER_PRECISIONS:
+            self.bf16, self.fp16 = launcher[0] == "bf16", launcher[0] == "fp16"
+        elif not asked_bf16:
             # True only where the GPU has bf16 in hardware (compute capability 8.0: A100, RTX 30xx and newer);
             # is_bf16_supported(including_emulation=False) says the same, from the same capability
             self.bf16 = bool(ampere and not self.fp16 and self.deepspeed in (None, "", {})
                              and torch.cuda.is_bf16_supported(including_emulation=False))
         if not asked_tf32 and ampere:
             self.tf32 = True
+        if launcher is not None and launcher[0] in LAUNCHER_PRECISIONS:
+            return (f"precision: {LAUNCHER_PRECISIONS[launcher[0]]}, as {launcher[1]} sets it and bf16 / fp16 were not "
+                    f"given (it wins over stoker's GPU default)"
+                    + (", with TF32 matmuls on this GPU as tf32 was not given" if not asked_tf32 and self.tf32 else ""))
         decided = [what for what, on in (("bf16 autocast", not asked_bf16 and self.bf16),
                                          ("TF32 matmuls", not asked_tf32 and self.tf32)) if on]
         if not decided:

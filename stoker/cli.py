@@ -237,7 +237,8 @@ def setup_from_arguments(model_args, data_args, args, world_size: int) -> Setup:
         lora_dropout=getattr(model_args, "lora_dropout", 0.0),
         quantization=4 if getattr(model_args, "load_in_4bit", False) else 8 if getattr(
             model_args, "load_in_8bit", False) else None,
-        fsdp=args.fsdp if args.fsdp not in (None, "", False) else None, async_save=args.async_save)
+        fsdp=args.fsdp if args.fsdp not in (None, "", False) else None, async_save=args.async_save,
+        spike_rollback=args.spike_rollback)
 
 
 def load_model_config(name_or_path: str):

@@ -1,9 +1,11 @@
 """Where the time goes: data waiting, model FLOPs utilisation (MFU) and peak memory, for the training logs.
 
 Every logging window reports `data_wait_fraction`, the share of its step time spent waiting for the next
-batch (the dataloader's `next()`: loading, collating, worker start-up, the host-to-device copy). Above
-DATA_WAIT_WARNING it warns once with advice. On a GPU the window also reports `mfu` (model FLOPs per
-second over the device's peak; needs the peak, from PEAK_TFLOPS or `peak_tflops`) and
+batch (the dataloader's `next()`: loading, collating, worker start-up, the host-to-device copy): on the CPU the
+host's time inside next(), on a GPU the device's idle gap across each fetch, measured with CUDA events (the host
+runs ahead of the device, so its own wait is no loss of the device's; it is logged beside it as
+`host_data_wait_fraction`). Above DATA_WAIT_WARNING it warns once with advice. On a GPU the window also reports
+`mfu` (model FLOPs per second over the device's peak; needs the peak, from PEAK_TFLOPS or `peak_tflops`) and
 `peak_memory_allocated_gb` (torch's peak of allocated memory so far in the run).
 
 MFU counts model FLOPs only, as PaLM (Chowdhery et al. 2022, appendix B) defines it: recomputation by
@@ -12,8 +14,12 @@ gradient checkpointing and padding tokens are not useful work, so they lower MFU
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -152,24 +158,102 @@ def mfu(tokens_per_second: float, flops_per_token_: float, peak_tflops_per_devic
     return tokens_per_second * flops_per_token_ / (peak_tflops_per_device * 1e12 * devices)
 
 
+class Waited(NamedTuple):
+    """A logging window's wait for batches, in seconds: the device's idle gap for data where it is measured (a GPU),
+    else None, and the host's time inside next()."""
+
+    device: float | None
+    host: float
+
+
 class Stopwatch:
-    """The seconds the loop spent waiting for batches (`seconds`, added by Trainer._windows around each next());
-    `total` is the run's (the goodput ledger's data_wait)."""
+    """The loop's wait for batches: Trainer._windows takes its batches through `timed(loader)`, which times each
+    next() on the loader. `take()` returns a logging window's wait, `total` the run's (the goodput ledger's data_wait).
 
-    def __init__(self):
-        self.seconds = 0.0
-        self.taken = 0.0  # the seconds of the windows already taken
+    On the host that is the seconds inside next(). On a GPU it is not the device's loss: the host runs a step
+    ahead (the deferred check keeps the next step's work queued), so a fetch that overlaps queued work costs the
+    device nothing, and a copy from memory that is not pinned (dataloader_pin_memory=False) waits inside next() for
+    the queue to drain, a whole step the host's clock would book as waiting for data. So on a GPU (`events`: a
+    factory of CUDA events that time) each fetch is bracketed by two events, recorded without waiting for anything:
+    the device's time from the first to the second is its idle gap for data, from the end of the work queued before
+    the fetch to the first work queued after it (the copy included), zero where the fetch overlapped queued work.
+    They are read without waiting (`query`), at log time, after the log's own sync has completed them; a pair not
+    yet complete is read at the next log. The cost: two event records per micro-batch, one query a pair."""
 
-    def take(self) -> float:
-        """Seconds since the last take(), and start again from zero."""
-        seconds, self.seconds = self.seconds, 0.0
-        self.taken += seconds
-        return seconds
+    def __init__(self, device: torch.device | None = None, events=None, clock=time.perf_counter):
+        if events is None and device is not None and device.type == "cuda":
+            events = functools.partial(torch.cuda.Event, enable_timing=True)
+        self.events, self.clock = events, clock
+        self.seconds = 0.0  # the host's seconds inside next() since the last take()
+        self.taken = 0.0  # the seconds of the windows already taken (the device's, where it has events)
+        self._device = 0.0  # the device's idle seconds read since the last take()
+        self._pairs = []  # (event before, event after) of the fetches not yet read
+
+    def timed(self, loader) -> Iterator:
+        """The loader's batches, each fetch timed: the host's clock around next(), and on a GPU an event before it
+        (after the work queued so far) and one after it (before the work to come). One function a step crosses,
+        inlined for that."""
+        batches = None
+        while True:
+            started = self.clock()
+            opened = self.events() if self.events is not None else None
+            if opened is not None:
+                opened.record()
+            try:
+                if batches is None:  # a loader may start its workers here
+                    batches = iter(loader)
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:  # the last fetch, which finds the loader done, waited too
+                self.seconds += self.clock() - started
+                if opened is not None:
+                    closed = self.events()
+                    closed.record()
+                    self._pairs.append((opened, closed))
+            yield batch
+
+    def _read_device(self) -> None:
+        """The idle gaps of the fetches whose events the device has passed, in order, never waiting for one."""
+        done = 0
+        for opened, closed in self._pairs:
+            if not closed.query():
+                break
+            self._device += opened.elapsed_time(closed) / 1000  # milliseconds
+            done += 1
+        del self._pairs[:done]
+
+    def take(self) -> Waited:
+        """The wait since the last take(), and start again from zero."""
+        host, self.seconds = self.seconds, 0.0
+        device = None
+        if self.events is not None:
+            self._read_device()
+            device, self._device = self._device, 0.0
+        self.taken += host if device is None else device
+        return Waited(device, host)
 
     @property
     def total(self) -> float:
-        """Every second waited since the stopwatch was made."""
-        return self.taken + self.seconds
+        """Every second waited since the stopwatch was made: the device's idle gaps read so far where it has events,
+        else the host's."""
+        if self.events is None:
+            return self.taken + self.seconds
+        self._read_device()
+        return self.taken + self._device
+
+
+def data_wait_metrics(waited: Waited, elapsed: float, args, on_gpu: bool) -> tuple[dict[str, float], str | None]:
+    """A logging window's data-wait figures for the log and the advice to warn with, if it is due.
+    `data_wait_fraction` is the share of the window's time the device waited for data: on a GPU its idle gap
+    (Stopwatch's events), with the host's own share beside it as `host_data_wait_fraction`; on the CPU the two are
+    one. The advice judges the device's share only, so that a host waiting inside next() while the GPU works (a
+    deferred step, a copy from memory that is not pinned draining the queue) does not call for data work."""
+    share = min((waited.host if waited.device is None else waited.device) / elapsed, 1.0)
+    out = {"data_wait_fraction": round(share, 4)}
+    if waited.device is not None:
+        out["host_data_wait_fraction"] = round(min(waited.host / elapsed, 1.0), 4)
+    return out, data_wait_advice(share, args, on_gpu) if share > DATA_WAIT_WARNING else None
 
 
 def data_wait_advice(fraction: float, args, on_gpu: bool) -> str:

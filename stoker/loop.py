@@ -127,7 +127,7 @@ class RunningLog:
         self.samples_seen, self.samples_at_log, self.tokens_seen = 0, 0, 0
         self.nonfinite_run, self.nonfinite_total = 0, 0
         self.nonfinite_at_log = 0  # nonfinite_total when the last log was made: the window's skipped steps
-        self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(), False, None
+        self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(device), False, None
         # sum of length^2 over the sequences since the last log (diagnostics.attention_pairs): MFU's attention
         # term; a diagnostic, so not saved with a checkpoint
         self.attention_pairs = torch.zeros((), dtype=torch.long, device=device)
@@ -221,11 +221,10 @@ class RunningLog:
         """Where a logging window's time went (stoker.diagnostics): the fraction spent waiting for data (warned
         about once above DATA_WAIT_WARNING) and, on a GPU, MFU and the peak of allocated memory so far."""
         on_gpu = accelerator.device.type == "cuda"
-        wait = min(self.data_clock.take() / elapsed, 1.0)
-        out = {"data_wait_fraction": round(wait, 4)}
-        if wait > diagnostics.DATA_WAIT_WARNING and not self.warned_data_wait:
+        out, advice = diagnostics.data_wait_metrics(self.data_clock.take(), elapsed, args, on_gpu)
+        if advice is not None and not self.warned_data_wait:
             self.warned_data_wait = True
-            logger.warning(diagnostics.data_wait_advice(wait, args, on_gpu))
+            logger.warning(advice)
         pairs, self.attention_pairs = self.attention_pairs, torch.zeros_like(self.attention_pairs)
         if not on_gpu:
             return out
@@ -346,14 +345,14 @@ class StepCheck:
     process) and whether the run is being preempted: computed on the device, with one all-reduce of its flags on
     several processes, and read on the host from a copy of them.
 
-    Deferred (`deferred`, decided once per run: an optimizer that skips an update on the device, as torch's fused
-    AdamW / Adam / SGD / Adagrad do for the GradScaler's `found_inf`, on the plain backend without fp16 loss
-    scaling), step k's update is queued with the flag that skips it on the device, and the host reads step k's
-    verdict (`take`) only after step k+1's forwards and backwards are queued: the wait is for the flags' copy,
-    which the GPU made before step k's update, so the GPU always has a step's work queued. The schedule and the log
-    are then told of step k one step late, before step k+1's update (whose learning rate is so the right one).
-    Otherwise the host reads the verdict right after the window (`take` at once: one host sync per step), and the
-    update is applied only if it is finite.
+    Deferred (`deferred`, decided once per run: an optimizer whose skip of an update on the device is exact, as
+    torch's fused AdamW / Adam skip it for the GradScaler's `found_inf` (Backend.skips_on_device), on the plain
+    backend without fp16 loss scaling), step k's update is queued with the flag that skips it on the device, and
+    the host reads step k's verdict (`take`) only after step k+1's forwards and backwards are queued: the wait is
+    for the flags' copy, which the GPU made before step k's update, so the GPU always has a step's work queued.
+    The schedule and the log are then told of step k one step late, before step k+1's update (whose learning rate
+    is so the right one). Otherwise the host reads the verdict right after the window (`take` at once: one host
+    sync per step), and the update is applied only if it is finite.
 
     With `reads_loss` (spike_rollback), the window's loss over every process rides the same all-reduce and copy, to
     be compared with the running median of the windows before.

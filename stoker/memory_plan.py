@@ -29,6 +29,11 @@ MLP kind, attention implementation, dropout, rotary or learned positions, tied h
                    being computed); CPU offload, with one process too, moves parameters, gradients and
                    optimizer state to the host
     CUDA context   about 0.5 GiB per process on a GPU that no tensor accounts for
+    host           in host memory, not on the device: async_save's checkpoint in flight, and spike_rollback's
+                   snapshot (pinned copies of the trainable parameters and the optimizer state, 12 bytes per
+                   parameter with float32 AdamW) on every process, so N times that on a node of N processes
+                   under DDP; the Trainer refuses a run whose node cannot hold it and warns where it takes more
+                   than half of what is available (`rollback_line`)
     headroom       on a GPU only: the caching allocator's fragmentation (ALLOCATOR_HEADROOM of the tensors' peak,
                    reserved but not allocated) and, with several processes, NCCL's buffers (NCCL_BUFFERS per
                    process group); a CPU estimate has neither (benchmarks/plan_accuracy.py measures it as is)
@@ -192,6 +197,7 @@ class Setup:
     quantization: int | None = None     # 4 or 8 (QLoRA), None
     fsdp: str | None = None             # None, 'full_shard', 'shard_grad_op' (+ ' offload')
     async_save: bool = False            # a checkpoint in flight holds a copy of the saved state in host memory
+    spike_rollback: bool = False        # a pinned host snapshot of the trained state on every process
     device: str = "cuda"                # 'cuda' or 'cpu': which attention kernels run (see keeps_attention_...)
 
     @property
@@ -217,6 +223,7 @@ class Estimate:
     allocator: float = 0.0      # the caching allocator's reserved-but-unallocated memory (ALLOCATOR_HEADROOM)
     nccl: float = 0.0           # NCCL's buffers (NCCL_BUFFERS per process group)
     snapshot: float = 0.0       # async_save: host memory of the checkpoint in flight (async_snapshot)
+    rollback: float = 0.0       # spike_rollback: pinned host memory of its snapshot, per process (rollback_snapshot)
 
     def table(self) -> str:
         rows = [("weights", self.weights), ("gradients", self.gradients), ("optimizer state", self.optimizer),
@@ -231,6 +238,9 @@ class Estimate:
             lines.append(f"  {'host (offloaded)':<18}{self.host / GIB:>9.3f} GiB per device")
         if self.snapshot:
             lines.append(f"  {'host (async_save)':<18}{self.snapshot / GIB:>9.3f} GiB per process")
+        if self.rollback:
+            lines.append(f"  {'host (rollback)':<18}{self.rollback / GIB:>9.3f} GiB per process, pinned (every "
+                         "process of a node holds its own)")
         return "\n".join(lines)
 
 
@@ -252,6 +262,14 @@ def async_snapshot(model_bytes: float, trainable: float, optim: str | None, shar
     FSDP's `shards`. The buffers are kept from one checkpoint to the next for the whole run."""
     per_param = 0 if optim is None else OPTIMIZER_BYTES.get(optim, 8)
     return (model_bytes + (4 if per_param is None else per_param) * trainable) / max(shards, 1)
+
+
+def rollback_snapshot(trained_bytes: float, trainable: float, optim: str, shards: int = 1) -> float:
+    """Host memory per process of spike_rollback's snapshot, pinned: copies of what an update changes, the trainable
+    parameters and buffers (`trained_bytes`) and the optimizer state (per trainable parameter as OPTIMIZER_BYTES),
+    divided over FSDP's `shards` (DDP's processes each hold all of it). The same copies as a checkpoint in flight
+    holds of a LoRA adapter (async_snapshot), kept for the whole run."""
+    return async_snapshot(trained_bytes, trainable, optim, shards)
 
 
 def _lora_params(shape: ModelShape, setup: Setup) -> int:
@@ -365,10 +383,12 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     nccl = NCCL_BUFFERS if setup.device == "cuda" and setup.world_size > 1 else 0.0
     snapshot = async_snapshot(4 * lora if setup.lora_r else shape.params * wbytes, trainable, setup.optim,
                               setup.world_size if setup.fsdp else 1) if setup.async_save else 0.0
+    rollback = rollback_snapshot(trainable * (4 if setup.lora_r else wbytes), trainable, setup.optim,
+                                 setup.world_size if setup.fsdp else 1) if setup.spike_rollback else 0.0
     return Estimate(weights=weights, gradients=gradients, optimizer=optimizer, activations=kept + recomputed,
                     logits=logits, peak=tensors + context + allocator + nccl, host=host, buckets=buckets,
                     context=context, unsharded_gradients=earlier if setup.fsdp and setup.world_size > 1 else 0.0,
-                    optimizer_copy=copy, allocator=allocator, nccl=nccl, snapshot=snapshot)
+                    optimizer_copy=copy, allocator=allocator, nccl=nccl, snapshot=snapshot, rollback=rollback)
 
 
 def relative_cost(setup: Setup) -> float:
@@ -468,6 +488,48 @@ def async_save_line(model, args, world_size: int) -> str:
     n = async_snapshot(sum(t.numel() * t.element_size() for t in saved), sum(p.numel() for p in trainable),
                        None if args.save_only_model else args.optim, shards)
     return f"async_save: up to {_size(n)} of host memory for one checkpoint in flight"
+
+
+def rollback_line(model, args, world_size: int, memory: tuple[float, float] | None = None) -> tuple[str, str]:
+    """What spike_rollback's snapshot takes of the node's host memory, as (level, line) for the Trainer, before any
+    work: "error" (refused) where the node's processes together would pin more than its physical memory,
+    "warning" where more than half of what is available now, else "info". Every process pins its own snapshot
+    (rollback_snapshot, from the model's own tensors); a node runs LOCAL_WORLD_SIZE processes (all of them
+    without a launcher that says). `memory`: (total, available) bytes, read from this machine when None."""
+    import os
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trained = sum(t.numel() * t.element_size() for t in [*trainable, *model.buffers()])
+    shards = world_size if args.fsdp not in (None, "", False) else 1
+    per_process = rollback_snapshot(trained, sum(p.numel() for p in trainable), args.optim, shards)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    total, available = memory or host_memory()
+    need = per_process * local
+    what = (f"spike_rollback=True: {_size(per_process)} of pinned host memory per process for its snapshot (the "
+            f"trainable parameters and the optimizer state), {_size(need)} for the {local} process(es) of this node")
+    if need > total:
+        return "error", (f"{what}, more than the node's {_size(total)}; accepted: spike_rollback=False, or fewer "
+                         "processes per node, or FSDP (fsdp='full_shard'), which shards the snapshot over them")
+    if need > available / 2:
+        return "warning", f"{what}: more than half of the {_size(available)} available now"
+    return "info", what
+
+
+def host_memory() -> tuple[float, float]:
+    """(total, available) bytes of this machine's memory: /proc/meminfo's MemTotal and MemAvailable (free pages
+    where it is not there)."""
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, available = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(total), float(available)
 
 
 def _size(n: float) -> str:

@@ -85,7 +85,7 @@ from .loop import (
 from .lora import trainable_parameters, wrap
 from .loss_computation import loss_computation
 from .loss_normalization import LossConvention, loss_or_none
-from .memory_plan import async_save_line, start_of_training_line
+from .memory_plan import async_save_line, rollback_line, start_of_training_line
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .prefix import prefix_body
@@ -562,6 +562,12 @@ class Trainer(TrainerAPI):
                 left = len(window_sizes(max(len(loader) - pos.batches, 0), pos.accumulation))
                 s.num_train_epochs = pos.epoch + 1 + max(math.ceil((max_steps - s.global_step - left) / per_epoch), 0)
         self._log_training_header(trainable, loader)
+        if a.spike_rollback:  # every process pins its own snapshot: refused on each, before any work, where it cannot
+            level, line = rollback_line(self.model, a, acc.num_processes)
+            if level == "error":
+                raise ConfigError([line], "Trainer inputs")
+            if s.is_world_process_zero:
+                getattr(logger, level)(line)
         if s.is_world_process_zero:
             logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                         f"({100 * trainable / max(total, 1):.2f}%)")
@@ -964,9 +970,8 @@ class Trainer(TrainerAPI):
             if pos.batches:
                 loader = self.get_resumed_dataloader(loader, pos.batches)
             # the time spent waiting for batches (starting the loader's workers included) is summed for the log
-            window, clock, waiting = [], run.log.data_clock, time.perf_counter()
-            for batch in loader:
-                clock.seconds += time.perf_counter() - waiting
+            window = []
+            for batch in run.log.data_clock.timed(loader):
                 # a transformers collator's BatchEncoding is a Mapping, not a dict; what is no Mapping at all is
                 # refused by the first batch's check (_first_window)
                 window.append(dict(batch) if isinstance(batch, Mapping) else batch)
@@ -975,9 +980,7 @@ class Trainer(TrainerAPI):
                     window = []
                     if pos.micro_batch != size:
                         break
-                waiting = time.perf_counter()
             else:
-                clock.seconds += time.perf_counter() - waiting
                 if window:
                     yield window
                 return

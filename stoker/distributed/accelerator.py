@@ -20,11 +20,13 @@ from ..log import logger
 from .deepspeed import deepspeed_config, deepspeed_plugin, deepspeed_trainer_problems
 from .fsdp import fsdp_enabled, fsdp_plugin, fsdp_plugin_kwargs, reduce_in_float32
 from .launch import (
+    LAUNCHER_PRECISIONS,
     LAUNCHER_VARIABLES,
     accelerate_launch_problems,
     accelerator_available,
     check_save_on_each_node,
     check_world_size,
+    launcher_precision,
     leave_process_group_at_exit,
     wants_cpu,
 )
@@ -38,6 +40,11 @@ def argument_problems(args) -> list[str]:
         p.append(f"fsdp={args.fsdp!r} and deepspeed={args.deepspeed!r}: both shard the model; choose one")
     p += fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing,
                             mixed_precision=args.mixed_precision)[1]
+    launched = launcher_precision(args.deepspeed)
+    if launched is not None and launched[0] not in LAUNCHER_PRECISIONS:  # stoker would replace it without a word
+        p.append(f"{launched[1]}: stoker takes {', '.join(map(repr, LAUNCHER_PRECISIONS))} from the launcher; "
+                 "float8 is its fp8 field (fp8='tensorwise' or 'rowwise', with bf16): launch with --mixed_precision "
+                 "bf16 and set fp8")
     if args.deepspeed not in (None, "", {}):
         p += deepspeed_config(args)[1]
         if args.async_save:

@@ -28,6 +28,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint_format as ckpt
@@ -256,12 +257,16 @@ class Backend:
 
     def skips_on_device(self, optimizer) -> bool:
         """Whether a non-finite step's update can be skipped on the device, without the host reading the verdict
-        first: torch's fused optimizers (AdamW, Adam, SGD, Adagrad: `_step_supports_amp_scaling`) skip their whole
-        update, step counts included, where the `found_inf` the GradScaler hands them is 1. Not with fp16 loss
-        scaling (the scaler owns that flag and reads its own verdict), and on the plain backend only (FSDP's
-        DTensor parameters and DeepSpeed's engine keep the synchronous check)."""
+        first: torch's fused Adam and AdamW (`_step_supports_amp_scaling`) skip their whole update, step counts
+        included, where the `found_inf` the GradScaler hands them is 1, and a skipped first step leaves zero
+        moments, as a step never taken would. Not fused SGD with momentum, whose skipped first step still makes its
+        momentum buffer with torch.empty_like (whatever memory held) for the next step to read, nor Adagrad: only
+        the skips known to be exact. Not with fp16 loss scaling (the scaler owns that flag and reads its own
+        verdict), and on the plain backend only (FSDP's DTensor parameters and DeepSpeed's engine keep the
+        synchronous check)."""
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
         return (self.skips_updates_on_device and self.accelerator.scaler is None
+                and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
                 and bool(getattr(inner, "_step_supports_amp_scaling", False)))
 
     def optimizer_step(self, optimizer, skip: Any = None) -> bool:

@@ -7,10 +7,12 @@ Cheap to import: torch is imported where it is used.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 
 from ..errors import ConfigError
+from .parsing import load_json_config
 
 # Environment variables in which launchers state the number of processes: torchrun and `accelerate launch`
 # set WORLD_SIZE, MPI launchers the others (the same list Accelerate reads).
@@ -89,6 +91,48 @@ def _accelerate_settings() -> str:
     if os.path.isfile(default_config_file):
         return f"its default config file {default_config_file}"
     return "its command-line flags"
+
+
+# the mixed precisions stoker takes from a launcher, by Accelerate's name, as a notice names them; its float8 is
+# the `fp8` field
+LAUNCHER_PRECISIONS = {"no": "float32 (no mixed precision)", "bf16": "bf16 autocast",
+                       "fp16": "fp16 autocast with loss scaling"}
+
+
+def launcher_precision(deepspeed) -> tuple[str, str] | None:
+    """The mixed precision that a DeepSpeed config or the launcher sets for this run, as (Accelerate's name, where
+    it is set): a DeepSpeed config's `bf16` / `fp16` section with enabled true (the script's `deepspeed`, else the
+    config accelerate launch names in ACCELERATE_DEEPSPEED_CONFIG_FILE), else accelerate launch's mixed_precision
+    (ACCELERATE_MIXED_PRECISION, which it exports from its --mixed_precision flag or its config file, 'no' when
+    neither says). None where none of them sets one. The value is as given: a caller checks it against
+    LAUNCHER_PRECISIONS."""
+    configs = [(deepspeed, "the DeepSpeed config (deepspeed)")]
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        configs.append((path, f"accelerate launch's DeepSpeed config {path} (ACCELERATE_DEEPSPEED_CONFIG_FILE)"))
+    for value, where in configs:
+        config = _deepspeed_dict(value)
+        for precision in ("bf16", "fp16"):
+            section = config.get(precision)
+            if isinstance(section, dict) and str(section.get("enabled")).lower() == "true":
+                return precision, f"{where}, whose {precision} section is enabled,"
+    value = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if value:
+        return value.lower(), f"accelerate launch's mixed_precision (ACCELERATE_MIXED_PRECISION={value})"
+    return None
+
+
+def _deepspeed_dict(value) -> dict:
+    """A DeepSpeed config given as a dict, a JSON object string or a JSON file, as a dict ({} for none, or for one
+    that cannot be read: TrainingArguments' validation names that problem)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    if value in (None, "", {}):
+        return {}
+    return load_json_config(value, "deepspeed")[0] or {}
 
 
 def check_world_size(num_processes: int) -> None:

@@ -5,12 +5,14 @@ frozen base in bf16 and no dropout unless asked."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 import torch
 
 from stoker import Trainer, TrainerCallback, TrainingArguments
+from stoker.errors import ConfigError
 from tests.gpu_paths.test_metrics import fake_gpu
 from tests.integration.test_trainer import llama, rows
 
@@ -55,6 +57,69 @@ def test_a_gpu_without_bf16_and_tf32_gets_neither_and_a_cpu_nothing(monkeypatch)
     fake_gpu(monkeypatch, *T4)  # compute capability 7.5: bf16 only emulated, no TF32
     a = made()
     assert (a.bf16, a.tf32, a.gpu_default_notice) == (False, None, None)
+
+
+# --- a precision the launcher or a DeepSpeed config sets ------------------------------------------------------
+
+
+@pytest.mark.parametrize("launched, bf16, fp16", [("fp16", False, True), ("no", False, False), ("bf16", True, False)])
+def test_accelerate_launchs_mixed_precision_wins_over_the_gpu_default(monkeypatch, launched, bf16, fp16):
+    """`accelerate launch --mixed_precision X` (or its config file) reaches the script as ACCELERATE_MIXED_PRECISION;
+    where the script gives no bf16 / fp16 it is the run's precision, as in transformers, and the notice says where
+    it came from. TF32 stays stoker's GPU default (no launcher setting speaks of it)."""
+    fake_gpu(monkeypatch, *H100)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+    a = made()
+    assert (a.bf16, a.fp16, a.tf32, a.mixed_precision) == (bf16, fp16, True, launched)
+    assert a.gpu_default_notice.startswith("precision: ")
+    assert f"as accelerate launch's mixed_precision (ACCELERATE_MIXED_PRECISION={launched}) sets it" in (
+        a.gpu_default_notice)
+    assert a.gpu_default_notice.endswith("with TF32 matmuls on this GPU as tf32 was not given")
+    assert made(bf16=True).mixed_precision == "bf16"  # the script's own choice is kept over the launcher's
+
+
+def test_the_launchers_precision_is_what_transformers_takes_from_it(monkeypatch):
+    from transformers import TrainingArguments as HFArguments
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # this CPU: bf16 autocast runs here too
+    assert made().mixed_precision == HFArguments(output_dir="x", report_to="none").mixed_precision == "bf16"
+
+
+def _deepspeed_file(tmp_path, precision: str) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, precision: {"enabled": True}}))
+    return str(path)
+
+
+def test_a_deepspeed_config_of_accelerate_launch_that_enables_fp16_is_not_given_bf16(monkeypatch, tmp_path):
+    """Under accelerate launch with a DeepSpeed config file that enables fp16, bf16 on top would make Accelerate's
+    DeepSpeedPlugin raise ("cannot be set to bf16 when fp16 is set in the DeepSpeed config file")."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    fake_gpu(monkeypatch, *H100)
+    path = _deepspeed_file(tmp_path, "fp16")
+    for name, value in (("ACCELERATE_USE_DEEPSPEED", "true"), ("ACCELERATE_DEEPSPEED_CONFIG_FILE", path),
+                        ("ACCELERATE_MIXED_PRECISION", "no")):
+        monkeypatch.setenv(name, value)
+    a = made()
+    assert (a.bf16, a.fp16, a.mixed_precision) == (False, True, "fp16")
+    assert f"accelerate launch's DeepSpeed config {path}" in a.gpu_default_notice
+    DeepSpeedPlugin(hf_ds_config=path).set_mixed_precision(a.mixed_precision)  # what Accelerate does with it
+
+
+def test_a_deepspeed_config_given_to_the_script_sets_the_precision(monkeypatch, tmp_path):
+    fake_gpu(monkeypatch, *H100)
+    a = made(deepspeed=_deepspeed_file(tmp_path, "bf16"))
+    assert (a.bf16, a.fp16) == (True, False)
+    assert "as the DeepSpeed config (deepspeed), whose bf16 section is enabled, sets it" in a.gpu_default_notice
+    assert made(deepspeed={"zero_optimization": {"stage": 2}}).bf16 is False  # none enabled: the config decides
+
+
+def test_a_launcher_precision_stoker_does_not_take_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ConfigError) as e:
+        made()
+    assert "ACCELERATE_MIXED_PRECISION=fp8" in str(e.value) and "'bf16'" in str(e.value) and "fp8=" in str(e.value)
 
 
 def test_not_given_is_none_and_false_is_an_explicit_choice():

@@ -25,7 +25,8 @@ def test_without_a_gpu_it_says_so_and_exits_0():
 def test_the_checks_are_listed_and_the_qlora_path_runs_on_the_cpu():
     script = str(ROOT / "benchmarks" / "gpu_check.py")
     listed = subprocess.run([sys.executable, script, "--list"], capture_output=True, text=True, timeout=120)
-    assert listed.stdout.split() == ["bf16", "fp16", "tf32", "compile", "fsdp2", "adamw_8bit", "qlora", "mfu_100m",
+    assert listed.stdout.split() == ["bf16", "nan_skip", "syncs", "fp16", "tf32", "compile", "fsdp2", "adamw_8bit",
+                                     "qlora", "mfu_100m",
                                      "checkpoint", "fp16_overflow", "chunked_loss", "packing", "shared_prefix",
                                      "ddp_2proc"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -82,3 +82,41 @@ def test_the_one_command_for_both_says_there_is_no_gpu_and_exits_0():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "gpu_all: no CUDA GPU here" in proc.stdout
+
+
+def test_the_timed_steps_synchronise_once_when_the_warm_up_ends_and_once_after_the_last(monkeypatch):
+    """No synchronisation after every step, which would hide what the host and the device overlap (the deferred
+    check, non-blocking copies): the same two for every way."""
+    import torch
+
+    g, synced = gpu_speed(), []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(len(synced)))
+    times = g.StepTimes(torch.device("cuda"), steps=g.WARMUP_STEPS + 5)
+    for _ in range(g.WARMUP_STEPS + 5):
+        times.mark()
+    assert len(synced) == 2 and times.steps_timed == 5 and len(times.ends) == 2
+    assert times.seconds_per_step() == (times.ends[1] - times.ends[0]) / 5
+
+
+def test_a_way_cut_off_by_its_share_keeps_the_jobs_it_finished_and_one_table_shows_both_scripts(monkeypatch,
+                                                                                                   tmp_path):
+    import json
+    import subprocess as sp
+
+    g = gpu_speed()
+    done = {"job": "full", "way": "hand", "tokens_per_s": 1000.0, "mfu": 0.4, "peak_gb": 9.5, "loss": 4.2}
+
+    def cut_off(cmd, **kw):
+        raise sp.TimeoutExpired(cmd, kw["timeout"], output=f"RESULT {json.dumps(done)}\n".encode())
+
+    monkeypatch.setattr(g.subprocess, "run", cut_off)
+    results, stopped = g.measure(["full", "lora"], "hand", False, None, 60.0)
+    assert results == [done] and stopped == "out of this way's share of the budget (60s)"
+    path = str(tmp_path / "rows.jsonl")
+    g.gpu_check.append_rows(path, [{"name": "check bf16", "status": "ok", "tokens_per_s": 5e4, "peak_gb": 3.0,
+                                    "note": "loss 3.1"}])
+    g.gpu_check.append_rows(path, g.table_rows({"full": {"hand": done}, "lora": {}}, {("lora", "hand"): stopped}, []))
+    table = g.gpu_check.one_table(path).splitlines()
+    assert [line.split()[0:3] for line in table[1:]] == [["check", "bf16", "ok"], ["speed", "full/hand", "ok"],
+                                                         ["speed", "lora/hand", "SKIPPED"]]
+    assert "40.0%" in table[2] and "9.50" in table[2] and stopped in table[3]

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from stoker import TrainingArguments
 from stoker.diagnostics import Stopwatch
 from stoker.goodput import PARTS, Ledger, format_seconds, furthest_step, ledger_of, summary_line
 
@@ -198,3 +199,93 @@ def test_the_summary_line_shows_the_parts_that_are_not_zero_largest_loss_first()
     assert summary_line(record) == "goodput 87.3%: productive 52.1 s, evaluation 7.00 s, startup 4.20 s"
     assert [format_seconds(s) for s in (0.421, 52.14, 252, 7500)] == ["0.42 s", "52.1 s", "4 min 12 s",
                                                                         "2 h 05 min"]
+
+
+# --- the data wait on a GPU: the device's idle gap, not the host's wait -------------------------------------------
+
+
+class FakeGPU:
+    """A GPU as the host sees it, on a clock of its own: queued work runs in order until `busy_until`; an event is
+    passed when the work queued before it is done. `now` is the host's time."""
+
+    def __init__(self):
+        self.now = self.busy_until = 0.0
+
+    def queue(self, seconds: float) -> None:
+        self.busy_until = max(self.busy_until, self.now) + seconds
+
+    def wait(self) -> None:  # a copy from memory that is not pinned: the host waits for the queue to drain
+        self.now = max(self.now, self.busy_until)
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.at = max(gpu.now, gpu.busy_until)
+
+            def query(self):
+                return gpu.now >= self.at
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1000
+
+        return Event()
+
+
+def _window_on_a_fake_gpu(step: float, fetch: float, pinned: bool):
+    """Four steps of `step` GPU seconds each, the host queueing them a step ahead, and a fetch of `fetch` host
+    seconds before each; with pinned memory the batch's copy is queued, else it waits for the queue to drain."""
+    from stoker.diagnostics import data_wait_metrics
+
+    gpu = FakeGPU()
+    clock = Stopwatch(events=gpu.event, clock=lambda: gpu.now)
+
+    def loader():
+        for _ in range(4):
+            gpu.now += fetch  # loading and collating on the host
+            if not pinned:
+                gpu.wait()
+            gpu.queue(0.01)  # the copy
+            yield {}
+
+    for _ in clock.timed(loader()):
+        gpu.queue(step)  # the step's forwards, backwards and update: queued, not waited for
+    gpu.wait()  # the log's own sync
+    args = TrainingArguments(output_dir="x", report_to="none", dataloader_pin_memory=pinned)
+    return data_wait_metrics(clock.take(), gpu.now, args, on_gpu=True), clock
+
+
+def test_a_host_that_waits_in_next_for_the_gpu_books_no_data_wait():
+    """dataloader_pin_memory=False: the copy inside next() makes the host wait for the queued step, which the host's
+    clock books as a data wait of nearly the whole run; the device never waited for data, so no advice fires,
+    and the host's share is logged under its own name."""
+    (logs, advice), clock = _window_on_a_fake_gpu(step=1.0, fetch=0.001, pinned=False)
+    assert logs["host_data_wait_fraction"] > 0.7
+    # the copies only, and the first fetch, which nothing queued before it overlapped
+    assert logs["data_wait_fraction"] == pytest.approx((0.001 + 4 * 0.01) / 4.041, abs=1e-4)
+    assert advice is None
+    assert clock.total == pytest.approx(0.041)  # the goodput ledger's data_wait: the device's
+
+
+def test_a_fetch_that_overlaps_queued_work_costs_the_device_nothing_and_a_real_stall_warns():
+    (logs, advice), _ = _window_on_a_fake_gpu(step=2.0, fetch=0.5, pinned=True)  # the host runs ahead
+    assert logs["data_wait_fraction"] == pytest.approx((0.5 + 4 * 0.01) / 8.54, abs=1e-4)  # the first fetch
+    assert logs["host_data_wait_fraction"] > 0.2 and advice is None
+    (logs, advice), _ = _window_on_a_fake_gpu(step=0.1, fetch=0.5, pinned=True)  # the GPU starves
+    assert logs["data_wait_fraction"] > 0.7 and advice.startswith(f"{100 * logs['data_wait_fraction']:.1f}% of the")
+
+
+def test_on_the_cpu_the_data_wait_is_the_hosts_and_logged_once():
+    from stoker.diagnostics import data_wait_metrics
+
+    now = Clock()
+    clock = Stopwatch(clock=now)
+
+    def loader():
+        now.tick(3)
+        yield {}
+
+    assert [batch for batch in clock.timed(loader())] == [{}]
+    logs, advice = data_wait_metrics(clock.take(), 10.0, TrainingArguments(output_dir="x", report_to="none"), False)
+    assert logs == {"data_wait_fraction": 0.3} and "30.0%" in advice and clock.total == 3

@@ -45,6 +45,49 @@ def test_async_save_counts_a_host_copy_of_the_checkpoint():
     assert sharded.snapshot == pytest.approx(background.snapshot / 4)
 
 
+def test_spike_rollback_counts_its_pinned_snapshot_in_host_memory_per_process():
+    """spike_rollback pins host copies of the trainable parameters and the optimizer state on every process: 12
+    bytes per parameter with float32 AdamW, each of a node's DDP processes its own; FSDP shards them."""
+    plain, rolling = estimate(SHAPE, Setup()), estimate(SHAPE, Setup(spike_rollback=True))
+    assert plain.rollback == 0 and rolling.rollback == 12 * SHAPE.params
+    assert rolling.peak == plain.peak and "host (rollback)" in rolling.table()
+    assert estimate(SHAPE, Setup(world_size=8, spike_rollback=True)).rollback == 12 * SHAPE.params  # DDP: each
+    assert estimate(SHAPE, Setup(world_size=8, fsdp="full_shard", spike_rollback=True)).rollback == (
+        pytest.approx(12 * SHAPE.params / 8))
+    lora = estimate(SHAPE, Setup(weights_dtype="bfloat16", lora_r=16, spike_rollback=True))
+    assert lora.rollback == pytest.approx(12 * (lora.weights - SHAPE.params * 2) / 4)  # float32 adapters only
+
+
+def test_the_trainer_refuses_or_warns_about_the_rollback_snapshot_before_any_work(tiny_llama, make_args, clm_rows,
+                                                                                 monkeypatch, caplog):
+    import logging
+
+    from stoker import Trainer
+    from stoker.errors import ConfigError
+    from stoker.memory_plan import rollback_line
+
+    model, args = tiny_llama(), make_args(spike_rollback=True, max_steps=2, optim="adamw_torch")
+    per_process = 12 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * 4 for b in model.buffers())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # a node of 8 DDP processes, each with its own snapshot
+    level, line = rollback_line(model, args, 8, memory=(8 * per_process - 1, 8 * per_process))
+    assert level == "error" and "spike_rollback=True" in line and "spike_rollback=False" in line
+    assert f"{per_process / 2**20:.1f} MiB of pinned host memory per process" in line
+    assert f"{8 * per_process / 2**20:.1f} MiB for the 8 process(es)" in line
+    assert rollback_line(model, args, 8, memory=(10 * per_process, 15 * per_process))[0] == "warning"
+    assert rollback_line(model, args, 8, memory=(10 * per_process, 17 * per_process))[0] == "info"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr("stoker.memory_plan.host_memory", lambda: (per_process - 1, per_process))
+    trainer = Trainer(model, args, train_dataset=clm_rows(8))
+    with pytest.raises(ConfigError, match="spike_rollback=True"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    monkeypatch.setattr("stoker.memory_plan.host_memory", lambda: (4 * per_process, per_process))
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        Trainer(tiny_llama(), args, train_dataset=clm_rows(8)).train()
+    assert [r.getMessage() for r in caplog.records if "spike_rollback=True" in r.getMessage()] == [
+        rollback_line(model, args, 1, memory=(4 * per_process, per_process))[1]]
+
+
 def test_weights_gradients_and_lora():
     full = estimate(SHAPE, Setup())
     assert full.weights == 4 * SHAPE.params and full.gradients == 4 * SHAPE.params
@@ -111,6 +154,8 @@ def test_stoker_plan_command_prints_the_parts_and_a_proposal(capsys):
     assert "nothing fits" in capsys.readouterr().out
     assert main(["plan", "--recipe", "clm", "--async_save"]) == 0  # the flag, as the recipes parse it
     assert "host (async_save)" in capsys.readouterr().out
+    assert main(["plan", "--recipe", "clm", "--spike_rollback"]) == 0
+    assert "host (rollback)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("bad", [["--per_device_train_batch_size", "0"], ["--no_such_field", "1"]])
