@@ -86,6 +86,7 @@ from .lora import trainable_parameters, wrap
 from .loss_computation import loss_computation
 from .loss_normalization import LossConvention, loss_or_none
 from .memory_plan import async_save_line, start_of_training_line
+from .optim import set_mode, steps_on_metric, updates_in_backward
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .prefix import prefix_body
@@ -988,6 +989,7 @@ class Trainer(TrainerAPI):
         changes the inputs or adds to the loss and calls this keeps the update exact."""
         if not (model.training and self.model.training):  # only when the mode changed: train() walks every module
             model.train()
+        set_mode(self.optimizer, "train")  # a schedule-free optimizer back on its training point, as transformers
         self._loss_is_window_share = False
         # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
         with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
@@ -1003,8 +1005,10 @@ class Trainer(TrainerAPI):
             loss = loss * (self._convention.targets(inputs) / num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
+        # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)
+        fused = {"learning_rate": self._learning_rate()} if updates_in_backward(self.optimizer) else {}
         self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices
-                                       else 1))
+                                       else 1), **fused)
         if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
             clear_device_cache()
         return loss.detach()
@@ -1139,11 +1143,12 @@ class Trainer(TrainerAPI):
         return metrics[key]
 
     def _steps_on_metric(self) -> bool:
-        """Whether the schedule steps on an evaluation metric (ReduceLROnPlateau) rather than on every step."""
-        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        """Whether the schedule steps on an evaluation metric (ReduceLROnPlateau, GreedyLR) rather than on every
+        step."""
+        return steps_on_metric(self.lr_scheduler)
 
     def _learning_rate(self) -> float:
-        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not hasattr(
+        if steps_on_metric(self.lr_scheduler) or not hasattr(
                 self.lr_scheduler, "get_last_lr"):  # a plateau schedule's rate is the optimizer's
             return self.optimizer.param_groups[0]["lr"]
         return self.lr_scheduler.get_last_lr()[0]
@@ -1258,6 +1263,7 @@ class Trainer(TrainerAPI):
             self.model_wrapped.to(torch.bfloat16 if self.args.bf16_full_eval else torch.float16)
         a, acc, model, prefix = self.args, self.accelerator, self.model_wrapped, metric_key_prefix
         model.eval()
+        set_mode(self.optimizer, "eval")  # a schedule-free optimizer's averaged parameters, as transformers
         self.callback_handler.eval_dataloader = dataloader
         if prediction_loss_only is None:
             prediction_loss_only = a.prediction_loss_only
