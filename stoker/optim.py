@@ -270,21 +270,37 @@ def _constant(step: int) -> float:
 
 def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, max_steps: int):
     """The learning-rate schedule `lr_scheduler_type` names, as transformers.get_scheduler builds it."""
+    if hasattr(optimizer, "optimizer_dict"):  # transformers' LayerWiseDummyOptimizer
+        return _layerwise_schedules(optimizer, args, max_steps)
+    return _schedule(optimizer, args, max_steps)
+
+
+def _schedule(optimizer: torch.optim.Optimizer, args: TrainingArguments, max_steps: int):
     name, warmup, extra = args.lr_scheduler_type, args.warmup_for(max_steps), dict(args.lr_scheduler_kwargs or {})
     own = {"linear": (_linear, {"warmup": warmup, "total": max_steps}),
            "cosine": (_cosine, {"warmup": warmup, "total": max_steps, **extra}),
            "constant_with_warmup": (_constant_with_warmup, {"warmup": warmup}),
            "constant": (_constant, {})}
-    # transformers refuses kwargs the others do not take; a layerwise optimizer's schedules are one per parameter,
-    # stepped in its backward hooks, and transformers builds them
-    layerwise = hasattr(optimizer, "optimizer_dict")
-    if name in own and (name == "cosine" or not extra) and not layerwise:
+    if name in own and (name == "cosine" or not extra):  # transformers refuses kwargs the others do not take
         function, kwargs = own[name]
         return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(function, **kwargs))
     from transformers import get_scheduler
 
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
                          scheduler_specific_kwargs=extra)
+
+
+def _layerwise_schedules(optimizer, args: TrainingArguments, max_steps: int):
+    """A layerwise optimizer's schedules: one per parameter's optimizer, stepped in a hook right after that
+    parameter's update (the hook transformers' builder registered first), and the same schedule on the placeholder
+    optimizer the loop steps, whose rate is logged. transformers.get_scheduler would do the same, but its
+    LayerWiseDummyScheduler fails on torch's strict zip of rates and groups, and transformers.Trainer builds its
+    schedule on Accelerate's wrapper, which hides the placeholder: there the parameters' rates never move."""
+    schedules = {param: _schedule(inner, args, max_steps) for param, inner in optimizer.optimizer_dict.items()}
+    for param in schedules:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(lambda p: schedules[p].step())
+    return _schedule(optimizer, args, max_steps)
 
 
 def steps_on_metric(scheduler) -> bool:

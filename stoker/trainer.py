@@ -1150,8 +1150,11 @@ class Trainer(TrainerAPI):
     def _learning_rate(self) -> float:
         if steps_on_metric(self.lr_scheduler) or not hasattr(
                 self.lr_scheduler, "get_last_lr"):  # a plateau schedule's rate is the optimizer's
-            return self.optimizer.param_groups[0]["lr"]
-        return self.lr_scheduler.get_last_lr()[0]
+            rate = self.optimizer.param_groups[0]["lr"]
+        else:
+            rate = self.lr_scheduler.get_last_lr()[0]
+        # a tensor where the optimizer keeps its rate as one (torchao's low-bit AdamW), read as transformers does
+        return rate.item() if isinstance(rate, torch.Tensor) else rate
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"):
         """Predictions, labels (if the dataset has them) and metrics of a dataset, gathered from every process in
