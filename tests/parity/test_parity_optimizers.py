@@ -147,8 +147,8 @@ def test_schedule_free_resumes_from_a_checkpoint_saved_after_evaluation(tmp_path
     transformers writes them; the resumed run continues exactly."""
     settings = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=2)
     whole = job("stoker", tmp_path / "whole", "schedule_free_adamw", **settings)
-    resumed = job("stoker", tmp_path / "resumed", "schedule_free_adamw", resume=str(tmp_path / "whole" / "checkpoint-2"),
-                  **settings)
+    resumed = job("stoker", tmp_path / "resumed", "schedule_free_adamw",
+                  resume=str(tmp_path / "whole" / "checkpoint-2"), **settings)
     assert len(losses(whole)) == 4
     assert losses(resumed) == pytest.approx(losses(whole), rel=1e-6)
     assert losses(resumed, "eval_loss") == pytest.approx(losses(whole, "eval_loss"), rel=1e-6)
