@@ -69,8 +69,8 @@ class Optimizer(NamedTuple):
 
     @property
     def distribution(self) -> str | None:
-        """The pip package that installs `package`: `pip`, else the import name with hyphens."""
-        return self.pip or (self.package and self.package.replace("_", "-"))
+        """The pip package that installs `package`: `pip`, else the same name."""
+        return self.pip or self.package
 
     @property
     def needs(self) -> str:
@@ -79,7 +79,7 @@ class Optimizer(NamedTuple):
         parts += [text for flag, text in ((self.targets, "optim_target_modules"), (self.cuda, "a CUDA GPU"),
                                           (self.loop in ("fused_backward", "layerwise"),
                                            "gradient_accumulation_steps=1"),
-                                          (self.loop == "layerwise", "one process"),
+                                          (self.loop in ("fused_backward", "layerwise"), "one process"),
                                           (self.unsaved, "save_only_model=True or save_strategy='no'")) if flag]
         return ", ".join(parts) or "nothing"
 
@@ -91,6 +91,15 @@ TRANSFORMERS = "transformers"
 _PROJECTORS = "its state holds the projector objects of the low-rank projection"
 _SUBCLASSES = "its state is torchao tensor subclasses"
 _PER_PARAMETER = "its state is one optimizer per parameter, held by backward hooks"
+
+def _low_rank(name: str, package: str) -> Optimizer:
+    """A GaLore / APOLLO name: projects the weights of optim_target_modules; '_layerwise' steps one optimizer per
+    parameter inside the backward; GaLore's '_8bit' is bitsandbytes' 8-bit state on CUDA."""
+    layerwise = name.endswith("_layerwise")
+    return Optimizer(name, TRANSFORMERS, package=package, pip=package.replace("_", "-"),
+                     loop="layerwise" if layerwise else "", targets=True, cuda="_8bit" in name,
+                     unsaved=_PER_PARAMETER if layerwise else _PROJECTORS)
+
 
 # The one list of optimizer names: validation, --help and the arguments tables (docs/arguments.md) read it, and
 # optimizer_cls_and_kwargs builds from it. transformers' OptimizerNames that run here, with its kwargs.
@@ -115,19 +124,19 @@ OPTIMIZERS = {o.name: o for o in (
         "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")),
     *(Optimizer(name, TRANSFORMERS, package="torchao", unsaved=_SUBCLASSES)
       for name in ("adamw_torch_4bit", "adamw_torch_8bit")),
-    *(Optimizer(name, TRANSFORMERS, package="galore_torch", loop="layerwise" if "layerwise" in name else "",
-                targets=True, cuda="8bit" in name, unsaved=_PER_PARAMETER if "layerwise" in name else _PROJECTORS)
-      for name in ("galore_adamw", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit",
-                   "galore_adamw_8bit_layerwise")),
-    *(Optimizer(name, TRANSFORMERS, package="apollo_torch", loop="layerwise" if "layerwise" in name else "",
-                targets=True, unsaved=_PER_PARAMETER if "layerwise" in name else _PROJECTORS)
-      for name in ("apollo_adamw", "apollo_adamw_layerwise")),
-    Optimizer("lomo", TRANSFORMERS, package="lomo_optim", loop="fused_backward"),
-    Optimizer("adalomo", TRANSFORMERS, package="lomo_optim", loop="fused_backward", cuda=True),
+    *(_low_rank(name, "galore_torch") for name in ("galore_adamw", "galore_adafactor", "galore_adamw_layerwise",
+                                                   "galore_adamw_8bit", "galore_adamw_8bit_layerwise")),
+    *(_low_rank(name, "apollo_torch") for name in ("apollo_adamw", "apollo_adamw_layerwise")),
+    *(Optimizer(name, TRANSFORMERS, package="lomo_optim", pip="lomo-optim", loop="fused_backward",
+                cuda=name == "adalomo") for name in ("lomo", "adalomo")),
     Optimizer("grokadamw", TRANSFORMERS, package="grokadamw"),
     *(Optimizer(name, TRANSFORMERS, package="schedulefree", loop="modes")
       for name in ("schedule_free_adamw", "schedule_free_radam", "schedule_free_sgd")),
     Optimizer("stable_adamw", TRANSFORMERS, package="optimi", pip="torch-optimi"),
+    Optimizer("adamw_anyprecision", TRANSFORMERS, package="torchdistx"),  # (from github.com/pytorch/torchdistx)
+    # the AdamW of an accelerator's own torch package: refused where that package is missing
+    Optimizer("adamw_torch_xla", TRANSFORMERS, package="torch_xla", pip="torch-xla"),
+    Optimizer("adamw_torch_npu_fused", TRANSFORMERS, package="torch_npu", pip="torch-npu"),
     # room for optimizers of stoker's own module (a name whose `builds` is 'stoker.<module>:<factory>')
 )}
 
