@@ -234,10 +234,17 @@ def set_mode(optimizer, mode: str) -> None:
         switch()
 
 
-def updates_in_backward(optimizer) -> bool:
-    """Whether `optimizer` updates the parameters inside the backward (LOMO / AdaLomo: fused_backward), so that
-    the backward needs the learning rate and the step itself does nothing."""
+def fuses_backward(optimizer) -> bool:
+    """Whether `optimizer` is LOMO / AdaLomo, whose fused_backward updates the parameters as the backward reaches
+    them: the backward needs the learning rate, and the step itself does nothing."""
     return hasattr(getattr(optimizer, "optimizer", optimizer), "fused_backward")
+
+
+def updates_in_backward(optimizer) -> bool:
+    """Whether the parameters are updated inside the backward (LOMO, a layerwise optimizer's hooks), before the
+    step's check could skip the update."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return fuses_backward(inner) or hasattr(inner, "optimizer_dict")
 
 
 def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:

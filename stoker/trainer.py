@@ -54,7 +54,7 @@ from .data import (
 from .diagnostics import peak_memory_metrics
 from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
-from .errors import ConfigError, SpikeError, TrainingPreempted, exit_with_code_after_preemption
+from .errors import ConfigError, NonFiniteError, SpikeError, TrainingPreempted, exit_with_code_after_preemption
 from .evaluation import (
     Collected,
     OutOfMemoryInEvaluation,
@@ -86,7 +86,7 @@ from .lora import trainable_parameters, wrap
 from .loss_computation import loss_computation
 from .loss_normalization import LossConvention, loss_or_none
 from .memory_plan import async_save_line, start_of_training_line
-from .optim import set_mode, steps_on_metric, updates_in_backward
+from .optim import fuses_backward, set_mode, steps_on_metric, updates_in_backward
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .prefix import prefix_body
@@ -831,6 +831,9 @@ class Trainer(TrainerAPI):
         (step, loss, grad_norm, learning_rate), verdict = taken
         if run.healer is not None and run.healer.enabled:  # a spike (or a non-finite step) rolls the run back
             run.healer.judge(step, verdict.loss, verdict.finite)
+        if not verdict.finite and updates_in_backward(self.optimizer):
+            raise NonFiniteError(f"non-finite loss or gradient norm at step {step}; optim={self.args.optim!r} has "
+                                 "applied the update inside the backward, where it cannot be skipped: stopping")
         allowed = verdict.finite or run.nonfinite.allows(verdict, run.log, loss, grad_norm, step,
                                                          self.accelerator.process_index)
         if verdict.finite:
@@ -1006,7 +1009,7 @@ class Trainer(TrainerAPI):
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
         # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)
-        fused = {"learning_rate": self._learning_rate()} if updates_in_backward(self.optimizer) else {}
+        fused = {"learning_rate": self._learning_rate()} if fuses_backward(self.optimizer) else {}
         self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices
                                        else 1), **fused)
         if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:

@@ -18,7 +18,7 @@ from torch import nn
 
 import stoker
 from stoker.data import PaddingCollator
-from stoker.errors import ConfigError
+from stoker.errors import ConfigError, NonFiniteError
 from tests.parity.families import FAMILIES, rows
 
 FRAMEWORKS = {"hf": transformers, "stoker": stoker}
@@ -49,6 +49,7 @@ def assert_same_run(tmp_path, optim: str, **overrides) -> tuple:
     """The job through both frameworks: the same training losses and evaluation losses, within REL."""
     hf, ours = (job(f, tmp_path / f, optim, **overrides) for f in FRAMEWORKS)
     assert len(losses(ours)) == 3
+    assert not ours._backend.skips_on_device(ours.optimizer)  # the step's check is read before the next step
     for key in ("loss", "eval_loss"):
         assert losses(ours, key) == pytest.approx(losses(hf, key), rel=REL), key
     return hf, ours
@@ -128,6 +129,27 @@ def test_layerwise_schedules_move_every_parameters_rate(tmp_path):
 def test_lomo_updates_inside_the_backward(tmp_path):
     _, ours = assert_same_run(tmp_path, "lomo")
     assert type(ours.optimizer.optimizer).__name__ == "Lomo"
+
+
+class NonFiniteFromThirdCall(nn.Module):
+    """FAMILY's model whose loss and logits are NaN from its third forward on (within the 3 steps, whether or not
+    the loop probed the model first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.calls = FAMILIES[FAMILY](0), 0
+
+    def forward(self, **batch):
+        out, self.calls = self.inner(**batch), self.calls + 1
+        return {key: value * float("nan") for key, value in out.items()} if self.calls >= 3 else out
+
+
+@pytest.mark.parametrize("optim", ["lomo", "apollo_adamw_layerwise"])
+def test_a_non_finite_step_stops_an_update_made_inside_the_backward(tmp_path, optim):
+    """nonfinite_policy='skip' cannot skip what the backward has applied: the run stops, naming why."""
+    low_rank = {"optim_target_modules": ["inner.mix"], "optim_args": "rank=4"} if "apollo" in optim else {}
+    with pytest.raises(NonFiniteError, match=rf"optim='{optim}' has applied the update inside the backward"):
+        job("stoker", tmp_path, optim, model=NonFiniteFromThirdCall(), **low_rank)
 
 
 def test_grokadamw(tmp_path):
