@@ -91,6 +91,9 @@ TRANSFORMERS = "transformers"
 _PROJECTORS = "its state holds the projector objects of the low-rank projection"
 _SUBCLASSES = "its state is torchao tensor subclasses"
 _PER_PARAMETER = "its state is one optimizer per parameter, held by backward hooks"
+# (transformers' torch.save checkpoint loads it too, keyed by copies, and the resumed run starts the state afresh)
+_KEYED_BY_TENSORS = "its state sits in its parameter groups keyed by the parameter tensors themselves"
+
 
 def _low_rank(name: str, package: str) -> Optimizer:
     """A GaLore / APOLLO name: projects the weights of optim_target_modules; '_layerwise' steps one optimizer per
@@ -129,7 +132,7 @@ OPTIMIZERS = {o.name: o for o in (
     *(_low_rank(name, "apollo_torch") for name in ("apollo_adamw", "apollo_adamw_layerwise")),
     *(Optimizer(name, TRANSFORMERS, package="lomo_optim", pip="lomo-optim", loop="fused_backward",
                 cuda=name == "adalomo") for name in ("lomo", "adalomo")),
-    Optimizer("grokadamw", TRANSFORMERS, package="grokadamw"),
+    Optimizer("grokadamw", TRANSFORMERS, package="grokadamw", unsaved=_KEYED_BY_TENSORS),
     *(Optimizer(name, TRANSFORMERS, package="schedulefree", loop="modes")
       for name in ("schedule_free_adamw", "schedule_free_radam", "schedule_free_sgd")),
     Optimizer("stable_adamw", TRANSFORMERS, package="optimi", pip="torch-optimi"),

@@ -164,14 +164,18 @@ def test_schedule_free_switches_modes_around_evaluation(tmp_path, optim):
     assert len(losses(ours, "eval_loss")) == 3
 
 
-def test_schedule_free_resumes_from_a_checkpoint_saved_after_evaluation(tmp_path):
-    """A checkpoint written after an evaluation holds the parameters and the optimizer state in eval mode, as
-    transformers writes them; the resumed run continues exactly."""
-    settings = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=2)
-    whole = job("stoker", tmp_path / "whole", "schedule_free_adamw", **settings)
-    resumed = job("stoker", tmp_path / "resumed", "schedule_free_adamw",
-                  resume=str(tmp_path / "whole" / "checkpoint-2"), **settings)
+@pytest.mark.parametrize("optim,schedule", [("schedule_free_adamw", {}), (
+    "adamw_torch", {"lr_scheduler_type": "greedy", "lr_scheduler_kwargs": {"patience": 1, "factor": 0.5,
+                                                                           "min_lr": 1e-4, "smooth": True}})])
+def test_a_run_resumed_after_evaluation_continues_exactly(tmp_path, optim, schedule):
+    """schedule-free: a checkpoint written after an evaluation holds the parameters and the optimizer state in eval
+    mode, as transformers writes them; greedy: the schedule's state (its best metric, counters and averaged
+    metrics). The resumed run continues exactly, rates included."""
+    settings = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=2, **schedule)
+    whole = job("stoker", tmp_path / "whole", optim, **settings)
+    resumed = job("stoker", tmp_path / "resumed", optim, resume=str(tmp_path / "whole" / "checkpoint-2"), **settings)
     assert len(losses(whole)) == 4
+    assert losses(resumed, "learning_rate") == losses(whole, "learning_rate")
     assert losses(resumed) == pytest.approx(losses(whole), rel=1e-6)
     assert losses(resumed, "eval_loss") == pytest.approx(losses(whole, "eval_loss"), rel=1e-6)
     torch.testing.assert_close(resumed.model.state_dict(), whole.model.state_dict(), rtol=1e-6, atol=1e-7)
@@ -212,9 +216,9 @@ def test_cuda_only_optimizers_are_refused_on_a_cpu(optim):
         stoker.TrainingArguments(optim=optim, use_cpu=True, optim_target_modules=["mix"], save_strategy="no")
 
 
-@pytest.mark.parametrize("optim", ["galore_adamw", "apollo_adamw_layerwise", "adamw_torch_8bit"])
+@pytest.mark.parametrize("optim", ["galore_adamw", "apollo_adamw_layerwise", "adamw_torch_8bit", "grokadamw"])
 def test_optimizers_whose_state_no_checkpoint_can_hold_refuse_full_checkpoints(optim):
-    targets = {"optim_target_modules": ["mix"]} if "adamw_torch" not in optim else {}
+    targets = {"optim_target_modules": ["mix"]} if optim.startswith(("galore", "apollo")) else {}
     with pytest.raises(ConfigError, match=rf"optim='{optim}' with save_strategy='steps': .* cannot hold; set "
                                           "save_only_model=True"):
         stoker.TrainingArguments(optim=optim, **targets)
