@@ -86,7 +86,7 @@ from .lora import trainable_parameters, wrap
 from .loss_computation import loss_computation
 from .loss_normalization import LossConvention, loss_or_none
 from .memory_plan import async_save_line, start_of_training_line
-from .optim import fuses_backward, set_mode, steps_on_metric, updates_in_backward
+from .optim import set_mode, steps_on_metric, updates_in_backward
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .prefix import prefix_body
@@ -992,7 +992,10 @@ class Trainer(TrainerAPI):
         changes the inputs or adds to the loss and calls this keeps the update exact."""
         if not (model.training and self.model.training):  # only when the mode changed: train() walks every module
             model.train()
-        set_mode(self.optimizer, "train")  # a schedule-free optimizer back on its training point, as transformers
+        # read inline, not through stoker.optim's helpers, so that a plain step enters no more functions
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
+        if callable(getattr(inner, "train", None)):  # a schedule-free optimizer back on its training point
+            inner.train()
         self._loss_is_window_share = False
         # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
         with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
@@ -1009,7 +1012,7 @@ class Trainer(TrainerAPI):
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
         # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)
-        fused = {"learning_rate": self._learning_rate()} if fuses_backward(self.optimizer) else {}
+        fused = {"learning_rate": self._learning_rate()} if hasattr(inner, "fused_backward") else {}
         self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices
                                        else 1), **fused)
         if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
