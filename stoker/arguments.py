@@ -26,15 +26,15 @@ from .distributed.accelerator import argument_problems
 from .distributed.launch import LAUNCHER_PRECISIONS, launcher_precision, launcher_world_size, wants_cpu
 from .errors import ConfigError, suggest
 from .float8 import float8_problems
-from .optim import OPTIMIZERS
+from .optim import OPTIMIZERS, optimizer_problems
 from .requirements import installed_version_problems
 from .tracking import report_to_problems, resolve_report_to
 
-# Names that `transformers.get_scheduler` accepts ("greedy" needs a metric and is not offered).
+# Names that `transformers.get_scheduler` accepts ("reduce_lr_on_plateau" and "greedy" step on an evaluation metric).
 SCHEDULER_NAMES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
-    "warmup_stable_decay",
+    "warmup_stable_decay", "greedy",
 )
 INTERVAL_STRATEGIES = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -237,7 +237,8 @@ class TrainingArguments:
     warmup_ratio: float = field(default=0.0, metadata=_help(
         "Warm-up as a fraction of max_steps (used when warmup_steps is 0)."))
     optim_target_modules: None | str | list[str] = field(default=None, metadata=_help(
-        "Modules for GaLore / APOLLO optimizers, which stoker does not build: must stay unset."))
+        "GaLore / APOLLO optimizers: the modules whose linear weights they project (names, a regular expression "
+        "or 'all-linear'); unset for every other optimizer."))
     label_smoothing_factor: float = field(default=0.0, metadata=_help(
         "Label smoothing epsilon: the loss mixes (1 - eps) x cross-entropy with eps x the mean negative "
         "log-likelihood over the vocabulary, summed over target tokens and normalised over the window."))
@@ -642,6 +643,7 @@ class TrainingArguments:
         if self.optim not in OPTIMIZERS:
             bad("optim", f"unknown optimizer{suggest(self.optim, OPTIMIZERS)}; "
                          f"accepted: {', '.join(OPTIMIZERS)}")
+        p += optimizer_problems(self, launcher_world_size(), self._on_cuda())
         if self.lr_scheduler_type not in SCHEDULER_NAMES:
             bad("lr_scheduler_type", f"unknown scheduler{suggest(self.lr_scheduler_type, SCHEDULER_NAMES)}; "
                                      f"accepted: {', '.join(SCHEDULER_NAMES)}")
@@ -701,6 +703,9 @@ class TrainingArguments:
         if self.lr_scheduler_type == "reduce_lr_on_plateau" and self.eval_strategy == "no":
             p.append("lr_scheduler_type='reduce_lr_on_plateau' steps on an evaluation metric: set eval_strategy "
                      "'steps' or 'epoch' (lr_scheduler_type reduce_lr_on_plateau requires an eval strategy)")
+        if self.lr_scheduler_type == "greedy" and self.eval_strategy == "no":
+            p.append("lr_scheduler_type='greedy' steps on an evaluation metric: set eval_strategy 'steps' or 'epoch' "
+                     "(lr_scheduler_type greedy requires an eval strategy)")
         if self.save_strategy == "best" and self.eval_strategy == "no":
             p.append("save_strategy='best' needs eval_strategy 'steps' or 'epoch'")
         if self.load_best_model_at_end:
@@ -783,6 +788,11 @@ class TrainingArguments:
         self.accelerator_config = AcceleratorConfig(**value)
         return []
 
+    def _on_cuda(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available() and not self.use_cpu
+
     def _packing_problems(self) -> list[str]:
         p = []
         if self.packing_length is not None and (not isinstance(self.packing_length, int) or self.packing_length < 2):
@@ -809,7 +819,7 @@ class TrainingArguments:
         if self.training_report:
             wanted.append(("training_report", "matplotlib", "matplotlib"))
         if self.optim in OPTIMIZERS and OPTIMIZERS[self.optim].package:
-            wanted.append(("optim", OPTIMIZERS[self.optim].package, OPTIMIZERS[self.optim].package))
+            wanted.append(("optim", OPTIMIZERS[self.optim].package, OPTIMIZERS[self.optim].distribution))
         return [f"{name}={getattr(self, name)!r}: needs the {package} package, which is not installed "
                 f"(pip install {pip})" for name, package, pip in wanted if find_spec(package) is None]
 
@@ -849,9 +859,6 @@ class TrainingArguments:
         if self.push_to_hub:
             bad("push_to_hub", "stoker does not push to the Hugging Face Hub (it never uses the network); "
                                "set it to False and upload output_dir yourself, e.g. with `hf upload`")
-        if self.optim_target_modules is not None:
-            bad("optim_target_modules", "is for GaLore / APOLLO optimizers, which stoker does not build; leave it "
-                                        f"unset (optimizers: {', '.join(OPTIMIZERS)})")
         if self.parallelism_config is not None:
             bad("parallelism_config", "tensor and context parallelism are not run by stoker; leave it unset and "
                                       "shard with fsdp or deepspeed")

@@ -250,10 +250,14 @@ def commit(tmp: str, final: str, step: int, hashes: dict[str, str] | None = None
 
 
 def _looks_pickled(path: str) -> bool:
-    """A pickle stream (protocol 2+ starts with 0x80 and the protocol number) or a torch.save zip archive."""
+    """A pickle stream (protocol 2+ starts with 0x80 and the protocol number) or a torch.save zip archive; not a
+    safetensors file, whose 8-byte header length is followed by its JSON header (a length whose low bytes are 0x80
+    and 2 to 5, an 896-byte header say, starts like a pickle)."""
     with open(path, "rb") as f:
-        head = f.read(4)
-    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head == b"PK\x03\x04"
+        head = f.read(9)
+    if head[8:9] == b"{":
+        return False
+    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head[:4] == b"PK\x03\x04"
 
 
 def recognise(folder: str) -> str | None:

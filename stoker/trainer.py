@@ -54,7 +54,7 @@ from .data import (
 from .diagnostics import peak_memory_metrics
 from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
-from .errors import ConfigError, SpikeError, TrainingPreempted, exit_with_code_after_preemption
+from .errors import ConfigError, NonFiniteError, SpikeError, TrainingPreempted, exit_with_code_after_preemption
 from .evaluation import (
     Collected,
     OutOfMemoryInEvaluation,
@@ -86,6 +86,7 @@ from .lora import trainable_parameters, wrap
 from .loss_computation import loss_computation
 from .loss_normalization import LossConvention, loss_or_none
 from .memory_plan import async_save_line, rollback_line, start_of_training_line
+from .optim import set_mode, steps_on_metric, updates_in_backward
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
 from .prefix import prefix_body
@@ -836,6 +837,9 @@ class Trainer(TrainerAPI):
         (step, loss, grad_norm, learning_rate), verdict = taken
         if run.healer is not None and run.healer.enabled:  # a spike (or a non-finite step) rolls the run back
             run.healer.judge(step, verdict.loss, verdict.finite)
+        if not verdict.finite and updates_in_backward(self.optimizer):
+            raise NonFiniteError(f"non-finite loss or gradient norm at step {step}; optim={self.args.optim!r} has "
+                                 "applied the update inside the backward, where it cannot be skipped: stopping")
         allowed = verdict.finite or run.nonfinite.allows(verdict, run.log, loss, grad_norm, step,
                                                          self.accelerator.process_index)
         if verdict.finite:
@@ -991,6 +995,10 @@ class Trainer(TrainerAPI):
         changes the inputs or adds to the loss and calls this keeps the update exact."""
         if not (model.training and self.model.training):  # only when the mode changed: train() walks every module
             model.train()
+        # read inline, not through stoker.optim's helpers, so that a plain step enters no more functions
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
+        if callable(getattr(inner, "train", None)):  # a schedule-free optimizer back on its training point
+            inner.train()
         self._loss_is_window_share = False
         # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
         with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
@@ -1006,8 +1014,10 @@ class Trainer(TrainerAPI):
             loss = loss * (self._convention.targets(inputs) / num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
+        # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)
+        fused = {"learning_rate": self._learning_rate()} if hasattr(inner, "fused_backward") else {}
         self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices
-                                       else 1))
+                                       else 1), **fused)
         if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
             clear_device_cache()
         return loss.detach()
@@ -1142,14 +1152,18 @@ class Trainer(TrainerAPI):
         return metrics[key]
 
     def _steps_on_metric(self) -> bool:
-        """Whether the schedule steps on an evaluation metric (ReduceLROnPlateau) rather than on every step."""
-        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        """Whether the schedule steps on an evaluation metric (ReduceLROnPlateau, GreedyLR) rather than on every
+        step."""
+        return steps_on_metric(self.lr_scheduler)
 
     def _learning_rate(self) -> float:
-        if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) or not hasattr(
+        if steps_on_metric(self.lr_scheduler) or not hasattr(
                 self.lr_scheduler, "get_last_lr"):  # a plateau schedule's rate is the optimizer's
-            return self.optimizer.param_groups[0]["lr"]
-        return self.lr_scheduler.get_last_lr()[0]
+            rate = self.optimizer.param_groups[0]["lr"]
+        else:
+            rate = self.lr_scheduler.get_last_lr()[0]
+        # a tensor where the optimizer keeps its rate as one (torchao's low-bit AdamW), read as transformers does
+        return rate.item() if isinstance(rate, torch.Tensor) else rate
 
     def predict(self, test_dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"):
         """Predictions, labels (if the dataset has them) and metrics of a dataset, gathered from every process in
@@ -1261,6 +1275,7 @@ class Trainer(TrainerAPI):
             self.model_wrapped.to(torch.bfloat16 if self.args.bf16_full_eval else torch.float16)
         a, acc, model, prefix = self.args, self.accelerator, self.model_wrapped, metric_key_prefix
         model.eval()
+        set_mode(self.optimizer, "eval")  # a schedule-free optimizer's averaged parameters, as transformers
         self.callback_handler.eval_dataloader = dataloader
         if prediction_loss_only is None:
             prediction_loss_only = a.prediction_loss_only

@@ -22,7 +22,13 @@ from .arguments import ConfigError, replaced
 from .distributed.deepspeed import non_embedding_parameters
 from .hp_search import run_hp_search_ray
 from .loop import plan_steps
-from .optim import create_scheduler, decay_parameter_names, optimizer_cls_and_kwargs, parameter_groups
+from .optim import (
+    create_scheduler,
+    decay_parameter_names,
+    instantiate,
+    optimizer_cls_and_kwargs,
+    parameter_groups,
+)
 
 
 class TrainerAPI:
@@ -203,18 +209,19 @@ class TrainerAPI:
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]]:
         """The optimizer class args.optim names and its keyword arguments (learning rate, Adam's betas and eps where
-        it takes them, then optim_args), as transformers returns them; `model` is accepted and not used."""
-        return optimizer_cls_and_kwargs(args)
+        it takes them, then optim_args), as transformers returns them; GaLore, APOLLO and LOMO need `model`."""
+        return optimizer_cls_and_kwargs(args, model)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The optimizer (unless one was given): args.optim, or Trainer(optimizer_cls_and_kwargs=...), over two
         groups, with and without weight decay. A subclass may override it; train() calls it."""
         if self.optimizer is None:
-            cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args)
-            groups = parameter_groups(self.model if model is None else model, self.args.weight_decay)
+            model = self.model if model is None else model
+            cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
+            groups = parameter_groups(model, self.args.weight_decay)
             if not groups:
                 raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
-            self.optimizer = cls(groups, **kwargs)
+            self.optimizer = instantiate(cls, kwargs, groups, model)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):

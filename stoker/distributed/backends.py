@@ -233,12 +233,13 @@ class Backend:
         finally:
             self._before_sync = None
 
-    def backward(self, loss) -> None:
-        """Backward of a micro-batch's loss, as normalised by the loop (Accelerate scales it for fp16)."""
+    def backward(self, loss, learning_rate: float | None = None) -> None:
+        """Backward of a micro-batch's loss, as normalised by the loop (Accelerate scales it for fp16); with
+        `learning_rate`, the fused backward of a LOMO optimizer, which updates the parameters as it goes."""
         before, self._before_sync = self._before_sync, None
         if before is not None:  # the window's last micro-batch, before its gradient all-reduce
             before()
-        self.accelerator.backward(loss)
+        self.accelerator.backward(loss, **({} if learning_rate is None else {"learning_rate": learning_rate}))
 
     def abandon_window(self) -> None:
         """Every process, after a window that all of them dropped (out of memory on one, before its gradient

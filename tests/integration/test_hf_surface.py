@@ -18,12 +18,13 @@ import torch
 # Values of transformers fields that ask for what stoker cannot do here: (field, value, reason).
 REFUSED_VALUES = [
     ("push_to_hub", True, "stoker never uses the network; upload output_dir yourself"),
-    ("optim_target_modules", ["attn"], "for GaLore / APOLLO optimizers, which stoker does not build"),
+    ("optim_target_modules", ["attn"], "read by GaLore / APOLLO optimizers only, not by the default AdamW"),
     ("parallelism_config", {"tp_size": 2}, "tensor / context parallelism are not run; use fsdp or deepspeed"),
     ("debug", "tpu_metrics_debug", "needs a TPU"),
     ("train_sampling_strategy", "batch_rebalance", "not offered"),
-    ("optim", "galore_adamw", "optimizers outside stoker.optim.OPTIMIZERS are not built"),
-    ("lr_scheduler_type", "greedy", "needs a metric in the scheduler step"),
+    ("optim", "galore_adafactor_layerwise", "transformers builds it with Adafactor's relative_step and a learning "
+                                           "rate together, which Adafactor refuses"),
+    ("lr_scheduler_type", "greedy", "steps on an evaluation metric: needs eval_strategy (as in transformers)"),
     ("fp16", True, "on a machine without CUDA (transformers would silently train in float32)"),
 ]
 # refused only where the package is missing

@@ -115,7 +115,7 @@ def test_scheduler_names_follow_transformers():
     from transformers.trainer_utils import SchedulerType
 
     assert len(set(SCHEDULER_NAMES)) == len(SCHEDULER_NAMES)
-    assert set(SCHEDULER_NAMES) == {s.value for s in SchedulerType} - {"greedy"}
+    assert set(SCHEDULER_NAMES) == {s.value for s in SchedulerType}
 
 
 def test_optimizer_names_are_transformers_names():
@@ -451,7 +451,7 @@ def test_new_fields_are_validated_together():
     assert "accepted: detail, debug, info, warning, error, critical, passive" in str(err)
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", [name for name, o in OPTIMIZERS.items() if o.builds != "transformers"])
 def test_every_optimizer_name_builds_what_transformers_builds(name):
     """The table's class and keyword arguments for each name are transformers.Trainer's for the same arguments."""
     import transformers
@@ -479,3 +479,45 @@ def test_an_optimizer_added_to_the_table_is_validated_with_its_package(monkeypat
         TrainingArguments(optim="rmsprop_bnb")
     with pytest.raises(ConfigError, match="optim='rmsprop_8bit': unknown optimizer.*accepted: .*rmsprop_bnb"):
         TrainingArguments(optim="rmsprop_8bit")
+
+
+def test_every_transformers_optimizer_name_is_offered():
+    """Every name of transformers' OptimizerNames is in the table but galore_adafactor_layerwise, which transformers
+    builds with Adafactor's relative_step and a learning rate together, which Adafactor refuses."""
+    from transformers.training_args import OptimizerNames
+
+    assert {o.value for o in OptimizerNames} - set(OPTIMIZERS) == {"galore_adafactor_layerwise"}
+
+
+def test_the_docs_list_every_optimizer_with_what_it_needs():
+    """docs/arguments.md's optimizer table: one row per name of the table, in its order, with its package and
+    needs as the table says them."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "arguments.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (.*) \| (.*) \|$", text.split("## Optimizers", 1)[1], re.M)
+    assert rows == [(o.name, "transformers' builder" if o.builds == "transformers" else f"`{o.builds}`", o.needs)
+                    for o in OPTIMIZERS.values()]
+
+
+def test_a_missing_optimizer_package_is_named_with_its_pip_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "galore_torch" else real(name, *rest))
+    with pytest.raises(ConfigError, match=r"optim='galore_adamw': needs the galore_torch package, which is not "
+                                          r"installed \(pip install galore-torch\)"):
+        TrainingArguments(optim="galore_adamw", optim_target_modules="all-linear", save_only_model=True)
+
+
+def test_what_each_optimizer_needs_is_said_together():
+    err = _problems(optim="galore_adamw_layerwise", gradient_accumulation_steps=2, use_cpu=True)
+    assert [p.split(":")[0] for p in err.problems] == [
+        "optim='galore_adamw_layerwise'", "optim='galore_adamw_layerwise' with gradient_accumulation_steps=2",
+        "optim='galore_adamw_layerwise' with save_strategy='steps'"]
+    err = _problems(optim="adamw_torch", optim_target_modules=["attn"])
+    assert "optim_target_modules=['attn']: is read by the GaLore / APOLLO optimizers only (galore_adamw" in str(err)
+    err = _problems(lr_scheduler_type="greedy")
+    assert "lr_scheduler_type='greedy' steps on an evaluation metric" in str(err)

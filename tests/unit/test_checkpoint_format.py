@@ -88,3 +88,22 @@ def test_checkpoints_are_listed_by_step_and_rotated_without_the_newest_or_the_be
     assert ckpt.rotate(str(tmp_path), limit=1, keep=ckpt.checkpoint_dir(str(tmp_path), 2)) == []
     assert ckpt.rotate(str(tmp_path), limit=None) == [] and ckpt.rotate(str(tmp_path), limit=1) == [
         ckpt.checkpoint_dir(str(tmp_path), 2)]
+
+
+def test_a_safetensors_file_whose_header_length_starts_like_a_pickle_is_not_taken_for_one(tmp_path):
+    """896 = 0x0380: the file's first two bytes are 0x80 0x03, a pickle's protocol-3 opening; the JSON header after
+    the length says what it is. A pickle is still recognised."""
+    import pickle
+    import struct
+
+    from safetensors.torch import load_file
+
+    from stoker.checkpoint_format import _looks_pickled
+
+    header = b'{"t":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    header += b" " * (896 - len(header))
+    (tmp_path / "a.safetensors").write_bytes(struct.pack("<Q", 896) + header + struct.pack("<f", 1.5))
+    assert load_file(tmp_path / "a.safetensors")["t"].item() == 1.5
+    assert not _looks_pickled(tmp_path / "a.safetensors")
+    (tmp_path / "b.pt").write_bytes(pickle.dumps({"t": 1}, protocol=3))
+    assert _looks_pickled(tmp_path / "b.pt")
