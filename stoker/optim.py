@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .muon import muon_groups
+
 # optim sits below arguments (TrainingArguments validates names against OPTIMIZERS): the functions here read the
 # run's arguments by field name, without importing the class
 TrainingArguments = Any
@@ -35,7 +37,9 @@ def decay_parameter_names(model: nn.Module) -> list[str]:
             for name, _ in module.named_parameters(recurse=False) if _decays(module, name)]
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def parameter_groups(model: nn.Module, weight_decay: float, optim: str | None = None) -> list[dict]:
+    """The trainable parameters with and without weight decay; for optim='muon', with the hidden layers' matrices in
+    groups of their own (stoker.muon)."""
     decay, no_decay, seen = [], [], set()
     for _, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -43,8 +47,9 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 continue
             seen.add(id(param))
             (decay if _decays(module, name) else no_decay).append(param)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return muon_groups(model, groups) if optim == "muon" else groups
 
 
 class Optimizer(NamedTuple):
@@ -77,6 +82,8 @@ OPTIMIZERS = {o.name: o for o in (
           ("paged_adamw_8bit", "AdamW", "adam", 8, True), ("paged_adamw_32bit", "AdamW", "adam", 32, True),
           ("lion_8bit", "Lion", "lion", 8, False), ("lion_32bit", "Lion", "lion", 32, False),
           ("paged_lion_8bit", "Lion", "lion", 8, True), ("paged_lion_32bit", "Lion", "lion", 32, True))),
+    # torch's Muon for the hidden layers' matrices, AdamW for the rest (stoker.muon; optim_args: its options)
+    Optimizer("muon", "stoker.muon:MuonWithAdamW"),
 )}
 
 
@@ -92,7 +99,7 @@ def optimizer_cls_and_kwargs(args: TrainingArguments) -> tuple[type, dict]:
 
 
 def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    groups = parameter_groups(model, args.weight_decay)
+    groups = parameter_groups(model, args.weight_decay, args.optim)
     if not groups:
         raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
     cls, kwargs = optimizer_cls_and_kwargs(args)

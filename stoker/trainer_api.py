@@ -209,7 +209,8 @@ class TrainerAPI:
         groups, with and without weight decay. A subclass may override it; train() calls it."""
         if self.optimizer is None:
             cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args)
-            groups = parameter_groups(self.model if model is None else model, self.args.weight_decay)
+            groups = parameter_groups(self.model if model is None else model, self.args.weight_decay,
+                                      None if self.optimizer_cls_and_kwargs else self.args.optim)  # muon: its split
             if not groups:
                 raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
             self.optimizer = cls(groups, **kwargs)
