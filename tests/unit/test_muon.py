@@ -38,10 +38,11 @@ def names_of(model, params) -> set[str]:
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """4 steps of optim='muon' with a checkpoint every 2, and the gradients each update used (after clipping)."""
+    """4 steps of optim='muon' with a checkpoint every 2, written in the background (async_save: the optimizer
+    state's host copy is the snapshot), and the gradients each update used (after clipping)."""
     out = tmp_path_factory.mktemp("muon")
     recorder = GradRecorder()
-    trainer = Trainer(llama(), muon_args(out, save_strategy="steps", save_steps=2), train_dataset=DATA,
+    trainer = Trainer(llama(), muon_args(out, save_strategy="steps", save_steps=2, async_save=True), train_dataset=DATA,
                       callbacks=[recorder])
     trainer.train()
     return trainer, recorder.grads, out
@@ -231,6 +232,36 @@ def test_the_rollbacks_in_place_restore_reaches_both_optimizers():
     step(model, opt, LR / 2)
     step(*twin, LR / 2)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin[0].parameters(), strict=True))
+
+
+class HiddenLayerRegressor(nn.Module):
+    """The rollback tests' regressor with a hidden layer, whose weight Muon steps (the output layer's is AdamW's)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x, labels):
+        return nn.functional.mse_loss(self.net(x).squeeze(-1), labels)
+
+
+def test_a_spike_is_rolled_back_and_the_run_equals_the_run_without_its_rows(tmp_path):
+    """spike_rollback with optim='muon' (tests/integration/test_rollback_runs.py's job): the run rolls back to its
+    snapshot at step 4, Muon's momentum and AdamW's moments with it, and ends bit-equal to the run without the rows."""
+    from tests.integration import test_rollback_runs as rollback
+
+    muon = dict(optim="muon", learning_rate=0.02)
+    healed = Trainer(HiddenLayerRegressor(), rollback.args(tmp_path / "healed", **muon, **rollback.HEAL),
+                     train_dataset=rollback.rows(poisoned={42, 45}))
+    healed.train()
+    [record] = rollback.records(tmp_path / "healed")
+    assert (record["step"], record["restored_step"]) == (6, 4)
+    assert names_of(healed.model, healed.optimizer.optimizer._parts[1].param_groups[0]["params"]) == {"net.0.weight"}
+    reference = Trainer(HiddenLayerRegressor(), rollback.args(tmp_path / "reference", **muon),
+                        train_dataset=[r for i, r in enumerate(rollback.rows()) if not 40 <= i < 48])
+    reference.train()
+    rollback.assert_same(final(healed), final(reference))
 
 
 # --- refusals -----------------------------------------------------------------------------------------
