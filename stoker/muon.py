@@ -32,10 +32,8 @@ from torch import nn
 
 from .distributed.fsdp import fsdp_enabled
 
-# Muon's hyperparameters in optim_args (torch.optim.Muon's names; ns_eps is its `eps`, which here would be Adam's),
-# AdamW's that optim_args may also set, and what each accepts
-MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_coefficients": (3.4445, -4.7750, 2.0315), "ns_steps": 5,
-                 "ns_eps": 1e-7, "adjust_lr_fn": "match_rms_adamw", "muon_lr": None, "muon_weight_decay": None}
+# torch.optim.Muon's Newton-Schulz coefficients (Keller Jordan's), its default
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
 
 
@@ -43,6 +41,8 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# what optim_args may set with optim='muon', and what each accepts: Muon's options (torch.optim.Muon's names, but
+# ns_eps for its `eps`, which in optim_args is Adam's), its own learning rate and weight decay, and AdamW's
 OPTIONS = {
     "momentum": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "nesterov": (lambda v: isinstance(v, bool), "True or False"),
@@ -119,11 +119,7 @@ def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
     edges = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     edges += [m for m in (_input_embedding(model), _output_layer(model)) if m is not None]
     outside = {id(p) for m in edges for p in m.parameters()}
-    found = {}
-    for p in model.parameters():
-        if p.requires_grad and p.ndim == 2 and id(p) not in outside:
-            found.setdefault(id(p), p)
-    return list(found.values())
+    return [p for p in model.parameters() if p.requires_grad and p.ndim == 2 and id(p) not in outside]
 
 
 def muon_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
@@ -153,7 +149,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
-                 ns_coefficients: tuple[float, float, float] = MUON_DEFAULTS["ns_coefficients"], ns_steps: int = 5,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5,
                  ns_eps: float = 1e-7, adjust_lr_fn: str = "match_rms_adamw", muon_lr: float | None = None,
                  muon_weight_decay: float | None = None):
         groups = list(params)
