@@ -26,6 +26,7 @@ from .distributed.accelerator import argument_problems
 from .distributed.launch import LAUNCHER_PRECISIONS, launcher_precision, launcher_world_size, wants_cpu
 from .errors import ConfigError, suggest
 from .float8 import float8_problems
+from .muon import muon_problems
 from .optim import OPTIMIZERS, optimizer_problems
 from .requirements import installed_version_problems
 from .tracking import report_to_problems, resolve_report_to
@@ -651,6 +652,8 @@ class TrainingArguments:
             self.optimizer_kwargs()
         except ValueError as e:
             bad("optim_args", f"{e}; write e.g. 'betas=(0.9,0.95),eps=1e-6'")
+        if self.optim == "muon":
+            p += muon_problems(self)  # its optim_args, and the sharding that would split its matrices
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
             if isinstance(getattr(self, name), str) and getattr(self, name).lstrip().startswith("{"):
                 continue  # invalid JSON, reported by __post_init__

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .muon import muon_groups
+
 # optim sits below arguments (TrainingArguments validates names against OPTIMIZERS): the functions here read the
 # run's arguments by field name, without importing the class
 TrainingArguments = Any
@@ -35,7 +37,9 @@ def decay_parameter_names(model: nn.Module) -> list[str]:
             for name, _ in module.named_parameters(recurse=False) if _decays(module, name)]
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def parameter_groups(model: nn.Module, weight_decay: float, optim: str | None = None) -> list[dict]:
+    """The trainable parameters with and without weight decay; for optim='muon', with the hidden layers' matrices in
+    groups of their own (stoker.muon)."""
     decay, no_decay, seen = [], [], set()
     for _, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -43,8 +47,9 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 continue
             seen.add(id(param))
             (decay if _decays(module, name) else no_decay).append(param)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return muon_groups(model, groups) if optim == "muon" else groups
 
 
 class Optimizer(NamedTuple):
@@ -54,7 +59,8 @@ class Optimizer(NamedTuple):
     `pip` names its distribution where that differs), and what the run must do for it: `loop` ('modes': train()
     and eval() around evaluation, 'fused_backward': the update inside the backward, 'layerwise': one optimizer
     per parameter stepped in backward hooks), `targets` (optim_target_modules names the projected modules),
-    `cuda` (needs a CUDA GPU) and `unsaved` (why stoker's pickle-free checkpoints cannot hold its state)."""
+    `cuda` (needs a CUDA GPU), `unsaved` (why stoker's pickle-free checkpoints cannot hold its state) and `unsharded`
+    (refused with fsdp and deepspeed, which hand the optimizer pieces of each matrix)."""
 
     name: str
     builds: str
@@ -66,6 +72,7 @@ class Optimizer(NamedTuple):
     targets: bool = False
     cuda: bool = False
     unsaved: str = ""
+    unsharded: bool = False
 
     @property
     def distribution(self) -> str | None:
@@ -80,7 +87,8 @@ class Optimizer(NamedTuple):
                                           (self.loop in ("fused_backward", "layerwise"),
                                            "gradient_accumulation_steps=1"),
                                           (self.loop in ("fused_backward", "layerwise"), "one process"),
-                                          (self.unsaved, "save_only_model=True or save_strategy='no'")) if flag]
+                                          (self.unsaved, "save_only_model=True or save_strategy='no'"),
+                                          (self.unsharded, "no fsdp or deepspeed")) if flag]
         return ", ".join(parts) or "nothing"
 
 
@@ -140,7 +148,8 @@ OPTIMIZERS = {o.name: o for o in (
     # the AdamW of an accelerator's own torch package: refused where that package is missing
     Optimizer("adamw_torch_xla", TRANSFORMERS, package="torch_xla", pip="torch-xla"),
     Optimizer("adamw_torch_npu_fused", TRANSFORMERS, package="torch_npu", pip="torch-npu"),
-    # room for optimizers of stoker's own module (a name whose `builds` is 'stoker.<module>:<factory>')
+    # torch's Muon for the hidden layers' matrices, AdamW for the rest (stoker.muon; optim_args: its options)
+    Optimizer("muon", "stoker.muon:MuonWithAdamW", unsharded=True),
 )}
 
 
@@ -251,7 +260,7 @@ def updates_in_backward(optimizer) -> bool:
 
 
 def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    groups = parameter_groups(model, args.weight_decay)
+    groups = parameter_groups(model, args.weight_decay, args.optim)
     if not groups:
         raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
     cls, kwargs = optimizer_cls_and_kwargs(args, model)

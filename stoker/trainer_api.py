@@ -218,7 +218,8 @@ class TrainerAPI:
         if self.optimizer is None:
             model = self.model if model is None else model
             cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
-            groups = parameter_groups(model, self.args.weight_decay)
+            groups = parameter_groups(model, self.args.weight_decay,
+                                      None if self.optimizer_cls_and_kwargs else self.args.optim)  # muon: its split
             if not groups:
                 raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
             self.optimizer = instantiate(cls, kwargs, groups, model)

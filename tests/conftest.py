@@ -115,8 +115,8 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "equivalence_after_evaluate", "evaluation", "guards",
                  "guards_deferred", "rng_resume", "worker_seeds", "save_failure", "per_process_tokens", "ddp_adamw",
-                 "families", "iterable", "shared_prefix", "moe", "spike", "fsdp1", "lora_fsdp2", "fsdp2", "async_fsdp2",
-                 "spike_fsdp2", "fsdp_save_failure", "placement"))
+                 "families", "iterable", "shared_prefix", "moe", "spike", "muon", "fsdp1", "lora_fsdp2", "fsdp2",
+                 "async_fsdp2", "spike_fsdp2", "fsdp_save_failure", "placement"))
     return out
 
 

@@ -92,6 +92,24 @@ def test_two_processes_update_like_one_big_batch_and_like_accumulation(two_ranks
     assert r0["losses"] == r1["losses"]  # every rank logs the global loss
 
 
+def test_two_processes_train_muon_like_one_process(two_ranks, tmp_path, monkeypatch):
+    """optim='muon' (stoker/muon.py): each process orthogonalises the same all-reduced gradients, so the replicas
+    agree bit for bit; 2 x 4 == 1 x 8 within 1e-6 where the orthogonalisation runs in float32 (torch's runs in
+    bfloat16, which turns the processes' float32 summation order into bfloat16 roundings)."""
+    from tests.unit.test_muon import newton_schulz_float32
+
+    r0, r1 = ranks(two_ranks, "muon")
+    for name in ("bf16", "fp32"):
+        assert r0[name]["params"] == r1[name]["params"] and r0[name]["optimizer"] == "MuonWithAdamW"
+        assert r0[name]["losses"] == r1[name]["losses"] and len(r0[name]["losses"]) == 3
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz_float32)
+    one = Trainer(llama(), w.muon_args(str(tmp_path), per_device_train_batch_size=8), train_dataset=w.TRAIN)
+    one.train()
+    assert_params_close(load_file(str(two_ranks / "muon" / "fp32.safetensors")), params_of(one), atol=1e-6)
+    assert [x for _, x in r0["fp32"]["losses"]] == pytest.approx(
+        [r["loss"] for r in one.state.log_history if "loss" in r], abs=2e-6)
+
+
 def test_average_tokens_across_devices_false_averages_each_process_mean(two_ranks):
     r0, r1 = ranks(two_ranks, "per_process_tokens")
     assert r0["tokens"] != r1["tokens"]  # with equal counts both settings would give the same update

@@ -1068,6 +1068,32 @@ def ddp_adamw(out: str) -> None:
     r.write()
 
 
+def muon(out: str) -> None:
+    """optim='muon', 2 x batch 4 over 3 steps: with torch's bfloat16 orthogonalisation (the replicas must agree bit
+    for bit), and with the float32 one of tests/unit/test_muon.py, which the test compares with one process on batch 8
+    within 1e-6 (in bfloat16 the processes' float32 summation order would show as bfloat16 roundings)."""
+    from tests.unit.test_muon import newton_schulz_float32
+
+    r = Report(out, "muon")
+    torch_newton_schulz = torch.optim._muon._zeropower_via_newtonschulz
+    for name in ("bf16", "fp32"):
+        torch.optim._muon._zeropower_via_newtonschulz = (newton_schulz_float32 if name == "fp32"
+                                                         else torch_newton_schulz)
+        trainer = Trainer(llama(), muon_args(os.path.join(r.folder, name)), train_dataset=TRAIN)
+        trainer.train()
+        r.values[name] = {"params": param_digest(trainer.model), "losses": losses(trainer),
+                          "optimizer": type(trainer.optimizer.optimizer).__name__}
+        r.save_tensors(name, final_params(trainer))
+    torch.optim._muon._zeropower_via_newtonschulz = torch_newton_schulz
+    r.write()
+
+
+def muon_args(out: str, **kw) -> TrainingArguments:
+    """The muon scenario's settings (the test's single-process run too)."""
+    return training_args(out, **{"optim": "muon", "learning_rate": 0.02, "weight_decay": 0.1,
+                                 "per_device_train_batch_size": 4, "num_train_epochs": 1, **kw})
+
+
 def per_process_tokens(out: str) -> None:
     """average_tokens_across_devices=False: each rank's loss is the mean over its own target tokens and DDP
     averages the ranks' gradients; that update is computed here by hand from the batch each rank trained on."""
@@ -1209,7 +1235,8 @@ SCENARIOS = {f.__name__: f for f in (
     guards, guards_deferred, rng_resume, preempt, preempt_deferred, preempt_resume, fsdp2, fsdp1, lora_fsdp2,
     fsdp_save_failure, ddp_adamw, zero2, zero3, lora_zero3, zero_nonfinite, zero1_config_sections,
     per_process_tokens, families, iterable, shared_prefix, moe, placement, oom_on_one_rank, oom_in_the_last_backward,
-    eval_oom_on_one_rank, worker_seeds, async_fsdp2, async_kill, async_kill_resume, short_data, spike, spike_fsdp2)}
+    eval_oom_on_one_rank, worker_seeds, async_fsdp2, async_kill, async_kill_resume, short_data, spike, spike_fsdp2,
+    muon)}
 
 
 def main() -> None:

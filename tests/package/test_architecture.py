@@ -128,9 +128,9 @@ LAYERS = (
     ("helpers", ("stoker.attention", "stoker.background_save", "stoker.checkpoint_format", "stoker.chunked_loss",
                  "stoker.compilation", "stoker.data", "stoker.diagnostics", "stoker.distributed", "stoker.evaluation",
                  "stoker.float8", "stoker.gguf", "stoker.goodput", "stoker.load_balancing", "stoker.log", "stoker.loop",
-                 "stoker.loss_computation", "stoker.loss_normalization", "stoker.memory_plan", "stoker.optim",
-                 "stoker.outputs", "stoker.packing", "stoker.prefix", "stoker.requirements", "stoker.sdpa_mask",
-                 "stoker.tasks", "stoker.tracking")),
+                 "stoker.loss_computation", "stoker.loss_normalization", "stoker.memory_plan", "stoker.muon",
+                 "stoker.optim", "stoker.outputs", "stoker.packing", "stoker.prefix", "stoker.requirements",
+                 "stoker.sdpa_mask", "stoker.tasks", "stoker.tracking")),
     ("errors", ("stoker.errors",)),
 )
 
