@@ -653,6 +653,14 @@ class TrainingArguments:
                 continue  # invalid JSON, reported by __post_init__
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 bad(name, "must be a dict or a JSON object string")
+        checkpointing = self.gradient_checkpointing_kwargs
+        checkpointing = checkpointing if isinstance(checkpointing, dict) else {}
+        every = checkpointing.get("every_n_layers", 1)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            p.append(f"gradient_checkpointing_kwargs every_n_layers={every!r}: accepted: an integer >= 1 (1 "
+                     f"checkpoints every layer)")
+        if not isinstance(checkpointing.get("offload", False), bool):
+            p.append(f"gradient_checkpointing_kwargs offload={checkpointing['offload']!r}: accepted: True or False")
         accelerate = self.accelerator_config
         if isinstance(accelerate, AcceleratorConfig):
             p += gradient_accumulation_problems(accelerate.gradient_accumulation_kwargs)

@@ -123,6 +123,33 @@ def _unwrap_peft(model):
     return model.get_base_model() if ckpt.is_peft_model(model) else model
 
 
+def offload_checkpointed_inputs(model, device: torch.device) -> None:
+    """gradient_checkpointing_kwargs' offload: each checkpointed layer runs under torch's save_on_cpu, so that what
+    the recompute keeps (a layer's inputs) waits in host memory: a copy to the host in the forward and back in the
+    backward, for layers x tokens x hidden of device memory. transformers pins that memory on every host and fails
+    where nothing can pin (a CPU-only host); here it is pinned only when the model lives on an accelerator, and on
+    the CPU the hook keeps the tensors where they already are."""
+    pin = device.type != "cpu"
+    device_type = device.type if pin else "cpu"
+    wrapped = 0
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)  # set by transformers' enable call
+        if checkpoint is None or getattr(checkpoint, "offloads", False):
+            continue
+
+        def offloaded(function, *args, checkpoint=checkpoint, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device_type):
+                return checkpoint(function, *args, **kwargs)
+
+        offloaded.offloads = True
+        module._gradient_checkpointing_func = offloaded
+        wrapped += 1
+    if not wrapped:
+        raise ConfigError([f"gradient_checkpointing_kwargs offload=True: {type(model).__name__} checkpoints by its own "
+                           f"means (no transformers checkpointing function on its layers), which stoker cannot move "
+                           f"to the host; accepted: a transformers model, or offload left out"], "Trainer inputs")
+
+
 class Trainer(TrainerAPI):
     """Trains, evaluates and predicts with a PyTorch model, with the constructor and methods of
     transformers.Trainer (a script written for it runs with the import changed).
@@ -323,11 +350,17 @@ class Trainer(TrainerAPI):
     def _enable_gradient_checkpointing(self, model) -> None:
         if not self.args.gradient_checkpointing:
             return
+        # as transformers (5.17+): every_n_layers picks the layers and offload where their saved inputs live; the
+        # other keys go to torch.utils.checkpoint, which would take those two for forward's arguments
         kwargs = {"use_reentrant": False, **(self.args.gradient_checkpointing_kwargs or {})}
+        layers = {"every_n_layers": kwargs.pop("every_n_layers")} if "every_n_layers" in kwargs else {}
+        offload = kwargs.pop("offload", False)
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layers)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layers)
+        if offload:
+            offload_checkpointed_inputs(model, self.accelerator.device)
         config = getattr(_unwrap_peft(model), "config", None)
         if config is not None and hasattr(config, "use_cache"):
             config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
