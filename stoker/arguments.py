@@ -441,8 +441,9 @@ class TrainingArguments:
     load_best_model_at_end: bool = field(default=False, metadata=_help(
         "Load the best checkpoint's weights when training ends (needs matching eval and save strategies)."))
     resume_from_checkpoint: str | None = field(default=None, metadata=_help(
-        "Checkpoint folder to resume from, or 'true' for the newest complete checkpoint in output_dir (used by the "
-        "recipes and `stoker train`)."))
+        "Checkpoint folder to resume from, 'true' for the newest complete checkpoint in output_dir (refused where "
+        "there is none), or 'last' for that checkpoint or a new run where there is none (a requeued job); used by "
+        "the recipes and `stoker train`."))
     save_only_model: bool = field(default=False, metadata=_help(
         "Checkpoints hold the model only (no optimizer, scheduler or RNG state): smaller, but they cannot be "
         "resumed from."))

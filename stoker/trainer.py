@@ -298,6 +298,9 @@ class Trainer(TrainerAPI):
         if self.model_accepts_loss_kwargs is None:
             self.model_accepts_loss_kwargs = any(p.kind == p.VAR_KEYWORD
                                                  for p in inspect.signature(base.forward).parameters.values())
+        # whether a loss-only evaluation with use_liger_kernel hands forward skip_logits=True (prediction_step)
+        self._takes_skip_logits = (self._is_transformers or self.model_accepts_loss_kwargs
+                                   or "skip_logits" in forward_columns(base))
         self._loss_is_window_share = False  # whether the last compute_loss call went through stoker's own
         label_smoothing = a.label_smoothing_factor
         if label_smoothing and getattr(getattr(base, "config", None), "problem_type",
@@ -441,8 +444,10 @@ class Trainer(TrainerAPI):
         """The prepared evaluation DataLoader of `eval_dataset` (a dataset, a name in the Trainer's dict of them,
         or None for the Trainer's own), in order, per_device_eval_batch_size rows per process. With
         dataloader_persistent_workers the loader of the Trainer's own set, or of each named one, is built once
-        and reused, as transformers does, so its workers live across evaluations."""
-        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
+        and reused, as transformers does, so its workers live across evaluations; the Trainer's own set passed in
+        gets that loader too (another set passed in gets its own: transformers would return the kept one)."""
+        own = eval_dataset is None or eval_dataset is self.eval_dataset
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if own else None
         if key is not None and key in self._eval_dataloaders:
             return self._eval_dataloaders[key]
         if isinstance(eval_dataset, str):  # a name in the Trainer's dict of evaluation sets
@@ -1255,9 +1260,11 @@ class Trainer(TrainerAPI):
             else:
                 # as transformers: a model patched by Liger then skips the logits; others ignore the flag. Every
                 # forward of a loss-only evaluation gets it, the loss convention's one-off probes (which need
-                # only losses) included
+                # only losses) included, so that a probe calls the model as the evaluation does. A plain module
+                # gets it where its forward takes it (transformers hands it to every model, and one without the
+                # argument fails there)
                 skip = {"skip_logits": True} if (self.args.use_liger_kernel and prediction_loss_only
-                                                 and self._is_transformers) else {}
+                                                 and self._takes_skip_logits) else {}
                 inputs = {**inputs, **skip}
                 if not self._convention.settled:
                     self._convention.decide(model, inputs, self.accelerator)
