@@ -654,12 +654,21 @@ class Trainer(TrainerAPI):
 
     def _apply_liger_kernel(self) -> None:
         """Patch the model with Liger's kernels, as transformers does when training starts (evaluation alone needs
-        no package). Refuses before any work without the package."""
+        no package). Refuses before any work without the package, and on the CPU, where Triton has no GPU driver
+        for the kernels (transformers patches and fails in the first forward: "0 active drivers")."""
         import importlib.util
 
+        problems = []
         if importlib.util.find_spec("liger_kernel") is None:
-            raise ConfigError(["use_liger_kernel=True: training needs the liger-kernel package, which is not "
-                               "installed (pip install liger-kernel), or set it to False"], "Trainer")
+            problems.append("use_liger_kernel=True: training needs the liger-kernel package, which is not "
+                            "installed (pip install liger-kernel), or set it to False")
+        if self.accelerator.device.type == "cpu":
+            problems.append(f"use_liger_kernel=True: Liger's kernels are Triton GPU kernels, and this run is on the "
+                            f"CPU ({'use_cpu=True' if self.args.use_cpu else 'no GPU'}), where Triton has no driver "
+                            f"to run them (its error: '0 active drivers'); accepted on the CPU: "
+                            f"use_liger_kernel=False")
+        if problems:
+            raise ConfigError(problems, "Trainer")
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         base = _unwrap_peft(self.model)

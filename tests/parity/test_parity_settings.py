@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from accelerate.state import PartialState
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import stoker
 from stoker import ConfigError
 from stoker.data import PaddingCollator
-from tests.integration.test_trainer import rows
+from tests.integration.test_trainer import Regressor, regression_rows, rows
 
 FRAMEWORKS = {"hf": transformers, "stoker": stoker}
 
@@ -131,3 +132,72 @@ def test_offload_puts_the_checkpointed_inputs_through_save_on_cpu_and_runs_on_a_
 def test_bad_checkpointing_kwargs_are_refused_by_name(tmp_path, kwargs, named):
     with pytest.raises(ConfigError, match=f"gradient_checkpointing_kwargs {named}: accepted"):
         settings(stoker, tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+
+
+# --- accelerator_config use_seedable_sampler=False -------------------------------------------------------------
+
+
+def test_an_unseeded_shuffle_is_refused_by_name_where_transformers_draws_from_the_global_generator(tmp_path):
+    """transformers trains with use_seedable_sampler=False, its order drawn from the global generator (not
+    readable again by a resume); stoker refused nothing and shuffled as with True. Now train() refuses it by name
+    before the first step; evaluation and an unshuffled run are unaffected."""
+    unseeded = dict(accelerator_config={"use_seedable_sampler": False}, max_steps=2, per_device_train_batch_size=2)
+    hf = transformers.Trainer(Regressor(as_dict=True), settings(transformers, tmp_path / "hf", **unseeded),
+                              train_dataset=regression_rows(8))
+    assert hf.train().global_step == 2
+    ours = stoker.Trainer(Regressor(as_dict=True), settings(stoker, tmp_path / "stoker", **unseeded),
+                          train_dataset=regression_rows(8), eval_dataset=regression_rows(4))
+    with pytest.raises(ConfigError, match=r"accelerator_config.use_seedable_sampler=False: .* accepted: True"):
+        ours.train()
+    assert ours.state.global_step == 0 and "eval_loss" in ours.evaluate()
+    in_order = stoker.Trainer(Regressor(as_dict=True), settings(stoker, tmp_path / "seq", **unseeded,
+                                                                 train_sampling_strategy="sequential"),
+                              train_dataset=regression_rows(8))
+    assert in_order.train().global_step == 2
+
+
+# --- refusals: use_liger_kernel on the CPU, ddp_backend without a launch -----------------------------------------
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["without_liger", "with_liger"])
+def test_liger_on_the_cpu_is_refused_before_the_first_step(tmp_path, monkeypatch, installed):
+    """transformers patches the model and fails in the first forward, inside train(), with Triton's "0 active
+    drivers" (where liger-kernel is installed); stoker refuses at train()'s start, naming use_liger_kernel and
+    why, whether or not the package is there (here it is made to look installed: the refusal must not depend on
+    it). Without the package both problems are named."""
+    import importlib.util
+
+    if torch.accelerator.is_available():
+        pytest.skip("checks a CPU-only host")
+    found = importlib.util.find_spec
+    if installed:
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: object() if name == "liger_kernel" else found(name, *a))
+    trainer = stoker.Trainer(four_layer_llama(), settings(stoker, tmp_path, use_liger_kernel=True),
+                             train_dataset=rows(8), data_collator=PaddingCollator(0))
+    with pytest.raises(ConfigError) as refused:
+        trainer.train()
+    problems = refused.value.problems
+    assert len(problems) == (1 if installed else 2) and trainer.state.global_step == 0
+    assert problems[-1].startswith("use_liger_kernel=True: Liger's kernels are Triton GPU kernels, and this run is "
+                                   "on the CPU") and "'0 active drivers'" in problems[-1]
+
+
+def test_ddp_backend_in_a_process_no_launcher_started_is_refused_naming_the_launch(tmp_path, monkeypatch):
+    """transformers.Trainer and Accelerate fail with torch's "Default process group has not been initialized";
+    stoker refuses when the Trainer is built, naming ddp_backend, its value and the launchers."""
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    # transformers' failure leaves Accelerate's process-wide state half set up, which would break every later
+    # Accelerator of this process: put back what was there
+    before = dict(PartialState._shared_state)
+    try:
+        with pytest.raises(ValueError, match="Default process group has not been initialized"):
+            transformers.Trainer(Regressor(as_dict=True), settings(transformers, tmp_path / "hf", ddp_backend="gloo"),
+                                 train_dataset=regression_rows(4)).train()
+    finally:
+        PartialState._shared_state.clear()
+        PartialState._shared_state.update(before)
+    with pytest.raises(ConfigError, match=r"ddp_backend='gloo': .* started alone .*torchrun --nproc_per_node N"):
+        stoker.Trainer(Regressor(as_dict=True), settings(stoker, tmp_path / "stoker", ddp_backend="gloo"),
+                       train_dataset=regression_rows(4))
