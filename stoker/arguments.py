@@ -444,8 +444,9 @@ class TrainingArguments:
     load_best_model_at_end: bool = field(default=False, metadata=_help(
         "Load the best checkpoint's weights when training ends (needs matching eval and save strategies)."))
     resume_from_checkpoint: str | None = field(default=None, metadata=_help(
-        "Checkpoint folder to resume from, or 'true' for the newest complete checkpoint in output_dir (used by the "
-        "recipes and `stoker train`)."))
+        "Checkpoint folder to resume from, 'true' for the newest complete checkpoint in output_dir (refused where "
+        "there is none), or 'last' for that checkpoint or a new run where there is none (a requeued job); used by "
+        "the recipes and `stoker train`."))
     save_only_model: bool = field(default=False, metadata=_help(
         "Checkpoints hold the model only (no optimizer, scheduler or RNG state): smaller, but they cannot be "
         "resumed from."))
@@ -659,6 +660,14 @@ class TrainingArguments:
                 continue  # invalid JSON, reported by __post_init__
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 bad(name, "must be a dict or a JSON object string")
+        checkpointing = self.gradient_checkpointing_kwargs
+        checkpointing = checkpointing if isinstance(checkpointing, dict) else {}
+        every = checkpointing.get("every_n_layers", 1)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            p.append(f"gradient_checkpointing_kwargs every_n_layers={every!r}: accepted: an integer >= 1 (1 "
+                     f"checkpoints every layer)")
+        if not isinstance(checkpointing.get("offload", False), bool):
+            p.append(f"gradient_checkpointing_kwargs offload={checkpointing['offload']!r}: accepted: True or False")
         accelerate = self.accelerator_config
         if isinstance(accelerate, AcceleratorConfig):
             p += gradient_accumulation_problems(accelerate.gradient_accumulation_kwargs)

@@ -67,12 +67,19 @@ def _copied(state: Any, copy: HostCopies) -> Any:
     return ckpt.unflatten(tree, copy(tensors))
 
 
+# resume_from_checkpoint's "the newest checkpoint in output_dir, or a new run where there is none" (as Lightning's
+# ckpt_path="last"): what a job that is started again and again (SLURM's requeue) passes on every start
+RESUME_LAST = "last"
+
+
 def resolve_resume(resume, args) -> str | None:
     """The checkpoint folder to resume from, for train(resume_from_checkpoint=...) or args' resume_from_checkpoint:
-    None (a new run), True (the newest complete checkpoint in output_dir, if any) or a path. Refuses
-    (CheckpointError) an incomplete or corrupted folder (NotACheckpointError, also a ValueError, as transformers
-    raises for a folder it cannot resume from), one written with save_only_model, and, for True, an
-    output_dir holding the checkpoints of more than one run."""
+    None (a new run), True (the newest complete checkpoint in output_dir), "last" (the same, or a new run where
+    output_dir holds none: a requeued job's first start) or a path. Refuses (CheckpointError) an incomplete or
+    corrupted folder (NotACheckpointError, also a ValueError, as transformers raises for a folder it cannot
+    resume from), one written with save_only_model, True with no complete checkpoint in output_dir (as
+    transformers: a mistyped output_dir must not train from scratch), and, for True or "last", an output_dir
+    holding the checkpoints of more than one run."""
     if resume is None or resume is False:
         resume = args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "false"):  # from a flag or a config file
@@ -81,7 +88,7 @@ def resolve_resume(resume, args) -> str | None:
         # a new run, also into an output_dir that holds an earlier run's checkpoints (as transformers 5): each
         # checkpoint it writes replaces one of the same step atomically (see Checkpointer.rotate for the rest)
         return None
-    if resume is True:
+    if resume is True or (isinstance(resume, str) and resume.lower() == RESUME_LAST):
         complete = []
         for path in reversed(ckpt.list_checkpoints(args.output_dir)):
             problem = ckpt.verify(path)
@@ -101,6 +108,11 @@ def resolve_resume(resume, args) -> str | None:
                 "remove the other run's checkpoints")
         if complete:
             return resumable(complete[0])
+        if resume is True:  # transformers' words first: scripts and its tests match them
+            raise NotACheckpointError(
+                f"No valid checkpoint found in output directory ({args.output_dir}): resume_from_checkpoint=True "
+                f"needs a complete checkpoint there; for a job whose first start has none (a requeued job), pass "
+                f"resume_from_checkpoint='{RESUME_LAST}' (the newest checkpoint, or a new run where there is none)")
         logger.info(f"no complete checkpoint in {args.output_dir}; starting from scratch")
         return None
     problem = ckpt.verify(resume) if os.path.isdir(resume) else "no such folder"

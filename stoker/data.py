@@ -20,6 +20,8 @@ import torch
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from .errors import ConfigError
+
 IGNORE_INDEX = -100
 _PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0}
 
@@ -269,6 +271,20 @@ def seed_worker(worker_id: int, num_workers: int, rank: int) -> None:
     torch.manual_seed(seed)  # and every device generator, as transformers.set_seed does
 
 
+def refuse_unseeded_shuffle(args) -> None:
+    """accelerator_config's use_seedable_sampler=False, for a shuffled training set: transformers then draws the
+    order from the global generator, whose state when an epoch starts a resumed run cannot restore; and Accelerate
+    would leave this sampler's generator, seeded once, running on across epochs (a resumed epoch in another
+    order). Refused rather than honoured: exact resume is the promise."""
+    if getattr(args.accelerator_config, "use_seedable_sampler", True):
+        return
+    raise ConfigError(["accelerator_config.use_seedable_sampler=False: stoker draws the training shuffle from "
+                       "data_seed and the epoch (Accelerate's seedable sampler), so that a resumed run reads the "
+                       "order of the run it continues; an order drawn from the global generator could not be read "
+                       "again; accepted: True (the default), or train_sampling_strategy='sequential' for no "
+                       "shuffle"], "accelerator_config")
+
+
 def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> DataLoader:
     """A DataLoader honouring every dataloader_* field. Training data is shuffled by a RandomSampler that
     Accelerate replaces with its seedable sampler (order = f(data_seed, epoch)) when it prepares the loader.
@@ -280,6 +296,7 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
     elif args.group_by_length:
         sampler = LengthGroupedSampler(_lengths(dataset, args.length_column_name), batch_size, args.data_seed)
     else:
+        refuse_unseeded_shuffle(args)
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.data_seed))
     workers = args.dataloader_num_workers
     extra = {"in_order": args.dataloader_in_order} if workers > 0 else {}  # torch >= 2.6

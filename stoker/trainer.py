@@ -124,6 +124,33 @@ def _unwrap_peft(model):
     return model.get_base_model() if ckpt.is_peft_model(model) else model
 
 
+def offload_checkpointed_inputs(model, device: torch.device) -> None:
+    """gradient_checkpointing_kwargs' offload: each checkpointed layer runs under torch's save_on_cpu, so that what
+    the recompute keeps (a layer's inputs) waits in host memory: a copy to the host in the forward and back in the
+    backward, for layers x tokens x hidden of device memory. transformers pins that memory on every host and fails
+    where nothing can pin (a CPU-only host); here it is pinned only when the model lives on an accelerator, and on
+    the CPU the hook keeps the tensors where they already are."""
+    pin = device.type != "cpu"
+    device_type = device.type if pin else "cpu"
+    wrapped = 0
+    for module in model.modules():
+        checkpoint = getattr(module, "_gradient_checkpointing_func", None)  # set by transformers' enable call
+        if checkpoint is None or getattr(checkpoint, "offloads", False):
+            continue
+
+        def offloaded(function, *args, checkpoint=checkpoint, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device_type):
+                return checkpoint(function, *args, **kwargs)
+
+        offloaded.offloads = True
+        module._gradient_checkpointing_func = offloaded
+        wrapped += 1
+    if not wrapped:
+        raise ConfigError([f"gradient_checkpointing_kwargs offload=True: {type(model).__name__} checkpoints by its own "
+                           f"means (no transformers checkpointing function on its layers), which stoker cannot move "
+                           f"to the host; accepted: a transformers model, or offload left out"], "Trainer inputs")
+
+
 class Trainer(TrainerAPI):
     """Trains, evaluates and predicts with a PyTorch model, with the constructor and methods of
     transformers.Trainer (a script written for it runs with the import changed).
@@ -272,6 +299,9 @@ class Trainer(TrainerAPI):
         if self.model_accepts_loss_kwargs is None:
             self.model_accepts_loss_kwargs = any(p.kind == p.VAR_KEYWORD
                                                  for p in inspect.signature(base.forward).parameters.values())
+        # whether a loss-only evaluation with use_liger_kernel hands forward skip_logits=True (prediction_step)
+        self._takes_skip_logits = (self._is_transformers or self.model_accepts_loss_kwargs
+                                   or "skip_logits" in forward_columns(base))
         self._loss_is_window_share = False  # whether the last compute_loss call went through stoker's own
         label_smoothing = a.label_smoothing_factor
         if label_smoothing and getattr(getattr(base, "config", None), "problem_type",
@@ -324,11 +354,17 @@ class Trainer(TrainerAPI):
     def _enable_gradient_checkpointing(self, model) -> None:
         if not self.args.gradient_checkpointing:
             return
+        # as transformers (5.17+): every_n_layers picks the layers and offload where their saved inputs live; the
+        # other keys go to torch.utils.checkpoint, which would take those two for forward's arguments
         kwargs = {"use_reentrant": False, **(self.args.gradient_checkpointing_kwargs or {})}
+        layers = {"every_n_layers": kwargs.pop("every_n_layers")} if "every_n_layers" in kwargs else {}
+        offload = kwargs.pop("offload", False)
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **layers)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **layers)
+        if offload:
+            offload_checkpointed_inputs(model, self.accelerator.device)
         config = getattr(_unwrap_peft(model), "config", None)
         if config is not None and hasattr(config, "use_cache"):
             config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
@@ -409,8 +445,10 @@ class Trainer(TrainerAPI):
         """The prepared evaluation DataLoader of `eval_dataset` (a dataset, a name in the Trainer's dict of them,
         or None for the Trainer's own), in order, per_device_eval_batch_size rows per process. With
         dataloader_persistent_workers the loader of the Trainer's own set, or of each named one, is built once
-        and reused, as transformers does, so its workers live across evaluations."""
-        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if eval_dataset is None else None
+        and reused, as transformers does, so its workers live across evaluations; the Trainer's own set passed in
+        gets that loader too (another set passed in gets its own: transformers would return the kept one)."""
+        own = eval_dataset is None or eval_dataset is self.eval_dataset
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval" if own else None
         if key is not None and key in self._eval_dataloaders:
             return self._eval_dataloaders[key]
         if isinstance(eval_dataset, str):  # a name in the Trainer's dict of evaluation sets
@@ -623,12 +661,21 @@ class Trainer(TrainerAPI):
 
     def _apply_liger_kernel(self) -> None:
         """Patch the model with Liger's kernels, as transformers does when training starts (evaluation alone needs
-        no package). Refuses before any work without the package."""
+        no package). Refuses before any work without the package, and on the CPU, where Triton has no GPU driver
+        for the kernels (transformers patches and fails in the first forward: "0 active drivers")."""
         import importlib.util
 
+        problems = []
         if importlib.util.find_spec("liger_kernel") is None:
-            raise ConfigError(["use_liger_kernel=True: training needs the liger-kernel package, which is not "
-                               "installed (pip install liger-kernel), or set it to False"], "Trainer")
+            problems.append("use_liger_kernel=True: training needs the liger-kernel package, which is not "
+                            "installed (pip install liger-kernel), or set it to False")
+        if self.accelerator.device.type == "cpu":
+            problems.append(f"use_liger_kernel=True: Liger's kernels are Triton GPU kernels, and this run is on the "
+                            f"CPU ({'use_cpu=True' if self.args.use_cpu else 'no GPU'}), where Triton has no driver "
+                            f"to run them (its error: '0 active drivers'); accepted on the CPU: "
+                            f"use_liger_kernel=False")
+        if problems:
+            raise ConfigError(problems, "Trainer")
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         base = _unwrap_peft(self.model)
@@ -1239,9 +1286,11 @@ class Trainer(TrainerAPI):
             else:
                 # as transformers: a model patched by Liger then skips the logits; others ignore the flag. Every
                 # forward of a loss-only evaluation gets it, the loss convention's one-off probes (which need
-                # only losses) included
+                # only losses) included, so that a probe calls the model as the evaluation does. A plain module
+                # gets it where its forward takes it (transformers hands it to every model, and one without the
+                # argument fails there)
                 skip = {"skip_logits": True} if (self.args.use_liger_kernel and prediction_loss_only
-                                                 and self._is_transformers) else {}
+                                                 and self._takes_skip_logits) else {}
                 inputs = {**inputs, **skip}
                 if not self._convention.settled:
                     self._convention.decide(model, inputs, self.accelerator)

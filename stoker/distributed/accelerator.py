@@ -27,6 +27,7 @@ from .launch import (
     check_save_on_each_node,
     check_world_size,
     launcher_precision,
+    launcher_world_size,
     leave_process_group_at_exit,
     wants_cpu,
 )
@@ -66,8 +67,17 @@ def async_save_refusal(what: str) -> str:
 
 def runtime_problems(args) -> list[str]:
     """What keeps this machine from running the requested FSDP or DeepSpeed: Accelerate would run without
-    them (DDP, or one process) rather than fail, so stoker refuses before any work."""
+    them (DDP, or one process) rather than fail, so stoker refuses before any work. Also a ddp_backend in a
+    process no launcher started, where Accelerate (and transformers.Trainer) fail in torch's words."""
     p = accelerate_launch_problems(args.deepspeed not in (None, "", {}))
+    if args.ddp_backend is not None and args.deepspeed in (None, "", {}) and "LOCAL_RANK" not in os.environ and (
+            launcher_world_size() == 1):
+        # Accelerate takes a backend for a process group to join and asks torch for its size, which fails with
+        # "Default process group has not been initialized" when no launcher started the processes
+        p.append(f"ddp_backend={args.ddp_backend!r}: a process-group backend joins the processes of a launch, and "
+                 "this process was started alone (LOCAL_RANK and WORLD_SIZE unset); launch the script with "
+                 "several processes (torchrun --nproc_per_node N, accelerate launch --num_processes N, or srun "
+                 "setting RANK, LOCAL_RANK and WORLD_SIZE), or leave ddp_backend unset for one process")
     on_accelerator = accelerator_available() and not args.use_cpu
     if fsdp_enabled(args.fsdp) and not on_accelerator:
         p.append(f"fsdp={args.fsdp!r}: FSDP needs GPUs (or another accelerator); "

@@ -280,11 +280,16 @@ def input_problems(built: dict, checks: tuple[str, ...] = INPUT_CHECKS) -> list[
         if "tensorboard" in args.report_to and outside:
             p.append(writable_folder_problem("logging_dir", args.logging_dir))
         resume = args.resume_from_checkpoint
-        if isinstance(resume, str) and resume.lower() not in ("true", "false"):
+        if isinstance(resume, str) and resume.lower() not in ("true", "false", "last"):
             # names and sizes only: the Trainer checks every byte against the manifest when it loads it
             problem = ckpt.verify(resume, hashes=False)
             if problem:
                 p.append(f"resume_from_checkpoint={resume!r}: {problem}")
+        elif str(resume).lower() == "true" and not ckpt.list_checkpoints(args.output_dir):
+            # refused here, before the model and data load, as the Trainer would refuse it (transformers' rule)
+            p.append(f"resume_from_checkpoint=true: output_dir={args.output_dir!r} holds no checkpoint; accepted: "
+                     f"'last' (the newest checkpoint, or a new run where there is none: a requeued job's first "
+                     f"start), a checkpoint folder, or false")
         elif (resume is None or str(resume).lower() == "false") and not args.overwrite_output_dir:
             existing = ckpt.list_checkpoints(args.output_dir)
             if existing:

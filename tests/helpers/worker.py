@@ -60,7 +60,7 @@ def main():
                              gradient_accumulation_steps=2, max_steps=40, learning_rate=1e-2, optim="adamw_torch",
                              seed=1, async_save=background)
     trainer = Trainer(model, args, train_dataset=rows(30, seed=2), callbacks=[Announce()])
-    trainer.train(resume_from_checkpoint=True)
+    trainer.train(resume_from_checkpoint="last")  # started again and again: the first start has no checkpoint
     trainer.save_model(os.path.join(out, "final"))
 
 

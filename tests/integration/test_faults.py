@@ -156,9 +156,11 @@ def test_damaged_checkpoint_is_skipped_by_true_and_refused_by_path(tmp_path, cap
     assert t.state.log_history[0]["step"] == 1 and t.state.global_step == 4  # resumed from checkpoint-2
 
 
-def test_resume_true_without_checkpoints_starts_fresh_with_a_notice(tmp_path, capsys):
+def test_resume_last_without_checkpoints_starts_fresh_with_a_notice(tmp_path, capsys):
+    """'last' is a requeued job's first start; True there is refused as transformers refuses it
+    (tests/parity/test_parity_hf_behaviours.py)."""
     t = Trainer(llama(), make_args(tmp_path / "empty", max_steps=2), train_dataset=rows(8))
-    t.train(resume_from_checkpoint=True)
+    t.train(resume_from_checkpoint="last")
     assert t.state.global_step == 2 and "starting from scratch" in capsys.readouterr().err
 
 

@@ -311,3 +311,100 @@ def test_too_few_rows_for_one_batch_of_an_epoch_run_is_refused_before_work(tmp_p
     args = quiet(stoker, tmp_path, per_device_train_batch_size=4, dataloader_drop_last=True)
     with pytest.raises(ValueError, match="yields no full micro-batch"):
         stoker.Trainer(Regressor(as_dict=True), args, train_dataset=regression_rows(3)).train()
+
+
+# --- transformers' own Trainer tests: resume_from_checkpoint=True with no checkpoint, the kept evaluation loader,
+# skip_logits in a loss-only evaluation with use_liger_kernel ----------------------------------------------------
+
+
+def test_resume_true_without_a_checkpoint_raises_as_transformers_and_last_starts_fresh(tmp_path):
+    """transformers' test_can_resume_training: train(resume_from_checkpoint=True) into an output_dir without a
+    checkpoint raises "No valid checkpoint found in output directory" (a mistyped output_dir must not retrain from
+    scratch); stoker raises the same words, before any step. 'last' is a requeued job's first start: the newest
+    checkpoint, or a new run where there is none; its second start resumes."""
+    for name, module in FRAMEWORKS.items():
+        out = tmp_path / name
+        trainer = module.Trainer(Regressor(as_dict=True), quiet(module, out, max_steps=2),
+                                 train_dataset=regression_rows(4))
+        with pytest.raises(ValueError, match=rf"No valid checkpoint found in output directory \({out}\)"):
+            trainer.train(resume_from_checkpoint=True)
+        assert trainer.state.global_step == 0
+    out = tmp_path / "requeued"
+    first = stoker.Trainer(Regressor(as_dict=True), quiet(stoker, out, max_steps=2, save_strategy="steps",
+                                                          save_steps=2), train_dataset=regression_rows(4))
+    assert first.train(resume_from_checkpoint="last").global_step == 2
+    again = stoker.Trainer(Regressor(as_dict=True), quiet(stoker, out, max_steps=3, logging_steps=1),
+                           train_dataset=regression_rows(4))
+    again.train(resume_from_checkpoint="last")
+    assert [r["step"] for r in again.state.log_history if "loss" in r] == [3]  # steps 1-2 came from checkpoint-2
+
+
+def test_a_recipe_asked_to_resume_from_an_empty_output_dir_is_refused_before_any_work(tmp_path):
+    """`stoker train --resume_from_checkpoint true` into an output_dir without a checkpoint is refused with the
+    recipe's other input problems (before the model or data load), naming 'last' for a requeued job."""
+    from stoker.recipes.args import input_problems
+
+    def problems(resume):
+        args = stoker.TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none",
+                                        resume_from_checkpoint=resume)
+        return input_problems({stoker.TrainingArguments: args}, checks=("output",))
+
+    (refused,) = problems("true")
+    assert refused.startswith("resume_from_checkpoint=true: ") and "holds no checkpoint" in refused
+    assert "accepted: 'last'" in refused
+    assert problems("last") == []
+
+
+def test_the_trainers_own_eval_set_passed_in_gets_the_kept_loader_with_persistent_workers(tmp_path):
+    """transformers' test_get_eval_dataloader_with_persistent_workers (prepare mocked out, as there):
+    get_eval_dataloader() and get_eval_dataloader(the Trainer's own set) are one loader, and so are two calls
+    for each named set."""
+    persistent = dict(dataloader_persistent_workers=True, dataloader_num_workers=2)
+    for name, module in FRAMEWORKS.items():
+        own = regression_rows(6)
+        trainer = module.Trainer(Regressor(as_dict=True), quiet(module, tmp_path / name, **persistent),
+                                 train_dataset=regression_rows(4), eval_dataset=own)
+        trainer.accelerator.prepare = lambda x: x
+        default, passed = trainer.get_eval_dataloader(), trainer.get_eval_dataloader(own)
+        assert default.dataset is own and passed is default, name
+        first, second = regression_rows(6), regression_rows(3)
+        trainer = module.Trainer(Regressor(as_dict=True), quiet(module, tmp_path / name, **persistent),
+                                 train_dataset=regression_rows(4), eval_dataset={"first": first, "second": second})
+        trainer.accelerator.prepare = lambda x: x
+        loaders = [trainer.get_eval_dataloader(k) for k in ("first", "first", "second", "second")]
+        assert loaders[0] is loaders[1] and loaders[2] is loaders[3] and loaders[0] is not loaders[2], name
+        assert loaders[0].dataset is first and loaders[2].dataset is second
+
+
+class ModelWithSkipLogits(torch.nn.Module):
+    """transformers' test model: every forward asserts that it was handed skip_logits=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids=None, labels=None, skip_logits=None, **kwargs):
+        assert skip_logits is True
+        self.calls += 1
+        return {"loss": torch.tensor(0.0)}
+
+
+class TinyRows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.tensor([i, i + 1, i + 2]), "labels": torch.tensor([1])}
+
+
+def test_a_loss_only_evaluation_with_liger_hands_every_forward_skip_logits(tmp_path):
+    """transformers' test_trainer_sets_skip_logits_for_loss_only_eval_when_liger_enabled: an evaluation-only
+    Trainer of a plain module whose forward takes skip_logits; stoker's one-off loss-convention probes at the first
+    evaluation call the model as the evaluation does (before, they called it without the flag and the model's
+    assertion failed). liger-kernel is not needed: evaluation patches nothing."""
+    for name, module in FRAMEWORKS.items():
+        model = ModelWithSkipLogits()
+        args = quiet(module, tmp_path / name, per_device_eval_batch_size=2, do_train=False, do_eval=True,
+                     prediction_loss_only=True, use_liger_kernel=True)
+        metrics = module.Trainer(model=model, args=args, eval_dataset=TinyRows()).evaluate()
+        assert metrics["eval_loss"] == 0.0 and model.calls >= 2, name
