@@ -1204,11 +1204,10 @@ class Trainer(TrainerAPI):
         return steps_on_metric(self.lr_scheduler)
 
     def _learning_rate(self) -> float:
-        if steps_on_metric(self.lr_scheduler) or not hasattr(
-                self.lr_scheduler, "get_last_lr"):  # a plateau schedule's rate is the optimizer's
-            rate = self.optimizer.param_groups[0]["lr"]
-        else:
-            rate = self.lr_scheduler.get_last_lr()[0]
+        # the schedule's last rate: a schedule that steps on a metric (ReduceLROnPlateau, GreedyLR) records the
+        # optimizer's after each of its steps; a schedule without get_last_lr leaves the optimizer's
+        last = getattr(self.lr_scheduler, "get_last_lr", None)
+        rate = last()[0] if last is not None else self.optimizer.param_groups[0]["lr"]
         # a tensor where the optimizer keeps its rate as one (torchao's low-bit AdamW), read as transformers does
         return rate.item() if isinstance(rate, torch.Tensor) else rate
 
