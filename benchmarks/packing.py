@@ -184,6 +184,8 @@ def timed_runs(ways: dict[str, Callable], rows: list[dict], repeats: int,
                 if round_:
                     wall[name].append(elapsed)
                     cpu[name].append(elapsed_cpu)
+                    print(f"  round {round_}, {name}: {elapsed:.1f} s wall, {elapsed_cpu:.1f} s CPU", file=sys.stderr,
+                          flush=True)  # as it goes: a long job cut short still says what it measured
     return wall, cpu
 
 

@@ -233,11 +233,11 @@ def kernel_for(device_type: str, dtype: torch.dtype, dropout: bool = False) -> s
     return choice
 
 
-def compute_dtype(x: torch.Tensor, device_type: str | None = None) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype attention runs in: the autocast dtype where autocast is on for the device type, else x's own.
     Under autocast over float32 weights transformers' rotary embeddings hand float32 q and k (cos and sin are made
     in the hidden states' dtype), which would otherwise pick a float32 kernel (never varlen or flash)."""
-    kind = device_type or x.device.type
+    kind = x.device.type
     if x.is_floating_point() and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return x.dtype
