@@ -272,21 +272,21 @@ def choose_kernel(model: torch.nn.Module, device: torch.device | str, dtype: tor
 
 # On a CPU there is no variable-length kernel; sdpa runs either once over the micro-batch's rows with a block mask
 # of their sequences ("rows": each row's L^2 scores, in one call batched over rows and heads) or once per sequence
-# ("per_sequence": each sequence's own scores only, a call each, batched over heads only). Measured forward and
-# backward at SmolLM2-135M's heads (9 query, 3 key/value, 64 wide) in bfloat16 on 2 threads, rows of 128 to 512
-# tokens holding 1 to 8 sequences each: one call wins where a row is one sequence (its mask is the causal mask:
-# 0.76x per_sequence's time at 512 tokens) and where sequences average 32 tokens or fewer (0.65x at 16), which the
-# per-call overhead dominates; per_sequence wins by 1.1x to 1.6x once they average 64 or more, where the mask's
-# extra scores dominate
-ROWS_MAX_MEAN_SEQUENCE = 32  # tokens: micro-batches whose sequences are this short on average attend in one call
+# ("per_sequence": each sequence's own scores only, but a call each, per layer, forward and backward, after a read
+# of the boundaries and with a copy to join the outputs). In the main job (LoRA on SmolLM2-135M, 30 layers, rows
+# packed to 211 tokens, ~2 sequences a row, bf16 on 2 threads: benchmarks/packing.py --job smollm2_lora) the one
+# call trained 1.46x faster end to end; the per-sequence calls only win where rows are long enough for the mask's
+# extra scores to outweigh them (forward and backward of attention alone at SmolLM2's heads: 2x at rows of 1024
+# tokens holding 6 sequences)
+ROWS_MAX_LENGTH = 512  # tokens a row: micro-batches of rows this short attend in one call
 
 
 def cpu_kernel(rows: int, length: int, sequences: int, compiled: bool = False) -> str:
     """The CPU's way for a micro-batch of `rows` rows of `length` tokens holding `sequences` sequences (a row's
-    trailing padding counts as one): "rows" where each row is one sequence or the sequences average at most
-    ROWS_MAX_MEAN_SEQUENCE tokens, else "per_sequence". Compiled, always "rows": per_sequence reads the boundaries on
-    the host, which breaks the graph."""
-    if compiled or sequences <= rows or rows * length <= ROWS_MAX_MEAN_SEQUENCE * sequences:
+    trailing padding counts as one): "rows" where the rows are at most ROWS_MAX_LENGTH tokens or each is one
+    sequence (its mask is then the causal one), else "per_sequence". Compiled, always "rows": per_sequence reads the
+    boundaries on the host, which breaks the graph."""
+    if compiled or sequences <= rows or length <= ROWS_MAX_LENGTH:
         return "rows"
     return "per_sequence"
 

@@ -120,18 +120,17 @@ def test_the_rows_kernel_computes_what_sdpa_over_each_sequence_does(causal):
 
 
 @pytest.mark.parametrize(("rows", "length", "sequences", "compiled", "expected"), [
-    (8, 128, 64, False, "rows"),  # sequences of 16 tokens: the calls' overhead is the larger cost
-    (8, 256, 64, False, "rows"),  # 32 tokens, the rule's edge
-    (8, 512, 8, False, "rows"),  # a sequence a row: the mask is the causal one, and one call batches the rows
-    (8, 211, 18, False, "per_sequence"),  # ~94 tokens each: the mask's extra scores cost more than the calls
-    (8, 512, 32, False, "per_sequence"),
-    (4, 1024, 8, True, "rows"),  # compiled: per_sequence's read of the boundaries would break the graph
+    (8, 211, 18, False, "rows"),  # the main job's packed rows: one call beats 18 (and their reads and copies)
+    (8, 512, 64, False, "rows"),  # the rule's edge
+    (4, 2048, 4, False, "rows"),  # a sequence a row: the mask is the causal one, and one call batches the rows
+    (4, 1024, 24, False, "per_sequence"),  # long rows of several sequences: the mask's extra scores dominate
+    (4, 1024, 24, True, "rows"),  # compiled: per_sequence's read of the boundaries would break the graph
 ])
 def test_the_cpu_chooses_one_call_or_one_per_sequence_by_the_shape(rows, length, sequences, compiled, expected):
     assert attention.cpu_kernel(rows, length, sequences, compiled) == expected
 
 
-@pytest.mark.parametrize("shape", [(2, 48, 4), (2, 600, 4)], ids=["rows", "per_sequence"])
+@pytest.mark.parametrize("shape", [(2, 48, 4), (2, 520, 4)], ids=["rows", "per_sequence"])
 def test_the_model_attends_on_a_cpu_with_the_rules_choice(monkeypatch, shape):
     """The forward applies the rule to the micro-batch's shape (rows, row length, sequences), and both ways give
     the same logits."""
