@@ -35,7 +35,7 @@ each micro-batch by its rule), and stoker with every micro-batch forced to one o
 sdpa over the rows' block mask; "per_sequence", one sdpa per sequence), which shows what the rule is worth.
 
 It is a measurement, not a test: it prints and exits 0. About four minutes on 2 idle CPU cores (the synthetic job;
-smollm2_lora at 160 rows and 2 threads: about 20):
+smollm2_lora at 160 rows, 2 threads and --repeats 1: about 25 on a loaded machine):
 
     python benchmarks/packing.py [--rows 96] [--repeats 2] [--threads 1] [--job synthetic|sft_recipe|smollm2_lora]
 """
