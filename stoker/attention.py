@@ -13,14 +13,22 @@ that computes each sequence alone, with the first kernel of these that runs:
     flex          torch's flex_attention over a block mask of the sequences, compiled (CUDA with triton)
     dense         sdpa with the block-diagonal mask made from the boundaries on the device: the last fallback,
                   said once, naming what to install
-    per_sequence  sdpa over each sequence's slice, causal, no mask at all: the CPU path (flex's backward does not
-                  run on a CPU, varlen_attn has no CPU kernel) and the reference the others are tested against
+    per_sequence  sdpa over each sequence's slice, causal, no mask at all: the CPU's way for long rows of few
+                  sequences, and the reference the others are tested against
+    rows          sdpa once over the micro-batch's rows, each with its own sequences' block mask: the CPU's way for
+                  short rows or rows of many sequences (`cpu_kernel`'s rule, from where one beats the other), and
+                  the CPU's way under torch.compile (per_sequence reads the boundaries on the host)
 
-The choice is made once per device type and dtype (`kernel_for`) and logged once. varlen and flash_attn are the
-flash kernel itself (variable length is what it does natively); flash_attn comes second only because it is a
-separate CUDA build most users cannot install, while varlen ships with torch. Attention dropout (rare in causal
-LMs: Llama's attention_dropout is 0) is supported by sdpa only, so a module that drops out while training takes
-the dense path on a GPU.
+The kernel is chosen once per run, where the run sets its attention up (`choose_kernel`: from the device and the
+dtype attention runs in, the autocast dtype of a mixed-precision run), logged once, and kept on the model's
+attention modules, so that a compiled decoder layer reads a constant rather than tracing the choice (whose cache
+and log line would break its graph). The forward casts q, k and v to that dtype, as transformers' flash path
+does: under autocast over float32 weights the rotary embeddings hand float32 q and k, which would otherwise never
+reach a flash kernel. varlen and flash_attn are the
+flash kernel itself (variable length is what it does natively), on GPUs of compute capability 8.0 or more;
+flash_attn comes second only because it is a separate CUDA build most users cannot install, while varlen ships
+with torch. Attention dropout (rare in causal LMs: Llama's attention_dropout is 0) is supported by sdpa only, so a
+module that drops out while training takes the dense path on a GPU.
 
 Batches without boundaries (evaluation's padded rows, a call from a hand-written loop) are attended as sdpa would:
 with their padding mask, or, for mask-free rows with restarting position_ids, with boundaries found on the device
@@ -40,7 +48,7 @@ import torch
 from torch.nn import functional as F
 
 NAME = "stoker_varlen"  # the attn_implementation a model is switched to (stoker.packing.use_packed_attention)
-KERNELS = ("varlen", "flash_attn", "flex", "dense", "per_sequence")
+KERNELS = ("varlen", "flash_attn", "flex", "dense", "per_sequence", "rows")
 
 logger = logging.getLogger("stoker")
 
@@ -64,15 +72,24 @@ def _sequence_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def dense(q, k, v, cu, max_len: int, causal: bool, scale, dropout: float = 0.0) -> torch.Tensor:
-    """sdpa with a [T, T] block-diagonal mask made on the device from the boundaries (no read)."""
+    """sdpa with a [T, T] block-diagonal mask made on the device from the boundaries (no read). Grouped-query k and
+    v are expanded to the query heads first: sdpa's enable_gqa with a mask rules out both fused kernels (flash takes
+    no mask, memory-efficient has no GQA), and its math kernel would hold [heads, T, T] scores (out of memory near
+    16k tokens); the expanded copy costs T x Hq x D per tensor instead."""
     ids = _sequence_ids(cu, q.shape[0])
     mask = ids[:, None] == ids[None, :]
     if causal:
         mask = mask.tril()
+    k, v = (_expanded(x, q.shape[1]) for x in (k, v))
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, dropout_p=dropout, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+                                         attn_mask=mask, dropout_p=dropout, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def _expanded(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key or value heads (dimension 1: [T, Hkv, D] or [B, Hkv, L, D]) repeated to `heads` query heads, each query
+    head's group next to it (as sdpa's enable_gqa pairs them)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def varlen(q, k, v, cu, max_len: int, causal: bool, scale, dropout: float = 0.0) -> torch.Tensor:
@@ -137,6 +154,22 @@ def flex(q, k, v, cu, max_len: int, causal: bool, scale, dropout: float = 0.0) -
     return out[0].transpose(0, 1)
 
 
+def rows(query, key, value, cu, causal: bool, scale, dropout: float = 0.0) -> torch.Tensor:
+    """sdpa once over the micro-batch's rows as the model laid them out (query [B, Hq, L, D], key and value
+    [B, Hkv, L, D] -> [B, L, Hq, D]), each row with the block mask of its own sequences made on the device from the
+    boundaries (no read): each row's L^2 scores, the work transformers' sdpa does for packed rows, in one call. A
+    CPU's way for rows that are short or hold many sequences (`cpu_kernel`); boundaries never cross a row (every
+    row starts a sequence)."""
+    batch, length = query.shape[0], query.shape[2]
+    ids = _sequence_ids(cu, batch * length).view(batch, length)
+    mask = ids[:, :, None] == ids[:, None, :]
+    if causal:
+        mask = mask.tril()
+    key, value = (_expanded(x, query.shape[1]) for x in (key, value))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], dropout_p=dropout, scale=scale)
+    return out.transpose(1, 2)
+
+
 _KERNEL_FUNCTIONS = {"varlen": varlen, "flash_attn": flash_attn, "flex": flex, "dense": dense,
                      "per_sequence": per_sequence}
 
@@ -163,16 +196,28 @@ def _has_triton() -> bool:
     return has_triton()
 
 
+def _runs_flash() -> bool:
+    """Whether this CUDA device runs the flash kernels (compute capability 8.0 or more: Ampere and later)."""
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+HALF = (torch.float16, torch.bfloat16)  # the dtypes the flash kernels (varlen, flash_attn) take
+DROPS_OUT = ("dense", "per_sequence", "rows")  # the kernels that drop out (sdpa's): others give way to dense
+
+
 @functools.cache
 def kernel_for(device_type: str, dtype: torch.dtype, dropout: bool = False) -> str:
-    """The kernel packed rows attend with on this device type and dtype (one of KERNELS), logged once."""
+    """The kernel packed rows attend with on this device type, in this dtype (the one attention runs in: the
+    autocast dtype where autocast is on, `compute_dtype`), one of KERNELS, logged once. Called where a run sets its
+    attention up (`choose_kernel`), never from a compiled forward: Dynamo would trace its cache and break the graph
+    at its log line."""
     if device_type != "cuda":
-        choice, why = "per_sequence", f"on {device_type}: sdpa over each sequence (no CUDA kernel to run here)"
+        choice, why = "per_sequence", f"on {device_type}: sdpa over each sequence or over each row's block mask"
     elif dropout:
         choice, why = "dense", "attention dropout is on, which only sdpa supports"
-    elif dtype in (torch.float16, torch.bfloat16) and _has_varlen():
+    elif dtype in HALF and _has_varlen() and _runs_flash():
         choice, why = "varlen", "torch.nn.attention.varlen.varlen_attn"
-    elif dtype in (torch.float16, torch.bfloat16) and _has_flash_attn():
+    elif dtype in HALF and _has_flash_attn() and _runs_flash():
         choice, why = "flash_attn", "the flash-attn package's flash_attn_varlen_func"
     elif _has_triton():
         choice, why = "flex", "flex_attention (compiled)"
@@ -180,11 +225,70 @@ def kernel_for(device_type: str, dtype: torch.dtype, dropout: bool = False) -> s
         choice, why = "dense", "no variable-length kernel runs here"
     if choice == "dense":
         logger.warning("packed rows attend through a dense block-diagonal mask (%s, %s): T x T attention and mask "
-                       "per micro-batch; train in bfloat16 with torch >= 2.10 (torch.nn.attention.varlen), or install "
-                       "flash-attn or triton, for attention within each sequence only", why, dtype)
+                       "per micro-batch; train in bfloat16 with torch >= 2.10 (torch.nn.attention.varlen) on a GPU "
+                       "of compute capability 8.0 or more, or install flash-attn or triton, for attention within "
+                       "each sequence only", why, dtype)
     else:
-        logger.info("packed rows attend within each sequence through %s (%s)", choice, why)
+        logger.info("packed rows attend within each sequence through %s (%s, %s)", choice, why, dtype)
     return choice
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: the autocast dtype where autocast is on for the device type, else x's own.
+    Under autocast over float32 weights transformers' rotary embeddings hand float32 q and k (cos and sin are made
+    in the hidden states' dtype), which would otherwise pick a float32 kernel (never varlen or flash)."""
+    kind = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+# the attribute of a model's attention modules holding the kernels chosen for its run, {dtype: kernel}: a plain
+# attribute, which a compiled layer reads as a constant (guarded) where a call to kernel_for would break its graph
+CHOSEN = "_stoker_packed_kernels"
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules transformers hands to the attention function: those with `is_causal` (every attention of
+    transformers' attention interface has it, for sdpa's sake)."""
+    return [m for m in model.modules() if hasattr(m, "is_causal")]
+
+
+def choose_kernel(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> str:
+    """Chooses the kernel of a run on `device` whose attention runs in `dtype` (the autocast dtype of a mixed
+    precision run, else the weights'), once, before any forward and outside compiled code, and records it on the
+    model's attention modules; returns it. A forward in another dtype (an evaluation without autocast) chooses
+    its own at its first call."""
+    modules = attention_modules(model)
+    dropout = any(float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0 for m in modules)
+    kind = torch.device(device).type
+    kernel = kernel_for(kind, dtype, dropout and kind == "cuda")
+    # one dict for every layer: a compiled layer's graph guards on it, and the layers share one graph
+    chosen = {**(getattr(modules[0], CHOSEN, {}) if modules else {}), dtype: kernel}
+    for m in modules:
+        setattr(m, CHOSEN, chosen)
+    return kernel
+
+
+# On a CPU there is no variable-length kernel; sdpa runs either once over the micro-batch's rows with a block mask
+# of their sequences ("rows": each row's L^2 scores, in one call batched over rows and heads) or once per sequence
+# ("per_sequence": each sequence's own scores only, but a call each, per layer, forward and backward, after a read
+# of the boundaries and with a copy to join the outputs). In the main job (LoRA on SmolLM2-135M, 30 layers, rows
+# packed to 211 tokens, ~2 sequences a row, bf16 on 2 threads: benchmarks/packing.py --job smollm2_lora) the one
+# call trained 1.46x faster end to end; the per-sequence calls only win where rows are long enough for the mask's
+# extra scores to outweigh them (forward and backward of attention alone at SmolLM2's heads: 2x at rows of 1024
+# tokens holding 6 sequences)
+ROWS_MAX_LENGTH = 512  # tokens a row: micro-batches of rows this short attend in one call
+
+
+def cpu_kernel(rows: int, length: int, sequences: int, compiled: bool = False) -> str:
+    """The CPU's way for a micro-batch of `rows` rows of `length` tokens holding `sequences` sequences (a row's
+    trailing padding counts as one): "rows" where the rows are at most ROWS_MAX_LENGTH tokens or each is one
+    sequence (its mask is then the causal one), else "per_sequence". Compiled, always "rows": per_sequence reads the
+    boundaries on the host, which breaks the graph."""
+    if compiled or sequences <= rows or length <= ROWS_MAX_LENGTH:
+        return "rows"
+    return "per_sequence"
 
 
 # --- what transformers calls -----------------------------------------------------------------------------------
@@ -203,7 +307,9 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor,
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                              **kwargs):
     """transformers' attention function (query [B, Hq, L, D], key and value [B, Hkv, L, D]) -> ([B, L, Hq, D], None):
-    within each sequence of the collator's `cu_seq_lens_q`; as sdpa where the batch has none (padded rows)."""
+    within each sequence of the collator's `cu_seq_lens_q`; as sdpa where the batch has none (padded rows). q, k
+    and v are cast to the dtype attention runs in (the autocast dtype under autocast), as transformers' flash
+    path does, and the kernel is the one chosen for that dtype when the run was set up (`choose_kernel`)."""
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     position_ids = kwargs.get("position_ids")
     same_length = query.shape[2] == key.shape[2]  # no KV cache
@@ -214,12 +320,22 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    batch, length = query.shape[0], query.shape[2]
-    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[3]) for x in (query, key, value))
+    dtype = compute_dtype(query)
+    query, key, value = (x.to(dtype) for x in (query, key, value))
+    device_type, causal = query.device.type, getattr(module, "is_causal", True)
     dropout = dropout if module.training else 0.0
-    kernel = _KERNEL_FUNCTIONS[kernel_for(q.device.type, q.dtype, dropout > 0 and q.device.type == "cuda")]
-    out = kernel(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len),
-                 getattr(module, "is_causal", True), scaling, dropout)
+    kernel = getattr(module, CHOSEN, {}).get(dtype) or kernel_for(device_type, dtype, dropout > 0 and
+                                                                  device_type == "cuda")
+    if dropout > 0 and kernel not in DROPS_OUT:
+        kernel = "dense"
+    cu = cu.to(device=query.device, dtype=torch.int32)
+    batch, length = query.shape[0], query.shape[2]
+    if kernel == "per_sequence":  # a CPU: one of its two ways, by the micro-batch's shape
+        kernel = cpu_kernel(batch, length, cu.shape[0] - 1, torch.compiler.is_compiling())
+    if kernel == "rows":
+        return rows(query, key, value, cu, causal, scaling, dropout), None
+    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[3]) for x in (query, key, value))
+    out = _KERNEL_FUNCTIONS[kernel](q, k, v, cu, int(max_len), causal, scaling, dropout)
     return out.reshape(batch, length, *out.shape[1:]), None
 
 

@@ -27,6 +27,8 @@ import inspect
 
 import torch
 
+from .sdpa_mask import unpadded_attention
+
 MICRO_BATCH, GLOBAL_BATCH = "micro_batch", "global_batch"
 SCOPES = (MICRO_BATCH, GLOBAL_BATCH)
 
@@ -138,7 +140,10 @@ class LoadBalancing:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for batch in window:
                 inputs = {k: v for k, v in batch.items() if k not in self.label_names}
-                router_logits = getattr(body(**inputs, **extra), "router_logits", None)
+                # as the training forward runs: rows the host counted as unpadded hand sdpa no mask without a read
+                # of it on the device (stoker.sdpa_mask), one wait on a GPU's queue per micro-batch otherwise
+                with unpadded_attention(batch):
+                    router_logits = getattr(body(**inputs, **extra), "router_logits", None)
                 if router_logits is None or len(router_logits) == 0:
                     raise ValueError(f"moe_aux_loss_scope='global_batch': {type(body).__name__} returned no "
                                      "router_logits with output_router_logits=True; a model without a router's "

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from .attention import NAME as PACKED_ATTENTION
+from .attention import choose_kernel
 from .attention import register as register_attention
 from .compilation import uncompiled
 from .errors import ConfigError
@@ -306,6 +308,17 @@ def use_packed_attention(model: torch.nn.Module) -> str | None:
     return config._attn_implementation
 
 
+def choose_packed_kernel(model: torch.nn.Module, device, mixed_precision: str) -> str | None:
+    """The kernel a run on `device` in `mixed_precision` ("bf16", "fp16", "no": TrainingArguments.mixed_precision)
+    attends to packed rows with, chosen once before any forward (stoker.attention.choose_kernel) for the dtype
+    attention runs in: the autocast dtype, else the weights'. None for a model that keeps its own attention."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(getattr(base, "config", None), "_attn_implementation", None) != PACKED_ATTENTION:
+        return None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    return choose_kernel(base, device, dtype or next(base.parameters()).dtype)
+
+
 def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: int, forward_kwargs: Mapping):
     """(train set, collator) for TrainingArguments.packing / padding_free: the rows packed once by
     best-fit-decreasing (packing), and a PackingCollator (flattening each micro-batch with padding_free).
@@ -327,6 +340,7 @@ def packed_train_set(args, model, train_dataset, data_collator, pad_token_id: in
     rows = 1 if args.padding_free else args.per_device_train_batch_size
     if data_collator is None:
         use_packed_attention(model)  # before the probe, which then checks the attention training runs
+        choose_packed_kernel(model, args.device, args.mixed_precision)
     given = getattr(data_collator, "boundaries", None)  # a PackingCollator passed in: as it batches
     problems += separation_problems(model, forward_kwargs, setting, rows, boundaries=given)
     if args.packing and hasattr(train_dataset, "__len__"):

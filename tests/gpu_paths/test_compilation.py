@@ -139,3 +139,24 @@ def test_the_scope_is_checked_and_implies_compiling():
     assert TrainingArguments().torch_compile is False and TrainingArguments().compile_scope == "auto"
     with pytest.raises(ConfigError, match=r"compile_scope='layers': accepted: 'auto', 'blocks', 'model'"):
         TrainingArguments(compile_scope="layers")
+
+
+@pytest.mark.parametrize("setting", ["plain", "packing", "lora_chunked_loss"])
+def test_compiled_layers_trace_without_a_graph_break(tmp_path, compiled_graphs, setting):
+    """One training step with the decoder layers compiled: no graph break in a layer for padded rows, packed rows
+    (stoker.attention, whose kernel was chosen when the run was set up: a compiled layer reads it as a constant
+    rather than tracing the choice's cache and log line), and a LoRA model's layers (the adapters inside the graph)
+    with the chunked loss (the layers' hidden states to the loss in chunks), in one run."""
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+
+    from tests.unit.test_packing import sft_rows
+
+    model = _llama("sdpa")
+    if setting == "lora_chunked_loss":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    extra = {"packing": {"packing": True}, "lora_chunked_loss": {"chunked_loss": True}}.get(setting, {})
+    data = sft_rows(16, seed=4) if setting == "packing" else rows(8, seed=2)
+    counters.clear()
+    _train(tmp_path, model, data, max_steps=1, torch_compile_backend="eager", **extra)
+    assert compiled_graphs and dict(counters["graph_break"]) == {}, dict(counters["graph_break"])

@@ -497,3 +497,28 @@ def test_the_loss_probe_compiles_no_graph_that_training_cannot_reuse(tmp_path, c
     assert [graph[0][0][0] for graph in compiled_graphs] == [8], compiled_graphs
     plain = run()
     assert (compiled.causal, compiled.honours_num_items) == (plain.causal, plain.honours_num_items) == (True, True)
+
+
+def test_the_global_batch_routing_pass_reads_no_mask_of_unpadded_rows(tmp_path, monkeypatch):
+    """moe_aux_loss_scope='global_batch' with accumulation 2: the routing pass runs every micro-batch's forward before
+    the first backward, inside the same unpadded-attention scope as the training forwards (stoker.sdpa_mask), so
+    sdpa's causal shortcut reads no mask on the device there either (one wait per micro-batch on a GPU otherwise).
+    Mixtral's experts read their own routing (which tokens go where), which this test leaves aside; steps 2 and 3
+    (step 1 holds the loss convention's probes)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from stoker import Trainer
+    from tests.integration.test_trainer import args
+    from tests.parity.families import _moe_config
+
+    monkeypatch.setattr("stoker.trainer.answers_mask", lambda model, args, device: True)  # as on a CUDA device
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(_moe_config(MixtralConfig, 0.5, intermediate_size=16, num_local_experts=4,
+                                           attn_implementation="sdpa"))
+    counter = StepSyncs()
+    Trainer(model, args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3,
+                        logging_steps=1000, moe_aux_loss_scope="global_batch"),
+            train_dataset=_data("model_loss", "equal"), data_collator=OnesMaskCollator(), callbacks=[counter]).train()
+    for step, events in enumerate(counter.steps[1:], start=2):  # step 1 holds the loss convention's probes
+        kernel = [e for e in events if any(f" {name}" in e[2] for name in KERNEL_CHOICE)]
+        assert kernel == [], f"step {step}:\n" + "\n".join(map(str, kernel))
