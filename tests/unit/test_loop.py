@@ -122,10 +122,16 @@ def test_an_update_skipped_on_the_device_leaves_what_a_synchronous_skip_leaves(n
     assert float(state["step"]) == 2  # two updates applied of four steps
 
 
-def test_fused_sgd_with_momentum_is_not_skipped_exactly_on_the_device():
+def test_fused_sgd_with_momentum_is_not_skipped_exactly_on_the_device(monkeypatch):
     """Why SGD is left out: the flag skips its first update but not the making of a momentum buffer from
-    torch.empty_like, which the next update then reads as if it held a velocity."""
-    synchronous, skipped = _skipping_run("SGD momentum", False, (1,)), _skipping_run("SGD momentum", True, (1,))
+    torch.empty_like, which the next update then reads as if it held a velocity. The memory is made to hold 1e3
+    here: what the allocator hands back is whatever it held, often zeros in a fresh process, which the next update
+    would read as no velocity at all (the same update by chance)."""
+    synchronous = _skipping_run("SGD momentum", False, (1,))
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(1e3))
+    skipped = _skipping_run("SGD momentum", True, (1,))
+    monkeypatch.undo()
     assert torch.equal(synchronous[0][0], skipped[0][0])  # the skipped step itself changed nothing
     assert not torch.equal(synchronous[-1][0], skipped[-1][0])
 
