@@ -18,8 +18,9 @@ step). A measurement, not a test: it prints and exits 0.
 
     python benchmarks/checkpoint.py [--steps 31] [--save_steps 10] [--quick]
 
-A save every 10 steps: on this kind of machine a 1.2 GiB save takes about as long as 6 steps, and a save
-interval shorter than a write makes every save wait for the previous one (async_save warns to raise save_steps).
+A save every 10 steps by default: a 1.2 GiB write spans several steps on a CPU (it is bound by memory and disk
+bandwidth, a step by compute), and a save interval shorter than a write makes every save wait for the previous one
+(async_save warns to raise save_steps).
 
 --quick trains a 2-layer model (a 0.7 GiB checkpoint) for 7 steps, to see that the benchmark runs (its figures
 mean little).

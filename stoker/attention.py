@@ -273,11 +273,11 @@ def choose_kernel(model: torch.nn.Module, device: torch.device | str, dtype: tor
 # On a CPU there is no variable-length kernel; sdpa runs either once over the micro-batch's rows with a block mask
 # of their sequences ("rows": each row's L^2 scores, in one call batched over rows and heads) or once per sequence
 # ("per_sequence": each sequence's own scores only, but a call each, per layer, forward and backward, after a read
-# of the boundaries and with a copy to join the outputs). In the main job (LoRA on SmolLM2-135M, 30 layers, rows
-# packed to 211 tokens, ~2 sequences a row, bf16 on 2 threads: benchmarks/packing.py --job smollm2_lora) the one
-# call trained 1.46x faster end to end; the per-sequence calls only win where rows are long enough for the mask's
-# extra scores to outweigh them (forward and backward of attention alone at SmolLM2's heads: 2x at rows of 1024
-# tokens holding 6 sequences)
+# of the boundaries and with a copy to join the outputs). The mask's extra scores grow with the square of the row's
+# length, the per-sequence calls' overhead with the number of sequences and layers: in short rows of a few
+# sequences (benchmarks/packing.py --job smollm2_lora: the main job's LoRA on SmolLM2-135M, 30 layers, its rows
+# packed ~2 sequences to a row) the one call trains faster end to end, and the per-sequence calls win only in rows
+# long enough for the extra scores to outweigh their overhead (that benchmark runs each way forced and this rule)
 ROWS_MAX_LENGTH = 512  # tokens a row: micro-batches of rows this short attend in one call
 
 

@@ -172,8 +172,8 @@ class Pace:
     expected until the next save, and at most MAX_SPREAD_S (PostgreSQL spreads a checkpoint's writes over
     its interval the same way, checkpoint_completion_target): the writer reports each chunk it writes or hashes
     and sleeps while it is ahead. A write at full speed takes the memory bandwidth and the CPU time the training
-    loop needs (on a 2-core machine, steps during a write took 1.5x a normal step); spread out, it takes them a
-    little at a time. `hurry` lifts it for good, for whoever waits for the write."""
+    loop needs, most visibly where the host has few cores (benchmarks/checkpoint.py's "write step" ratio shows
+    it); spread out, it takes them a little at a time. `hurry` lifts it for good, for whoever waits for the write."""
 
     def __init__(self, nbytes: int, interval: float):
         seconds = min(COMPLETION_TARGET * interval, MAX_SPREAD_S)

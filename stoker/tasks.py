@@ -1,7 +1,7 @@
 """Tasks the package generates, so that the default jobs and the tests run offline with a real metric.
 
 - `addition` / `subtraction`: "37+45=" -> "082", "45-37=" -> "08". A model that has not learned the operation
-  gets almost no whole answer right; a small Llama trained for under a minute on a CPU gets nearly all. As
+  gets almost no whole answer right; a small Llama trained for a few epochs on a CPU gets nearly all. As
   conversations (the user's "37+45", the assistant's "082") they are the default sft task: LoRA teaches the
   chat form to the model that learned the plain form.
 - `topics`: short generated sentences about one of four topics, for sequence classification.
@@ -70,7 +70,7 @@ def arithmetic_splits(task: str, num_train: int, num_eval: int, digits: int = 2,
 
 # The `records` task: a sentence about a person -> the YAML record of their name, age and city, one "key: value"
 # line each. SmolLM2-135M-Instruct (the main job's model) answers in prose or in a shape of its own, so it gets
-# almost none exactly right; a LoRA adapter learns the shape in a minute or two on a CPU. YAML rather than JSON: in
+# almost none exactly right; a LoRA adapter learns the shape in a few dozen steps. YAML rather than JSON: in
 # the sentence every name follows a space, and so it does after "name: ", where the model copies the same tokens;
 # after a JSON quote 107 of the 186 names split into other tokens (" Hugo" is one token, '"Hugo' is '"', 'H',
 # 'ug', 'o'), and one held-out first name misspelled that way cost 4-6 points of held-out exact match. Held-out

@@ -47,15 +47,16 @@ _COMMON = {"per_device_train_batch_size": 32, "per_device_eval_batch_size": 100,
            "warmup_steps": 0.05, "weight_decay": 0.01, "save_total_limit": 2, "eval_strategy": "steps"}
 # The one list of recipes: RecipeArguments, `stoker train` / `stoker cp` and the input checks read it.
 RECIPES = {
-    # a tiny Llama learns 2-digit addition from scratch: about half a minute on 2 CPU cores, exact match 0 -> ~1.
+    # a tiny Llama learns 2-digit addition from scratch in a short CPU run, exact match 0 -> ~1.
     # At 3e-3 some seeds stall at a plateau (the carries unlearned); 1e-3 over 5 epochs learns them for every seed
     "clm": Recipe("stoker.recipes.clm", lambda d: [["prompt", "completion"], [d.text_column]], {
         **_COMMON, "recipe": "clm", "dataset_name": "addition", "output_dir": "stoker_output/base",
         "num_train_epochs": 5, "learning_rate": 1e-3, "logging_steps": 100, "eval_steps": 250, "save_steps": 250}),
     # the main job: LoRA teaches SmolLM2-135M-Instruct (model_name_or_path unset) to answer with a YAML record.
-    # Eager attention and the chunked loss: a step of 8 rows of ~90 tokens under bf16 autocast on 2 CPU threads
-    # takes 2.0 s with both, 2.2 s with eager only, 2.8 s with neither (torch's SDPA backward is slow on a CPU);
-    # the shared prefix (the 37 tokens every row starts with, run once per batch) gives 1.5x the tokens per second
+    # Eager attention and the chunked loss each shorten a CPU step of these short rows under bf16 autocast (torch's
+    # SDPA backward is slow on a CPU; the chunked loss computes logits of the answer tokens only); the shared prefix
+    # (the 37 tokens every row starts with) runs those tokens once per batch instead of once per row.
+    # benchmarks/finetune.py shows what the attention and the shared prefix give
     "sft": Recipe("stoker.recipes.sft", lambda d: [[d.messages_column], ["prompt", "completion"]], {
         **_COMMON, "recipe": "sft", "dataset_name": "records", "output_dir": "stoker_output",
         "use_peft": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
@@ -341,8 +342,8 @@ def recipe_main(recipe: str, run, argv: list[str] | None = None, prog: str | Non
 
 def fast_bf16(device: torch.device) -> tuple[bool, str]:
     """(whether bf16 autocast runs faster than float32 on `device`, why): a CUDA GPU that supports bf16, or a CPU
-    with AVX512-BF16 or AMX instructions (measured on one: a LoRA step of SmolLM2-135M takes half the time of
-    float32's); without them a CPU emulates bf16 and is slower than float32."""
+    with AVX512-BF16 or AMX instructions, which run bf16 matmuls natively; without them a CPU emulates bf16 and
+    is slower than float32."""
     if device.type == "cuda":
         ok = torch.cuda.is_bf16_supported(including_emulation=False)  # emulated bf16 is slower than fp32
         return ok, "this GPU supports bf16" if ok else "this GPU lacks bf16 support"
@@ -351,5 +352,5 @@ def fast_bf16(device: torch.device) -> tuple[bool, str]:
     has = [name for name, check in (("AVX512-BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
            if getattr(torch.cpu, check, lambda: False)()]
     if has:
-        return True, f"this CPU has {' and '.join(has)}: about 2x float32's speed"
+        return True, f"this CPU has {' and '.join(has)}: native bf16 matmuls, faster than float32's"
     return False, "this CPU lacks AVX512-BF16 and AMX, where bf16 runs slower than float32"
