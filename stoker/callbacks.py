@@ -1,33 +1,27 @@
 """Callbacks: the events of the training loop, the state they see and the controls they steer with.
 
-The loop in `Trainer.train`, with every event where it fires; the window is `Trainer._optimizer_step`, line for
-line::
+The events, in the order the loop fires them; docs/architecture.md, "The step", outlines the loop itself
+(`Trainer.train` down to `_optimizer_step`) with each event in its place::
 
-    on_init_end                              # end of Trainer.__init__
-    on_train_begin
-    for epoch:                               # Trainer._train_loop
-        on_epoch_begin
-        for window of gradient_accumulation_steps micro-batches:
-            on_step_begin
-            for micro-batch in window:       # Trainer._accumulate
-                training_step                # forward, backward; gradients sync on the window's last one only
-                on_substep_end               # after every micro-batch but the window's last
-            clip; the previous step's verdict read (deferred): its log and scheduler.step()
-            the step's check queued (every process agrees on it): synchronous, read now, a non-finite step skipped
-            on_pre_optimizer_step            # gradients are final and clipped
-            optimizer.step()                 # deferred: skipped on the device if the check says non-finite
-            on_optimizer_step
-            synchronous: scheduler.step(); zero_grad, global_step += 1
-            on_step_end                      # DefaultFlowCallback sets should_log / should_evaluate / should_save
-            before a log, evaluation or save: the pending verdict read (its log, scheduler.step())
-            if should_log: on_log
-            if should_evaluate: (on_prediction_step per batch) on_evaluate
-            if should_save: on_save
-            if should_training_stop or should_epoch_stop: break
-        (the pending verdict read)
-        on_epoch_end                         # epoch strategies log / evaluate / save here
-    on_train_end
-    predict():  (on_prediction_step per batch) on_predict
+    on_init_end            once, at the end of Trainer.__init__
+    on_train_begin         once per train(), when the run is set up (state, loader, prepared model, checkpoint
+                           restored), before the first epoch
+    on_epoch_begin         at the start of every epoch
+    on_step_begin          at the start of every optimizer step, before its window's first micro-batch
+    on_substep_end         after every micro-batch's forward and backward but the window's last
+    on_pre_optimizer_step  before the update: the gradients are final and clipped (not fired for an update that a
+                           synchronous check skips as non-finite)
+    on_optimizer_step      after the update (a deferred check may have skipped it on the device)
+    on_step_end            after zero_grad and global_step += 1; DefaultFlowCallback sets should_log /
+                           should_evaluate / should_save here, which the loop then acts on
+    on_log                 for every log: a training window's, an evaluation's, the run's final metrics
+    on_prediction_step     after every batch of an evaluation or of predict()
+    on_evaluate            after every evaluation, with its metrics
+    on_save                after every checkpoint's save (with async_save, its write may still be under way)
+    on_epoch_end           at the end of every epoch, its last step's verdict read; epoch strategies log /
+                           evaluate / save right after it
+    on_train_end           once per train(), last: the run's metrics logged, the best model loaded
+    on_predict             at the end of predict(), with its metrics
 
 Callbacks receive `(args, state, control, **kwargs)` as in transformers (kwargs: model, optimizer,
 lr_scheduler, train_dataloader, eval_dataloader, metrics, logs, ...), so an existing Hugging Face callback

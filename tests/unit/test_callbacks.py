@@ -62,10 +62,12 @@ class StopAt(TrainerCallback):
 
 
 def test_docstring_events_equal_base_class_methods_and_events():
-    documented = set(re.findall(r"\bon_[a-z_]+", stoker.callbacks.__doc__))
+    named = re.findall(r"\bon_[a-z_]+", stoker.callbacks.__doc__)
+    documented = set(named)
     methods = {m for m in vars(TrainerCallback) if m.startswith("on_") and callable(getattr(TrainerCallback, m))}
     assert documented == methods == set(EVENTS)
     assert len(EVENTS) == len(set(EVENTS))
+    assert list(dict.fromkeys(named)) == list(EVENTS)  # the docstring lists them in the order the loop fires them
 
 
 # ---------------------------------------------------------------------------------------------------
