@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny Llama built from a config (no hub), variable-length causal-LM rows, arguments, and the
-graphs torch.compile builds, a local Ray.
+"""Shared fixtures: a tiny Llama built from a config (no hub), variable-length causal-LM rows, arguments, the
+graphs torch.compile builds, a Liger kernel stand-in, a local Ray. Plain builders that test files and the scripts
+of tests/helpers/ import by name (the tiny models and rows, `args`, `GradRecorder`) are in tests/helpers/.
 
 Every fixture is a factory so that a test can ask for several models / datasets / argument sets.
 """
@@ -93,7 +94,7 @@ def one_process(tmp_path_factory) -> dict:
     1 x batch 2 x accumulation 4."""
     from stoker import Trainer
     from tests.helpers import dist_worker as w
-    from tests.integration.test_trainer import llama
+    from tests.helpers.tiny_jobs import llama
 
     out = tmp_path_factory.mktemp("one_process")
     runs = {}
@@ -118,6 +119,36 @@ def two_ranks(tmp_path_factory):
                  "families", "iterable", "shared_prefix", "moe", "spike", "muon", "fsdp1", "lora_fsdp2", "fsdp2",
                  "async_fsdp2", "spike_fsdp2", "fsdp_save_failure", "placement"))
     return out
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """A liger_kernel package in sys.modules whose liger_fused_linear_cross_entropy records its calls (the rows it
+    got, their dtype, its accum_dtype) and reads the device as Liger's does (tests.helpers.gpu_stand_ins.
+    LigerStandIn)."""
+    import sys
+    import types
+
+    from stoker import chunked_loss as chunked
+    from tests.helpers.gpu_stand_ins import LigerStandIn
+
+    calls = []
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                                         accum_dtype=None, **kwargs):
+        assert reduction == "sum" and not kwargs
+        calls.append({"rows": input.shape[0], "dtype": input.dtype, "accum_dtype": accum_dtype})
+        return LigerStandIn.apply(input, weight, target, bias, ignore_index), None  # (loss, z_loss)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    for name, module in (("liger_kernel", types.ModuleType("liger_kernel")),
+                         ("liger_kernel.transformers", types.ModuleType("liger_kernel.transformers")),
+                         ("liger_kernel.transformers.functional", functional)):
+        monkeypatch.setitem(sys.modules, name, module)
+    chunked._liger.cache_clear()
+    yield calls
+    chunked._liger.cache_clear()
 
 
 class CompiledGraphs(list):

@@ -18,7 +18,7 @@ from stoker import checkpoint_format as ckpt
 from stoker.arguments import ConfigError
 from tests.distributed.test_distributed import assert_params_close, check, launch, params_of, ranks
 from tests.helpers import dist_worker as w
-from tests.integration.test_trainer import llama
+from tests.helpers.tiny_jobs import llama
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

@@ -24,7 +24,7 @@ from stoker import Trainer
 from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE
 from tests.helpers import dist_worker as w
-from tests.integration.test_trainer import llama
+from tests.helpers.tiny_jobs import llama
 
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +133,7 @@ def test_two_processes_update_like_one_process_for_every_family(two_ranks, tmp_p
 
 
 def test_two_processes_sharing_a_prefix_update_like_one_process_without(two_ranks, tmp_path):
-    from tests.unit.test_prefix import prompt_rows
+    from tests.helpers.tiny_jobs import prompt_rows
 
     one = Trainer(llama(), w.training_args(str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=3),
                   train_dataset=prompt_rows(24, seed=5))
@@ -707,7 +707,7 @@ import atexit, os, sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
 from stoker import Trainer, TrainingArguments
-from tests.integration.test_trainer import llama, rows
+from tests.helpers.tiny_jobs import llama, rows
 
 out, rank = sys.argv[1], os.environ.get("RANK", "0")
 atexit.register(lambda: open(os.path.join(out, "group_at_exit_" + rank), "w").write(str(dist.is_initialized())))

@@ -12,7 +12,7 @@ from stoker import Trainer, TrainingArguments
 from stoker.compilation import compile_blocks, repeated_blocks
 from stoker.errors import ConfigError
 from tests.gpu_paths.test_syncs import OnesMaskCollator, _llama
-from tests.integration.test_trainer import Regressor, args, losses, regression_rows, rows
+from tests.helpers.tiny_jobs import Regressor, args, losses, regression_rows, rows
 
 
 def _compiled(block) -> bool:
@@ -150,7 +150,7 @@ def test_compiled_layers_trace_without_a_graph_break(tmp_path, compiled_graphs, 
     from peft import LoraConfig, get_peft_model
     from torch._dynamo.utils import counters
 
-    from tests.unit.test_packing import sft_rows
+    from tests.helpers.tiny_jobs import sft_rows
 
     model = _llama("sdpa")
     if setting == "lora_chunked_loss":

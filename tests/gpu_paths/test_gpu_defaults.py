@@ -13,8 +13,8 @@ import torch
 
 from stoker import Trainer, TrainerCallback, TrainingArguments
 from stoker.errors import ConfigError
-from tests.gpu_paths.test_metrics import fake_gpu
-from tests.integration.test_trainer import llama, rows
+from tests.helpers.gpu_stand_ins import fake_gpu
+from tests.helpers.tiny_jobs import llama, rows
 
 H100, T4 = ("NVIDIA H100 80GB HBM3", (9, 0)), ("Tesla T4", (7, 5))
 

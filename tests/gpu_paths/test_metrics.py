@@ -19,7 +19,8 @@ import torch
 from stoker import ConfigError, TrainingArguments
 from stoker import diagnostics as d
 from stoker.memory_plan import ALLOCATOR_HEADROOM, NCCL_BUFFERS, Setup, estimate
-from tests.integration.test_trainer import llama
+from tests.helpers.gpu_stand_ins import fake_gpu
+from tests.helpers.tiny_jobs import llama
 from tests.unit.test_memory_plan import SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ import deepspeed.comm.torch
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # the gloo group needs no shared-memory op
 import deepspeed
 from stoker.diagnostics import model_flops_shape
-from tests.integration.test_trainer import llama
+from tests.helpers.tiny_jobs import llama
 deepspeed.init_distributed(dist_backend="gloo")
 with deepspeed.zero.Init(config_dict_or_path={{"zero_optimization": {{"stage": 3}},
                                               "train_micro_batch_size_per_gpu": 1}}):
@@ -183,18 +184,6 @@ def test_the_peak_table_knows_the_hopper_names_cuda_reports(name, precision, exp
 
 
 # --- bf16 on a GPU that only emulates it ---------------------------------------------------------------------
-
-
-def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
-    """torch.cuda answering as `name` would: bf16 "supported" by emulation only below compute capability 8."""
-    def is_bf16_supported(including_emulation: bool = True):
-        return capability[0] >= 8 or including_emulation
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
 
 @pytest.mark.parametrize("name, capability", [("Tesla V100-SXM2-16GB", (7, 0)), ("Tesla T4", (7, 5))])

@@ -16,8 +16,7 @@ from torch import nn
 
 from stoker import ConfigError, Trainer
 from stoker.packing import PackingCollator, pack_rows, sequence_starts
-from tests.integration.test_trainer import args, llama
-from tests.unit.test_packing import sft_rows
+from tests.helpers.tiny_jobs import args, llama, sft_rows
 
 # --- packing under flash attention ------------------------------------------------------------------------
 

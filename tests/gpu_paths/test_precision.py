@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import stoker.trainer as trainer_module
 from stoker import Trainer, TrainerCallback
-from tests.integration.test_trainer import args, llama, rows
+from tests.helpers.tiny_jobs import args, llama, rows
 
 INIT_SCALE = 2.0**10  # the scaler's scale in the tests (torch's default is 2**16); halved by each inf step
 

@@ -22,9 +22,8 @@ from transformers import AttentionInterface
 
 from stoker import attention
 from stoker.packing import PackingCollator, choose_packed_kernel, pack_rows, use_packed_attention
-from tests.gpu_paths.test_metrics import fake_gpu
-from tests.integration.test_trainer import llama
-from tests.unit.test_packing import sft_rows
+from tests.helpers.gpu_stand_ins import fake_gpu
+from tests.helpers.tiny_jobs import llama, sft_rows
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -20,9 +20,8 @@ from stoker import ConfigError, Trainer, TrainingArguments
 from stoker import chunked_loss as chunked
 from stoker.chunked_loss import chunked_causal_lm_loss, output_head
 from stoker.data import PaddingCollator
-from tests.gpu_paths.test_metrics import fake_gpu
-from tests.integration.test_trainer import llama, rows
-from tests.unit.test_chunked_loss import as_on_a_gpu, fake_liger  # noqa: F401  (a fixture)
+from tests.helpers.gpu_stand_ins import as_on_a_gpu, fake_gpu
+from tests.helpers.tiny_jobs import llama, rows
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -68,7 +67,7 @@ class LossBoundaries:
         monkeypatch.setattr(chunked, "_out_dtype_matmul", seen_out_dtype)
 
 
-def test_the_chunked_loss_under_the_gpu_default_precision(tmp_path, gpu, monkeypatch, fake_liger):  # noqa: F811
+def test_the_chunked_loss_under_the_gpu_default_precision(tmp_path, gpu, monkeypatch, fake_liger):
     args = gpu_default_args(tmp_path, chunked_loss=True)
     assert args.bf16 and not args.use_liger_kernel  # the GPU default: bf16 autocast, stoker's own chunks
     as_on_a_gpu(monkeypatch)  # Liger "installed" (fake_liger) and the tensors "on a GPU": still not taken

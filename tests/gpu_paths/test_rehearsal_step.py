@@ -18,8 +18,8 @@ import math
 import torch
 
 from stoker import Trainer, TrainerCallback, TrainingArguments
-from tests.gpu_paths.test_metrics import fake_gpu
-from tests.integration.test_trainer import llama, rows
+from tests.helpers.gpu_stand_ins import fake_gpu
+from tests.helpers.tiny_jobs import llama, rows
 
 ON_GPU = torch.cuda.is_available()
 INJECTED = 2  # the step whose loss is made non-finite

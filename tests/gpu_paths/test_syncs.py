@@ -194,8 +194,7 @@ def _llama(attention: str):
 
 
 def _data(kind: str, lengths: str) -> list[dict]:
-    from tests.integration.test_trainer import rows
-    from tests.unit.test_prefix import prompt_rows
+    from tests.helpers.tiny_jobs import prompt_rows, rows
 
     # 32 rows: 4 steps of 8 an epoch, so that steps 2 and 3 are no epoch's end (which settles the step at once)
     if kind == "shared_prefix":
@@ -210,7 +209,7 @@ def _data(kind: str, lengths: str) -> list[dict]:
 def _step_syncs(tmp_path, attention: str, kind: str, lengths: str, markers=None,
                 optim: str = "adamw_torch_fused") -> list[list[tuple[str, str, str]]]:
     from stoker import Trainer
-    from tests.integration.test_trainer import args
+    from tests.helpers.tiny_jobs import args
 
     counter = StepSyncs(markers)
     extra = {} if kind == "model_loss" else {kind: True}
@@ -276,8 +275,7 @@ def test_a_step_halved_after_running_out_of_memory_reads_nothing_more(tmp_path, 
     their host counts are the halves of the batch's (the shared prefix of 4 rows of 8, the chunked loss's count),
     so the rerun reads the device no more than a step that fits."""
     from stoker import Trainer
-    from tests.integration.test_trainer import args
-    from tests.unit.test_prefix import prompt_rows
+    from tests.helpers.tiny_jobs import args, prompt_rows
 
     model, counter = _llama("eager"), StepSyncs(monkeypatch)
     trainer = Trainer(model, args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=3,
@@ -294,7 +292,7 @@ def test_a_plain_modules_training_step_reads_nothing_on_the_host_but_the_agreed_
     """A plain module with one label per row: the window's item count (rows, known on the host) is made on the
     device without a copy from the host."""
     from stoker import Trainer
-    from tests.integration.test_trainer import Regressor, args, regression_rows
+    from tests.helpers.tiny_jobs import Regressor, args, regression_rows
 
     counter = StepSyncs(monkeypatch)
     Trainer(Regressor(), args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
@@ -333,7 +331,7 @@ def test_unpadded_rows_from_a_scripts_collator_read_no_mask(tmp_path, monkeypatc
     dispatch mode torch.compile runs eagerly; tests/gpu_paths/test_compilation.py checks the compiled layers'
     attention.)"""
     from stoker import Trainer
-    from tests.integration.test_trainer import args
+    from tests.helpers.tiny_jobs import args
 
     monkeypatch.setattr("stoker.trainer.answers_mask", lambda model, args, device: True)  # as on a CUDA device
     counter = StepSyncs(monkeypatch)
@@ -356,8 +354,7 @@ def test_packed_rows_attend_within_their_sequences_without_reading_the_boundarie
     nothing. Run with the dense kernel (the GPU's fallback, made on the device from the boundaries; the others have
     no CPU kernel): nothing is read but transformers' packed-rows check."""
     from stoker import Trainer, attention
-    from tests.integration.test_trainer import args
-    from tests.unit.test_packing import sft_rows
+    from tests.helpers.tiny_jobs import args, sft_rows
 
     monkeypatch.setattr(attention, "kernel_for", lambda *a, **k: "dense")
     counter = StepSyncs(monkeypatch)
@@ -396,7 +393,7 @@ def test_pinned_batches_are_copied_to_the_device_without_waiting(tmp_path, monke
     stays blocking unless accelerator_config asks (as transformers: non_blocking without pinned memory warns)."""
     from stoker import Trainer
     from stoker.distributed import accelerator as accelerator_module
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     def loader_copies(**kw):
         trainer = Trainer(llama(), args(tmp_path, per_device_train_batch_size=4, **kw), train_dataset=rows(8))
@@ -418,7 +415,7 @@ def test_the_next_batch_is_collated_before_the_host_waits(tmp_path, monkeypatch)
     from stoker import Trainer
     from stoker.data import PaddingCollator
     from stoker.loop import StepCheck
-    from tests.integration.test_trainer import args
+    from tests.helpers.tiny_jobs import args
 
     collated, seen_at_wait, take = [], {}, StepCheck.take
 
@@ -449,7 +446,7 @@ def test_a_compiled_model_evaluates_with_the_chunked_loss_after_predicting(tmp_p
     """predict() on rows without labels compiles the forward without the chunked loss's lm_head hook; the
     loss-only evaluate() after it must not reuse that graph (Dynamo does not guard on a module's hooks)."""
     from stoker import Trainer
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     data = rows(8, lo=16, hi=16)
     plain = Trainer(llama(), args(tmp_path / "plain", per_device_eval_batch_size=4, chunked_loss=True),
@@ -464,7 +461,7 @@ def test_a_compiled_model_evaluates_with_the_chunked_loss_after_predicting(tmp_p
 def test_a_compiled_model_trains_with_the_chunked_loss_as_the_uncompiled_one(tmp_path, compiled_graphs):
     """The bypass hook traced into the compiled graph hands the hidden states on with their gradients."""
     from stoker import Trainer
-    from tests.integration.test_trainer import GradRecorder, args, llama, rows
+    from tests.helpers.tiny_jobs import GradRecorder, args, llama, rows
 
     grads = []
     for compiled in (False, True):
@@ -484,7 +481,7 @@ def test_the_loss_probe_compiles_no_graph_that_training_cannot_reuse(tmp_path, c
     """The loss convention's probe (2 rows) runs uncompiled: training at batch 8 compiles its decoder layers once,
     for 8 rows, and the probe's verdicts are those of the uncompiled run."""
     from stoker import Trainer
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     def run(**kw):
         trainer = Trainer(llama(), args(tmp_path / str(len(kw)), per_device_train_batch_size=8, max_steps=3,
@@ -508,7 +505,7 @@ def test_the_global_batch_routing_pass_reads_no_mask_of_unpadded_rows(tmp_path, 
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from stoker import Trainer
-    from tests.integration.test_trainer import args
+    from tests.helpers.tiny_jobs import args
     from tests.parity.families import _moe_config
 
     monkeypatch.setattr("stoker.trainer.answers_mask", lambda model, args, device: True)  # as on a CUDA device

@@ -3,7 +3,7 @@ float32):
 
     python -m torch.distributed.run --nproc_per_node 2 tests/helpers/dist_worker.py OUT SCENARIO [SCENARIO ...]
 
-Every scenario trains the tiny Llama of tests/integration/test_trainer.py and writes what the test compares under
+Every scenario trains the tiny Llama of tests/helpers/tiny_jobs.py and writes what the test compares under
 OUT/<scenario>/: rank_<r>.json (what that rank saw: steps, logs, metrics, a digest of its parameters and RNG)
 and, from rank 0 only, safetensors files of final parameters and predictions. The single-process references
 are computed by the test itself with the same settings (see `training_args` and the data below).
@@ -28,7 +28,7 @@ from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArgu
 from stoker.checkpointer import Checkpointer  # noqa: E402
 from stoker.errors import TrainingPreempted  # noqa: E402
 from stoker.loop import LoopPosition, RunningLog  # noqa: E402
-from tests.integration.test_trainer import llama, rows  # noqa: E402
+from tests.helpers.tiny_jobs import llama, rows  # noqa: E402
 
 # 24 training rows = 3 optimizer steps of a global batch of 8; 7 and 3 held-out rows do not divide evenly
 # over 2 processes, so Accelerate pads the last evaluation batch with duplicates.
@@ -894,7 +894,8 @@ def families(out: str) -> None:
 def shared_prefix(out: str) -> None:
     """Rows that start alike with shared_prefix=True, 2 x batch 4 over 3 steps: compared by the test with one
     process x batch 8 without sharing. The prefix's forward runs outside DDP's wrapper, its backward inside."""
-    from tests.unit.test_prefix import PREFIX, EmbeddingShapes, prompt_rows
+    from tests.helpers.tiny_jobs import PREFIX, prompt_rows
+    from tests.unit.test_prefix import EmbeddingShapes
 
     r = Report(out, "shared_prefix")
     args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=3,
@@ -1032,7 +1033,7 @@ def short_data_runs(out: str, world: int) -> dict:
     max_steps=3 (its second epoch yields nothing), map-style data of one row with even_batches=False (one process
     gets no batch) and with dataloader_drop_last=True over fewer rows than the processes' batches. Each must end,
     on every process, with the steps the data allowed. Returns what each run reached."""
-    from tests.integration.test_trainer import Regressor, regression_rows
+    from tests.helpers.tiny_jobs import Regressor, regression_rows
 
     seen = {}
     one = regression_rows(1)

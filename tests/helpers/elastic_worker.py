@@ -33,7 +33,7 @@ from tests.helpers.dist_worker import (  # noqa: E402
     losses,
     training_args,
 )
-from tests.integration.test_trainer import rows  # noqa: E402
+from tests.helpers.tiny_jobs import rows  # noqa: E402
 
 ROWS = rows(48, seed=11)
 # processes -> (per_device_train_batch_size, gradient_accumulation_steps): a global batch of 12 in each

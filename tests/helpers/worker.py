@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from stoker import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from stoker import checkpoint_format as ckpt  # noqa: E402
-from tests.integration.test_trainer import llama, rows  # noqa: E402
+from tests.helpers.tiny_jobs import llama, rows  # noqa: E402
 
 
 class Announce(TrainerCallback):

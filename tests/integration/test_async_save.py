@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stoker import Trainer, TrainerCallback, TrainingArguments, background_save
 from stoker import checkpoint_format as ckpt
 from stoker.errors import CheckpointError
-from tests.integration.test_trainer import rows
+from tests.helpers.tiny_jobs import rows
 
 
 class Gate:

@@ -19,7 +19,7 @@ from torch import nn
 from stoker import ConfigError, EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE, NonFiniteError, TrainingPreempted
-from tests.integration.test_trainer import llama, rows
+from tests.helpers.tiny_jobs import llama, rows
 
 
 def make_args(out, **kw) -> TrainingArguments:

@@ -149,7 +149,7 @@ def test_refused_without_their_package():
     import importlib.util
 
     from stoker import ConfigError, Trainer, TrainingArguments
-    from tests.integration.test_trainer import Regressor, regression_rows
+    from tests.helpers.tiny_jobs import Regressor, regression_rows
 
     for name, value, package, _ in REFUSED_WITHOUT_PACKAGE:
         args = TrainingArguments(**{name: value}, report_to="none")

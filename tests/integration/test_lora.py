@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from stoker import ConfigError, Trainer, TrainingArguments
 from stoker.cli import main as cli
 from stoker.lora import merge_adapter
-from tests.integration.test_trainer import GradRecorder, llama, rows
+from tests.helpers.tiny_jobs import GradRecorder, llama, rows
 
 
 def lora(**kw) -> LoraConfig:

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset as TorchDataset
 
 from stoker import Trainer, TrainingArguments
-from tests.integration.test_trainer import llama, rows
+from tests.helpers.tiny_jobs import llama, rows
 
 
 class RowsDataset(TorchDataset):

@@ -188,7 +188,7 @@ def test_a_nan_loss_window_reaches_every_tracker_metrics_jsonl_and_the_report_an
     that holds it in its log_history resumes, and the next window's finite loss reaches the trackers."""
     import math
 
-    from tests.integration.test_trainer_api import Scalar  # (w * x)^2, NaN where x is 999
+    from tests.helpers.tiny_jobs import Scalar  # (w * x)^2, NaN where x is 999
 
     tracker_env(monkeypatch, tmp_path)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "nan")

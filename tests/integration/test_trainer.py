@@ -3,50 +3,14 @@
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from stoker import ConfigError, Trainer, TrainerCallback, TrainingArguments
 from stoker.data import IGNORE_INDEX
-
-
-def llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg)
-
-
-def rows(n: int, seed: int = 0, lo: int = 3, hi: int = 17) -> list[dict]:
-    """Causal-LM rows of very different lengths, with some label positions masked."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        ids = [rng.randint(1, 63) for _ in range(rng.randint(lo, hi))]
-        labels = [IGNORE_INDEX if rng.random() < 0.3 else t for t in ids]
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def args(tmp_path, **kw) -> TrainingArguments:
-    base = {"output_dir": str(tmp_path / "out"), "report_to": "none", "disable_tqdm": True,
-            "save_strategy": "no", "logging_steps": 1, "max_grad_norm": 0.0, "optim": "sgd",
-            "learning_rate": 0.5, "lr_scheduler_type": "constant", "seed": 7}
-    return TrainingArguments(**{**base, **kw})
-
-
-class GradRecorder(TrainerCallback):
-    """Copies every parameter's gradient when the optimizer is about to step."""
-
-    def __init__(self):
-        self.grads = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+from tests.helpers.tiny_jobs import GradRecorder, Regressor, args, llama, losses, regression_rows, rows
 
 
 def train(model, tmp_path, data, **kw):
@@ -59,10 +23,6 @@ def train(model, tmp_path, data, **kw):
 def assert_close_params(a: nn.Module, b: nn.Module, atol: float):
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def losses(trainer) -> list[float]:
-    return [r["loss"] for r in trainer.state.log_history if "loss" in r]
 
 
 # logged losses are rounded to 6 decimals: two that differ by float32 summation order (1e-8) may round one unit
@@ -140,27 +100,6 @@ def test_window_sizes():
 
 
 # --- loss sources ----------------------------------------------------------------------------------
-
-
-class Regressor(nn.Module):
-    """A plain module: forward takes the batch's keys and returns a mean loss (a tensor or a dict)."""
-
-    def __init__(self, as_dict: bool = False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 1))
-        self.as_dict = as_dict
-
-    def forward(self, x, labels):
-        loss = nn.functional.mse_loss(self.net(x).squeeze(-1), labels)
-        return {"loss": loss} if self.as_dict else loss
-
-
-def regression_rows(n=12):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 4, generator=g)
-    y = x.sum(-1) + 0.1 * torch.randn(n, generator=g)
-    return [{"x": x[i], "labels": y[i]} for i in range(n)]
 
 
 @pytest.mark.parametrize("as_dict", [False, True])

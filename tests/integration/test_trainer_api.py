@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
-from torch import nn
 
 from stoker import Trainer, TrainerCallback
 from stoker.errors import CheckpointError
+from tests.helpers.tiny_jobs import Scalar
 
 
 def rows(n: int, seed: int = 0, length: int | None = None) -> list[dict]:
@@ -530,18 +530,6 @@ def test_log_levels_set_the_loggers(tiny_llama, make_args):
     finally:
         hf_logging.set_verbosity(before[0])
         logging.getLogger("stoker").setLevel(before[1])
-
-
-class Scalar(nn.Module):
-    """loss = (w * x)^2, and NaN for a row whose x is 999."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(()))
-
-    def forward(self, x):
-        loss = ((self.w * x) ** 2).mean()
-        return {"loss": torch.where((x == 999).any(), torch.tensor(float("nan")), loss)}
 
 
 def test_logging_nan_inf_filter(make_args):

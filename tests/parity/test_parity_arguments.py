@@ -113,7 +113,7 @@ def test_accelerator_config_is_read_as_transformers_reads_it(tmp_path, kind):
 
 
 def test_accelerator_config_reaches_the_accelerator_and_the_saved_arguments(tmp_path):
-    from tests.integration.test_trainer import Regressor
+    from tests.helpers.tiny_jobs import Regressor
 
     args = stoker.TrainingArguments(output_dir=str(tmp_path), accelerator_config={"even_batches": False},
                                     report_to="none")
@@ -137,7 +137,7 @@ def test_accelerator_config_refusals_name_the_key(tmp_path):
 
 @pytest.mark.parametrize("kind", ["none", "empty", "partial", "pathlib_path", "dispatch_set"])
 def test_accelerator_config_reaches_the_trainers_accelerator_as_in_transformers(tmp_path, kind):
-    from tests.integration.test_trainer import Regressor, regression_rows
+    from tests.helpers.tiny_jobs import Regressor, regression_rows
 
     path = tmp_path / "accelerate.json"
     path.write_text(json.dumps({"split_batches": True, "even_batches": False, "use_seedable_sampler": False}))

@@ -19,7 +19,7 @@ import transformers
 import stoker
 import stoker.callbacks
 from stoker.callbacks import EVENTS
-from tests.integration.test_trainer import Regressor, regression_rows
+from tests.helpers.tiny_jobs import Regressor, regression_rows
 
 
 def callback_names(module, callbacks_module, tmp_path, **kw):

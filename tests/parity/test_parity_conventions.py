@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from stoker import ConfigError, Trainer
-from tests.integration.test_trainer import args
+from tests.helpers.tiny_jobs import args
 from tests.parity.families import FAMILIES, rows
 from tests.parity.oracle import assert_logs_close, recorder
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import stoker
-from tests.integration.test_trainer import Regressor, regression_rows
+from tests.helpers.tiny_jobs import Regressor, regression_rows
 
 FRAMEWORKS = {"hf": transformers, "stoker": stoker}
 

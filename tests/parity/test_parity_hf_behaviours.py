@@ -14,7 +14,7 @@ import transformers
 
 import stoker
 from stoker.errors import CheckpointError, ConfigError
-from tests.integration.test_trainer import Regressor, regression_rows
+from tests.helpers.tiny_jobs import Regressor, regression_rows
 from tests.parity.families import FAMILIES, rows
 from tests.parity.test_parity_conventions import both, tokenizer
 

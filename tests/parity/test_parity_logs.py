@@ -50,7 +50,7 @@ def test_diagnostics_are_written_to_metrics_jsonl(tmp_path):
 
 def test_a_resumed_runs_log_history_equals_the_uninterrupted_runs(tmp_path):
     from stoker import Trainer
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     def train(resume=None):
         settings = dict(per_device_train_batch_size=2, num_train_epochs=2, logging_steps=2, save_strategy="steps",
@@ -86,19 +86,6 @@ class Captured:
 
 
 HEADER = ("***** Running", "  Num ", "  Number", "  Instantaneous", "  Total ", "  Gradient", "  Batch size")
-
-
-@pytest.fixture
-def log_levels():
-    """Restores the levels that log_level sets for the stoker and transformers loggers (process-wide)."""
-    import logging
-
-    from transformers.utils import logging as hf_logging
-
-    before = logging.getLogger("stoker").level, hf_logging.get_verbosity()
-    yield
-    logging.getLogger("stoker").setLevel(before[0])
-    hf_logging.set_verbosity(before[1])
 
 
 @pytest.mark.parametrize("level", ["info", "warning"])

@@ -47,7 +47,7 @@ def test_dataloader_drop_last_applies_to_evaluation_as_transformers(tmp_path):
 
 def resumable_run(tmp_path, name: str, resume_from: str | None = None, **kw):
     from stoker import Trainer
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     settings = dict(per_device_train_batch_size=2, num_train_epochs=2, logging_steps=3, save_strategy="steps",
                     save_steps=5, lr_scheduler_type="linear", max_grad_norm=1.0)
@@ -72,7 +72,7 @@ def test_best_checkpoint_is_tracked_when_evaluation_lands_on_an_already_saved_st
     """eval_strategy='epoch' with step checkpoints at every epoch's last step: each evaluation comes after its
     step's checkpoint was written, and the best one is still the folder named for it."""
     from stoker import Trainer
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     trainer = Trainer(llama(), args(tmp_path, per_device_train_batch_size=4, num_train_epochs=3,
                                     eval_strategy="epoch", save_strategy="steps", save_steps=2,
@@ -91,7 +91,7 @@ def test_a_given_plateau_scheduler_steps_after_evaluation_and_is_checkpointed(tm
     import torch
 
     from stoker import Trainer
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     def run(name, resume=None):
         model = llama()

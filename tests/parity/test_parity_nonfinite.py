@@ -11,7 +11,7 @@ import torch
 
 import stoker
 from stoker.errors import NonFiniteError
-from tests.integration.test_trainer_api import Scalar  # (w * x)^2, NaN where x is 999 (gradient 0)
+from tests.helpers.tiny_jobs import Scalar  # (w * x)^2, NaN where x is 999 (gradient 0)
 
 
 def framework(name: str):

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import stoker
 from stoker import ConfigError
 from stoker.data import PaddingCollator
-from tests.integration.test_trainer import Regressor, regression_rows, rows
+from tests.helpers.tiny_jobs import Regressor, regression_rows, rows
 
 FRAMEWORKS = {"hf": transformers, "stoker": stoker}
 

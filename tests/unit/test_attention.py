@@ -12,8 +12,7 @@ import torch
 from stoker import Trainer, attention
 from stoker.data import IGNORE_INDEX, PaddingCollator
 from stoker.packing import PackingCollator, pack_rows, separation_problems, sequence_starts, use_packed_attention
-from tests.integration.test_trainer import args, llama
-from tests.unit.test_packing import GradRecorder, sft_rows
+from tests.helpers.tiny_jobs import GradRecorder, args, llama, sft_rows
 
 
 def sdpa_llama(seed: int = 0):

@@ -12,7 +12,8 @@ from stoker import ConfigError, Trainer, TrainerCallback
 from stoker import chunked_loss as chunked
 from stoker.chunked_loss import chunked_causal_lm_loss, chunked_cross_entropy, output_head
 from stoker.data import IGNORE_INDEX, PaddingCollator
-from tests.integration.test_trainer import GradRecorder, Regressor, args, llama, regression_rows, rows
+from tests.helpers.gpu_stand_ins import as_on_a_gpu
+from tests.helpers.tiny_jobs import GradRecorder, Regressor, args, llama, regression_rows, rows
 
 
 def reference_loss(hidden, weight, bias, labels, num_items=None):
@@ -169,62 +170,6 @@ def test_at_a_128k_vocabulary_the_largest_tensor_is_a_chunk_not_the_logits():
     assert peaks["plain"] >= tokens * vocab * 4  # the float32 logits
     assert peaks["chunked"] <= max(128 * vocab * 4, vocab * 16 * 4)  # a chunk's float32 logits, the weight gradient
     assert peaks["chunked"] < peaks["plain"] / 2
-
-
-class _LigerStandIn(torch.autograd.Function):
-    """Liger's fused linear cross-entropy as it treats the host: its forward counts the target tokens with
-    `.item()` and its backward compares the incoming gradient with `torch.equal(grad, torch.tensor(1.0))`, each a
-    read of the device; the sum itself by torch."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, ignore_index):
-        (targets != ignore_index).sum().item()  # Liger's total_n_non_ignore
-        with torch.enable_grad():
-            h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-            loss = nn.functional.cross_entropy(nn.functional.linear(h, w, bias).float(), targets,
-                                               ignore_index=ignore_index, reduction="sum")
-            grads = torch.autograd.grad(loss, (h, w))
-        ctx.save_for_backward(*grads)
-        return loss.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors
-        if not torch.equal(grad, torch.tensor(1.0, device=grad.device)):  # Liger's shortcut for a gradient of 1
-            grad_h, grad_w = grad_h * grad, grad_w * grad
-        return grad_h, grad_w, None, None, None
-
-
-@pytest.fixture
-def fake_liger(monkeypatch):
-    """A liger_kernel package in sys.modules whose liger_fused_linear_cross_entropy records its calls (the rows it
-    got, their dtype, its accum_dtype) and reads the device as Liger's does (_LigerStandIn)."""
-    import sys
-    import types
-
-    calls = []
-
-    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                                         accum_dtype=None, **kwargs):
-        assert reduction == "sum" and not kwargs
-        calls.append({"rows": input.shape[0], "dtype": input.dtype, "accum_dtype": accum_dtype})
-        return _LigerStandIn.apply(input, weight, target, bias, ignore_index), None  # (loss, z_loss)
-
-    functional = types.ModuleType("liger_kernel.transformers.functional")
-    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
-    for name, module in (("liger_kernel", types.ModuleType("liger_kernel")),
-                         ("liger_kernel.transformers", types.ModuleType("liger_kernel.transformers")),
-                         ("liger_kernel.transformers.functional", functional)):
-        monkeypatch.setitem(sys.modules, name, module)
-    chunked._liger.cache_clear()
-    yield calls
-    chunked._liger.cache_clear()
-
-
-def as_on_a_gpu(monkeypatch):
-    """fused_kernel deciding as it would for tensors on a CUDA device (these are on the CPU)."""
-    decide = chunked.fused_kernel
-    monkeypatch.setattr(chunked, "fused_kernel", lambda device_type, opted_in=False: decide("cuda", opted_in))
 
 
 def test_liger_is_used_only_where_the_run_opts_in_on_a_gpu(monkeypatch, fake_liger):

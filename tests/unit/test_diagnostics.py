@@ -16,7 +16,7 @@ from stoker.diagnostics import (
     model_flops_shape,
     peak_tflops,
 )
-from tests.integration.test_trainer import Regressor, args, llama, regression_rows, rows
+from tests.helpers.tiny_jobs import Regressor, args, llama, regression_rows, rows
 
 
 class SlowRows(torch.utils.data.Dataset):

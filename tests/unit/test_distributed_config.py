@@ -16,7 +16,7 @@ from stoker.distributed.accelerator import check_sharding_active
 from stoker.distributed.deepspeed import deepspeed_config, deepspeed_plugin
 from stoker.distributed.fsdp import fsdp_plugin, fsdp_plugin_kwargs
 from stoker.distributed.launch import check_world_size, launcher_world_size, wants_cpu
-from tests.integration.test_trainer import llama
+from tests.helpers.tiny_jobs import llama
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from stoker import ConfigError, Trainer, TrainingArguments
 from stoker import arguments as arguments_module
 from stoker.float8 import convert_to_float8, float8_problems
-from tests.integration.test_trainer import args, rows
+from tests.helpers.tiny_jobs import args, rows
 
 pytest.importorskip("torchao", reason="float8 training needs torchao (the dev extra installs it)")
 

@@ -255,7 +255,7 @@ def test_a_plain_step_enters_at_most_35_stoker_functions(tmp_path, monkeypatch):
     from transformers.masking_utils import AttentionMaskInterface
 
     from stoker import Trainer, sdpa_mask
-    from tests.integration.test_trainer import llama, rows
+    from tests.helpers.tiny_jobs import llama, rows
 
     mapping = AttentionMaskInterface._global_mapping
     if getattr(mapping["sdpa"], "_stoker_unpadded", False):

@@ -168,7 +168,7 @@ def test_stoker_plan_reports_bad_configuration(capsys, bad):
 
 def test_training_a_causal_lm_prints_its_plan_first(tmp_path, capsys):
     from stoker import Trainer
-    from tests.integration.test_trainer import args, llama, rows
+    from tests.helpers.tiny_jobs import args, llama, rows
 
     Trainer(llama(), args(tmp_path, per_device_train_batch_size=4, max_steps=1), train_dataset=rows(4)).train()
     err = capsys.readouterr().err
@@ -206,7 +206,7 @@ def test_model_shape_reads_each_family_from_its_modules_and_config():
     # GPT-2's Conv1D layers are Linear layers stored transposed: c_attn, attn c_proj, c_fc, mlp c_proj
     assert found["gpt2"].linear_shapes == ((96, 32), (32, 32), (96, 32), (32, 96))
     assert found["gpt2"].intermediate == 96 and found["gpt2"].linear_params == 2 * 32 * (96 + 32 + 96 + 96)
-    llama = ModelShape.from_model(__import__("tests.integration.test_trainer", fromlist=["llama"]).llama())
+    llama = ModelShape.from_model(__import__("tests.helpers.tiny_jobs", fromlist=["llama"]).llama())
     assert (llama.norm, llama.mlp, llama.rotary) == ("rms", "gated", True)
 
 

@@ -16,7 +16,7 @@ from stoker import checkpoint_format as ckpt
 from stoker.errors import ConfigError
 from stoker.muon import MuonWithAdamW, hidden_matrices
 from stoker.optim import parameter_groups
-from tests.integration.test_trainer import GradRecorder, llama, rows
+from tests.helpers.tiny_jobs import GradRecorder, llama, rows
 
 LR, DECAY, STEPS = 0.02, 0.1, 4
 DATA = rows(32, seed=3)  # 4 steps of 8 rows of very different lengths

@@ -13,19 +13,7 @@ from torch import nn
 from stoker import Trainer, TrainerCallback
 from stoker.data import IGNORE_INDEX, LengthGroupedSampler, PaddingCollator
 from stoker.packing import PackingCollator, best_fit_decreasing, pack_rows, padding_fraction, sequence_starts
-from tests.integration.test_trainer import args, llama, rows
-
-
-def sft_rows(n: int, seed: int = 0, lo: int = 2, hi: int = 20) -> list[dict]:
-    """Prompt/answer rows: the prompt's labels are -100, as an SFT recipe makes them."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        ids = [rng.randint(1, 63) for _ in range(rng.randint(lo, hi))]
-        prompt = rng.randint(0, len(ids) - 1)
-        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
-    return out
-
+from tests.helpers.tiny_jobs import GradRecorder, args, llama, rows, sft_rows
 
 # --- bin packing ----------------------------------------------------------------------------------------
 
@@ -155,14 +143,6 @@ def test_transformers_ignores_packing_while_a_kv_cache_exists():
         alone = model(input_ids=torch.tensor([[8, 9, 10]])).logits[0]
     torch.testing.assert_close(packed_no_cache, alone, atol=1e-5, rtol=0)
     assert not torch.allclose(packed_default, alone, atol=1e-3)
-
-
-class GradRecorder(TrainerCallback):
-    def __init__(self):
-        self.grads = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
 
 
 @pytest.mark.parametrize("collator", ["packing", "padding"])

@@ -13,21 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM,
 from stoker import ConfigError, Trainer, TrainerCallback
 from stoker.data import IGNORE_INDEX
 from stoker.prefix import shared_prefix_length
-from tests.integration.test_trainer import GradRecorder, Regressor, args, llama, regression_rows
-
-PREFIX = [5, 9, 2, 33, 17, 8, 41, 12, 3, 27, 6, 50]  # a "system prompt" every row starts with
-
-
-def prompt_rows(n: int, seed: int = 0) -> list[dict]:
-    """Rows of PREFIX + a prompt (no targets) + an answer (targets), of different lengths (so padded)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        prompt = [rng.randint(1, 63) for _ in range(rng.randint(2, 6))]
-        answer = [rng.randint(1, 63) for _ in range(rng.randint(2, 8))]
-        out.append({"input_ids": PREFIX + prompt + answer,
-                    "labels": [IGNORE_INDEX] * (len(PREFIX) + len(prompt)) + answer})
-    return out
+from tests.helpers.tiny_jobs import PREFIX, GradRecorder, Regressor, args, llama, prompt_rows, regression_rows
 
 
 def qwen2():

@@ -7,7 +7,7 @@ import re
 
 from stoker import Trainer
 from stoker.report import REPORT_NAME, figures, write_report
-from tests.integration.test_trainer import args, llama, rows
+from tests.helpers.tiny_jobs import args, llama, rows
 
 
 def images(page: str) -> dict[str, bytes]:
