@@ -111,7 +111,7 @@ def one_process(tmp_path_factory) -> dict:
 def two_ranks(tmp_path_factory):
     """One torchrun launch of 2 gloo ranks running every scenario of tests/helpers/dist_worker.py that needs no
     outside intervention, shared by every test that reads their results (one launch costs ~10-25 s)."""
-    from tests.distributed.test_distributed import check, launch
+    from tests.helpers.launching import check, launch
 
     out = tmp_path_factory.mktemp("two_ranks")
     check(launch(out, "equivalence", "equivalence_accumulation", "equivalence_after_evaluate", "evaluation", "guards",

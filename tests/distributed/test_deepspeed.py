@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from stoker import Trainer, TrainingArguments
 from stoker import checkpoint_format as ckpt
 from stoker.arguments import ConfigError
-from tests.distributed.test_distributed import assert_params_close, check, launch, params_of, ranks
 from tests.helpers import dist_worker as w
-from tests.helpers.tiny_jobs import llama
+from tests.helpers.launching import check, launch, ranks
+from tests.helpers.tiny_jobs import assert_params_close, llama, params_of
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -214,7 +214,7 @@ def test_the_documented_zero3_offload_recipe_command_ends_with_0_and_writes_its_
 
     from stoker.recipes.args import ModelArguments
     from stoker.recipes.models import build_causal_lm
-    from tests.distributed.test_distributed import ROOT, TIMEOUT, free_port
+    from tests.helpers.launching import ROOT, TIMEOUT, free_port
 
     out, sizes = tmp_path / "out", {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",

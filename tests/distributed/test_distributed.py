@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,49 +23,10 @@ from stoker import Trainer
 from stoker import checkpoint_format as ckpt
 from stoker.errors import PREEMPTED_EXIT_CODE
 from tests.helpers import dist_worker as w
-from tests.helpers.tiny_jobs import llama
-
-WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "dist_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 600
+from tests.helpers.launching import ROOT, TIMEOUT, WORKER, check, free_port, launch, ranks, torchrun_command
+from tests.helpers.tiny_jobs import assert_params_close, llama, params_of
 
 pytestmark = pytest.mark.distributed
-
-
-def torchrun_command(out: Path, *scenarios: str, launcher: list[str] | None = None) -> list[str]:
-    launcher = launcher or ["--standalone", "--nproc_per_node", "2"]
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, WORKER, str(out), *scenarios]
-
-
-def launch(out: Path, *scenarios: str) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_command(out, *scenarios), capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def check(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, (f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
-                                  f"{proc.stderr[-8000:]}")
-
-
-def ranks(out: Path, scenario: str) -> list[dict]:
-    found = [json.loads((out / scenario / f"rank_{r}.json").read_text()) for r in range(2)]
-    assert [f["world_size"] for f in found] == [2, 2]
-    return found
-
-
-def assert_params_close(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def params_of(trainer) -> dict:
-    return {n: p.detach() for n, p in trainer.model.named_parameters()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- invariant 1 across processes ------------------------------------------------------------------
@@ -805,9 +765,9 @@ def test_a_plain_script_exits_0_run_after_run_on_a_loaded_machine(tmp_path):
             launches.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                  str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for out, launch in zip(outs, launches, strict=True):
-            output = launch.communicate(timeout=TIMEOUT)[0]
-            assert launch.returncode == 0, f"{out.name}: {output[-8000:]}"
+        for out, started in zip(outs, launches, strict=True):
+            output = started.communicate(timeout=TIMEOUT)[0]
+            assert started.returncode == 0, f"{out.name}: {output[-8000:]}"
             assert output.count("script finished on rank") == 2 and "terminate called" not in output
             assert (out / "params.safetensors").exists()
             for r in range(2):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from stoker import ConfigError, TrainingArguments
 from stoker import diagnostics as d
 from stoker.memory_plan import ALLOCATOR_HEADROOM, NCCL_BUFFERS, Setup, estimate
 from tests.helpers.gpu_stand_ins import fake_gpu
+from tests.helpers.launching import free_port
 from tests.helpers.tiny_jobs import llama
 from tests.unit.test_memory_plan import SHAPE
 
@@ -61,12 +61,6 @@ print("RESULT " + json.dumps({{"numel": sum(p.numel() for p in model.parameters(
                               "ds_numel": sum(p.ds_numel for p in model.parameters()),
                               "shape": model_flops_shape(model)}}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_zero3_partitioned_parameters_count_at_their_full_size(tmp_path):

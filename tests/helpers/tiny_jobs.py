@@ -1,7 +1,7 @@
-"""The pieces of the tiny training jobs that test files across the folders share: models, rows, arguments and
-a recorder. Plain functions and classes, imported by name (`from tests.helpers.tiny_jobs import llama, rows`),
-also by the scripts of tests/helpers/ that run in processes of their own; the fixtures of tests/conftest.py
-are the factories a test asks for by argument.
+"""The pieces of the tiny training jobs that test files across the folders share: models, rows, arguments, a
+recorder and comparisons of what a job left. Plain functions and classes, imported by name
+(`from tests.helpers.tiny_jobs import llama, rows`), also by the scripts of tests/helpers/ that run in processes
+of their own; the fixtures of tests/conftest.py are the factories a test asks for by argument.
 
     llama            a freshly initialised LlamaForCausalLM of ~40k parameters (vocabulary 64), seeded
     rows             causal-LM rows of very different lengths, some label positions masked
@@ -13,6 +13,7 @@ are the factories a test asks for by argument.
     Scalar           a one-weight module, loss (w * x)^2, NaN for a row whose x is 999
     GradRecorder     a callback copying every parameter's gradient when the optimizer is about to step
     losses           the training losses a trainer logged, in order
+    params_of        a trainer's parameters by name; assert_params_close compares two such dicts
 """
 
 from __future__ import annotations
@@ -123,3 +124,13 @@ class GradRecorder(TrainerCallback):
 
 def losses(trainer) -> list[float]:
     return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+def assert_params_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def params_of(trainer) -> dict:
+    return {n: p.detach() for n, p in trainer.model.named_parameters()}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
+from tests.helpers.tiny_jobs import assert_params_close
 from tests.parity.families import FAMILIES
 from tests.parity.oracle import assert_logs_close, by_hand_sgd, flatten, run
 
@@ -27,12 +27,6 @@ def runs(tmp_path_factory):
         return cache[family, framework]
 
     return get
-
-
-def assert_params_close(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family", HF_EXACT)
