@@ -232,8 +232,8 @@ def test_the_deferred_check_skips_one_ranks_nonfinite_step_on_every_rank(two_ran
 
 
 def test_two_processes_roll_a_spike_back_together_and_end_as_one_process_without_its_rows(two_ranks, tmp_path):
-    from tests.integration.test_rollback_runs import Regressor, args
-    from tests.integration.test_rollback_runs import rows as regression_rows
+    from tests.helpers.rollback_jobs import Regressor, args
+    from tests.helpers.rollback_jobs import rows as regression_rows
 
     r0, r1 = ranks(two_ranks, "spike")
     assert r0["records"] == r1["records"] and r0["losses"] == r1["losses"]  # the same decision and rows everywhere
@@ -257,7 +257,7 @@ def test_two_processes_roll_a_spike_back_together_and_end_as_one_process_without
 
 
 def test_fsdp2_rolls_its_shards_back_and_ends_as_one_process_without_the_rows(two_ranks, tmp_path):
-    from tests.integration.test_rollback_runs import args, clm, llama, poisoned_loss, records
+    from tests.helpers.rollback_jobs import args, clm, llama, poisoned_loss, records
 
     r0, r1 = ranks(two_ranks, "spike_fsdp2")
     assert r0["dtensors"] and r0["losses"] == r1["losses"]

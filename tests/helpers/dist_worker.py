@@ -610,8 +610,8 @@ def spike(out: str) -> None:
     the same 8 rows (with the rank that trained each), and the run goes on without them; the test compares it
     with one process on the data without those rows, and resumes its checkpoint-8 on one process."""
     from stoker.rollback import Healer
-    from tests.integration.test_rollback_runs import HEAL, Regressor, args
-    from tests.integration.test_rollback_runs import rows as regression_rows
+    from tests.helpers.rollback_jobs import HEAL, Regressor, args
+    from tests.helpers.rollback_jobs import rows as regression_rows
 
     r = Report(out, "spike")
     named, quarantine = [], Healer.quarantine
@@ -640,8 +640,8 @@ def spike_fsdp2(out: str) -> None:
     """spike_rollback under FSDP2 (2 processes x micro-batch 1 x accumulation 2): each process snapshots and
     restores its own shards of the weights and the optimizer state; step 7's window (rows 24-27) holds a poisoned
     row. The test compares the gathered model with one process on the data without the window's rows."""
-    from tests.integration.test_rollback_runs import HEAL, args, clm, poisoned_loss
-    from tests.integration.test_rollback_runs import llama as seeded_llama
+    from tests.helpers.rollback_jobs import HEAL, args, clm, poisoned_loss
+    from tests.helpers.rollback_jobs import llama as seeded_llama
 
     r = Report(out, "spike_fsdp2")
     trainer = Trainer(seeded_llama(), args(os.path.join(r.folder, "out"), per_device_train_batch_size=1,

@@ -14,42 +14,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from stoker import ConfigError, Trainer, TrainerCallback, TrainingArguments
+from stoker import ConfigError, Trainer, TrainerCallback
 from stoker import checkpoint_format as ckpt
 from stoker.errors import SpikeError
 from stoker.goodput import PARTS, QUARANTINE_FILE
 from stoker.report import marks_of, report_from_files
 from stoker.rollback import QuarantineSampler, install_quarantine
+from tests.helpers.rollback_jobs import (
+    HEAL,
+    Regressor,
+    args,
+    assert_same,
+    clm,
+    llama,
+    poisoned_loss,
+    records,
+    rows,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Regressor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(4, 1)
-
-    def forward(self, x, labels):
-        return nn.functional.mse_loss(self.net(x).squeeze(-1), labels)
-
-
-def rows(n: int = 64, poisoned=()) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    return [{"x": x[i], "labels": x[i].sum() + (1000.0 if i in poisoned else 0.0)} for i in range(n)]
-
-
-def args(out, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(out), report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1,
-                per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=12, learning_rate=0.05,
-                seed=0, train_sampling_strategy="sequential")
-    return TrainingArguments(**{**base, **kw})
-
-
-HEAL = dict(spike_rollback=True, spike_window=3, spike_snapshot_steps=2, spike_factor=10.0)
 
 
 def params(trainer) -> dict[str, torch.Tensor]:
@@ -61,16 +45,6 @@ def history(trainer) -> list[dict]:
     wall-clock figures."""
     return [{k: v for k, v in r.items() if k != "epoch" and not k.startswith("train_") or k == "train_loss"}
             for r in trainer.state.log_history]
-
-
-def records(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / QUARANTINE_FILE).read_text().splitlines()]
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 class SkippingRows(Trainer):
@@ -219,7 +193,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 from stoker import Trainer
 from stoker.rollback import Healer
-from tests.integration.test_rollback_runs import HEAL, Regressor, args, rows
+from tests.helpers.rollback_jobs import HEAL, Regressor, args, rows
 
 def killed(self, *a, **kw):  # the rows are recorded; the process dies before the state is put back
     os.kill(os.getpid(), signal.SIGKILL)
@@ -288,35 +262,6 @@ def test_an_iterable_dataset_is_refused_before_any_work(tmp_path):
 
 
 # --- a transformers model: LoRA, packed rows ----------------------------------------------------------------
-
-POISON_TOKEN = 63  # only the poisoned rows hold it; their loss is 10^4 times what it would be
-
-
-def clm(n: int, poisoned=()) -> list[dict]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for i in range(n):
-        ids = torch.randint(1, POISON_TOKEN, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
-        if i in poisoned:
-            ids[-1] = POISON_TOKEN
-        out.append({"input_ids": ids, "labels": list(ids)})
-    return out
-
-
-def poisoned_loss(outputs, labels, num_items_in_batch=None):
-    logits = outputs.logits.float()
-    loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                       ignore_index=-100, reduction="sum") / num_items_in_batch
-    return loss * (1e4 if bool((labels == POISON_TOKEN).any()) else 1.0)
-
-
-def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-
 
 def test_a_lora_run_rolls_back_its_adapter_and_optimizer_and_ends_as_the_run_without_the_rows(tmp_path):
     from peft import LoraConfig

@@ -249,7 +249,7 @@ class HiddenLayerRegressor(nn.Module):
 def test_a_spike_is_rolled_back_and_the_run_equals_the_run_without_its_rows(tmp_path):
     """spike_rollback with optim='muon' (tests/integration/test_rollback_runs.py's job): the run rolls back to its
     snapshot at step 4, Muon's momentum and AdamW's moments with it, and ends bit-equal to the run without the rows."""
-    from tests.integration import test_rollback_runs as rollback
+    from tests.helpers import rollback_jobs as rollback
 
     muon = dict(optim="muon", learning_rate=0.02)
     healed = Trainer(HiddenLayerRegressor(), rollback.args(tmp_path / "healed", **muon, **rollback.HEAL),
