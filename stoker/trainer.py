@@ -92,8 +92,8 @@ from .step import (
     plan_steps,
     window_sizes,
 )
-from .trainer_api import TrainerAPI
 from .trainer_checks import batch_problems, run_problems, trainer_input_problems
+from .transformers_surface import TransformersSurface
 
 # the hooks whose override makes the train batches or the loss (TRAIN_HOOKS), or the eval (EVAL_HOOKS) or test
 # (PREDICT_HOOKS) batches, the loss or the evaluation itself: where a subclass overrides one, the first batch of
@@ -150,7 +150,7 @@ def offload_checkpointed_inputs(model, device: torch.device) -> None:
                            f"to the host; accepted: a transformers model, or offload left out"], "Trainer inputs")
 
 
-class Trainer(TrainerAPI):
+class Trainer(TransformersSurface):
     """Trains, evaluates and predicts with a PyTorch model, with the constructor and methods of
     transformers.Trainer (a script written for it runs with the import changed).
 

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from tests.integration.test_trainer_api import Scalar  # (w * x)^2, NaN where x is 999 (gradient 0)
 
 import stoker
 from stoker.errors import NonFiniteError
-from tests.integration.test_trainer_api import Scalar  # (w * x)^2, NaN where x is 999 (gradient 0)
 
 
 def framework(name: str):

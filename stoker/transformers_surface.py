@@ -1,5 +1,5 @@
 """transformers.Trainer's public methods around the loop: what example scripts and subclasses call besides
-train / evaluate / predict (metrics files, process checks, optimizer parts, FLOPs, model cards, model_init,
+train / evaluate / predict (metrics files, process checks, optimizer parts, model cards, model_init,
 hyperparameter search). The loop itself lives in stoker.trainer; `Trainer` inherits these.
 
 Where transformers' own helper does exactly what is needed (the metrics files, the model card) it is called,
@@ -30,7 +30,7 @@ from .optim import (
 from .step import plan_steps
 
 
-class TrainerAPI:
+class TransformersSurface:
     """transformers.Trainer's public methods besides train / evaluate / predict, with the same names, signatures and
     results; `Trainer` inherits them and supplies what they need, declared here."""
 
