@@ -546,11 +546,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def parameters_finite(accelerator, model) -> bool:
-    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
-    DTensor's local part, a ZeRO-3 parameter's partition). A sum is finite only if every value is, so one float32
-    sum per tensor and one host sync decide (about 50x cheaper than isfinite over every value, which a save paid
-    in the loop); only where a sum is not finite (a non-finite value, or an overflow of huge ones) are that
-    tensor's values checked one by one."""
+    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2 DTensor's
+    local part, a ZeRO-3 parameter's partition). A sum is finite only if every value is, so one float32 sum per
+    tensor and one host sync decide (a reduction that writes one number per tensor, where isfinite over every
+    value writes a mask as large as the model and reads it back); only where a sum is not finite (a non-finite
+    value, or an overflow of huge ones) are that tensor's values checked one by one."""
     def own(p):
         return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
 

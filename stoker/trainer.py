@@ -79,7 +79,7 @@ from .prefix import prefix_body
 from .report import ReportCallback
 from .rollback import SpikeDetected, SpikeRollback
 from .run import Run
-from .sdpa_mask import unpadded_attention
+from .sdpa_mask import answers_mask, unpadded_attention
 from .step import (
     LogSums,
     LoopPosition,
@@ -247,7 +247,7 @@ class Trainer(TransformersSurface):
         self._ray_report = None
         # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
         self._train_batch_size = self.args.per_device_train_batch_size
-        self._answers_mask = False  # whether this run's forwards answer sdpa's mask from the host (set per run)
+        self._answers_mask = False  # whether the forwards answer sdpa's mask from the host (set as a run starts)
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
         self._eval_dataloaders = {}  # with dataloader_persistent_workers: "eval" or a set's name -> its loader
         # the evaluation sets whose first batch has been checked against the model (by id)
@@ -556,6 +556,8 @@ class Trainer(TransformersSurface):
             model = self._set_up_model(self.call_model_init(trial))
             self._enable_gradient_checkpointing(model)
             self.model = self.model_wrapped = model
+        # whether this model's forwards answer sdpa's mask from rows the host counted (the loader counts them)
+        self._answers_mask = answers_mask(_unwrap_peft(self.model), a, acc.device)
         run_id = (loop or {}).get("run_id") or uuid.uuid4().hex  # a resumed run continues its checkpoint's id
         rollback = self._spike_rollback(loop, run_id)
         loader = self._train_loader(pos.micro_batch, rollback)
@@ -1157,7 +1159,8 @@ class Trainer(TransformersSurface):
         """log() from the loop, with exactly the arguments its signature takes: an override written for
         transformers' log(logs, start_time) gets no diagnostics, and one written as log(self, logs) (older scripts,
         transformers' own plateau test) gets the logs alone. Read at each call, so that a log replaced on the
-        instance is called right too (a signature costs microseconds; a log record comes once per logging_steps)."""
+        instance is called right too (reading a signature is cheap beside a log record, which comes once per
+        logging_steps)."""
         parameters = list(inspect.signature(self.log).parameters.values())
         kinds = {p.kind for p in parameters}
         positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
