@@ -173,6 +173,7 @@ def _probe_sum(model, sum_probe, device) -> bool | None:
         return None
     return bool(abs(f_aaaa.double()) > 1.5 * abs(f_aa))
 
+
 def _probe_rows(batch: dict, labels, first_is_target: bool) -> dict:
     """Two rows of the batch that can decide a probe, which then costs a fraction of one forward: from the first
     row with a target after the first position (which a causal LM never scores), and with `first_is_target` a
