@@ -176,9 +176,9 @@ def test_the_length_counted_on_the_host_is_the_one_read_from_the_device(monkeypa
     counts without a read: the same length as the device's, for random rows (shared starts, padding on either
     side, targets anywhere), for the halves of out-of-memory halving, and read from the device again once a
     tensor is written in place."""
-    from stoker.loss import prefix
     from stoker.data import host_counts
     from stoker.evaluation import split_batch
+    from stoker.loss import prefix
     from tests.gpu_paths.test_syncs import HostSyncCounter
     from tests.unit.loss.test_chunked import counted
 
