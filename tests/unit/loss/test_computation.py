@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from stoker import Trainer, TrainingArguments, sdpa_mask
 from tests.integration.test_trainer import llama, rows
-from tests.unit.test_loop import StepProfile
+from tests.unit.test_step import StepProfile
 
 
 def test_a_plain_step_enters_three_loss_functions_all_in_one_module(tmp_path, monkeypatch):
     """Tiny Llama, no accumulation: the window's items (LossConvention.window_items, its targets) and the model's
     own loss (ModelLoss.__call__), each step, and nothing else of stoker.loss (seven functions in two modules
-    before the package). Counted as in a fresh process, as tests/unit/test_loop.py counts the whole step."""
+    before the package). Counted as in a fresh process, as tests/unit/test_step.py counts the whole step."""
     from transformers.masking_utils import AttentionMaskInterface
 
     mapping = AttentionMaskInterface._global_mapping
