@@ -44,7 +44,6 @@ from .data import (
     HostCounting,
     PaddingCollator,
     build_dataloader,
-    count_targets,
     forward_columns,
 )
 from .diagnostics import peak_memory_metrics
@@ -71,6 +70,7 @@ from .loss import (
     LabelSmoothing,
     LoadBalancing,
     LossConvention,
+    count_targets,
     has_router_loss,
     loss_computation,
     loss_or_none,

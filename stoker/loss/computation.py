@@ -17,9 +17,9 @@ the update of one batch of B*A rows:
 A Mixture-of-Experts model's load-balancing loss is weighed over the scope that moe_aux_loss_scope names
 (stoker.loss.load_balancing) where the model's own loss carries it.
 
-A plain step enters three functions of the package, all here: `LossConvention.window_items` and its `targets`
-once a window, `ModelLoss.__call__` once a micro-batch. What is known of the model is read from plain attributes,
-and the model's own loss is computed inline rather than through helpers.
+A plain step enters three functions of the package, all here: `LossConvention.window_items` once a window,
+`count_targets` for each of its micro-batches, `ModelLoss.__call__` once a micro-batch. What is known of the model
+is read from plain attributes, and the model's own loss is computed inline rather than through helpers.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..data import count_targets
+from ..data import IGNORE_INDEX
 from .chunked import chunked_causal_lm_loss, head_bypass
 from .load_balancing import LoadBalancing
 from .normalization import SAMPLES, SUM, TOKENS, accepts_num_items, loss_or_none, model_family, probed
@@ -38,6 +38,22 @@ from .smoothing import LabelSmoothing
 
 NO_LOSS = ("the model returned no loss: return a loss tensor, a dict / ModelOutput with 'loss' or a tuple with the "
            "loss first, pass labels in the batch, or give Trainer(compute_loss_func=...)")
+
+
+def count_targets(batch: Mapping, label_name: str | None, causal: bool) -> int | torch.Tensor:
+    """Items the loss averages over: target tokens (labels != -100, shifted by one for causal LMs) when the
+    batch has labels, else the number of samples."""
+    labels = batch.get(label_name) if label_name else None
+    if labels is None or not isinstance(labels, torch.Tensor):
+        first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
+        return first.shape[0]
+    if isinstance(batch.get("shift_labels"), torch.Tensor):  # shifted by the collator (padding-free batches)
+        labels = batch["shift_labels"]
+    elif causal:
+        labels = labels[..., 1:]
+    if labels.is_floating_point():
+        return labels.shape[0]  # regression targets: one item per sample
+    return (labels != IGNORE_INDEX).sum()
 
 
 class LossConvention:
@@ -61,8 +77,13 @@ class LossConvention:
         self.own_loss = not (loss_func or chunked)
         self.honours_num_items = None if isinstance(model, torch.nn.Module) and accepts_num_items(base) else False
         self.reduction = None if isinstance(model, torch.nn.Module) and self.own_loss else TOKENS
-        # a plain attribute, set wherever the verdicts are: the Trainer reads it at every window's start
+        self._read_verdicts()
+
+    def _read_verdicts(self) -> None:
+        """Plain attributes from the verdicts, read at every window's start: `settled`, and `counted_by`,
+        count_targets' arguments (rows for a per-sample mean or a sum, else target tokens)."""
         self.settled = None not in (self.causal, self.honours_num_items, self.reduction)
+        self.counted_by = (None, False) if self.reduction in (SAMPLES, SUM) else (self.label_name, self.causal)
 
     def decide(self, model, batch: dict, accelerator) -> None:
         """Settle what is still unknown from a batch with labels (stoker.loss.normalization.probed). Called by
@@ -71,19 +92,17 @@ class LossConvention:
         self.causal, self.honours_num_items, self.reduction = probed(
             model, batch, accelerator, self.label_name, self.forward_kwargs, self.own_loss,
             known=(self.causal, self.honours_num_items, self.reduction))
-        self.settled = None not in (self.causal, self.honours_num_items, self.reduction)
+        self._read_verdicts()
 
     def targets(self, batch: dict) -> int | torch.Tensor:
         """The batch's target items (tokens with a label; rows for a model with one label per row, or whose loss is
         a mean over samples or a sum)."""
-        if self.reduction in (SAMPLES, SUM):
-            return count_targets(batch, None, False)
-        return count_targets(batch, self.label_name, self.causal)
+        return count_targets(batch, *self.counted_by)
 
     def window_items(self, window: list[dict], accelerator, across_devices: bool) -> torch.Tensor:
         """Target items in a whole accumulation window, summed over every process (over this process only
         unless across_devices): what every micro-batch's loss is normalised by."""
-        counts = [self.targets(b) for b in window]
+        counts = [count_targets(b, *self.counted_by) for b in window]  # as `targets`, a call fewer per micro-batch
         # counts known on the host (rows) start the sum as a fill on the device: a tensor made from a Python int
         # would be a copy from the host that waits for the GPU
         total = torch.full((), sum(c for c in counts if not isinstance(c, torch.Tensor)), dtype=torch.long,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..compilation import uncompiled
-from ..data import count_targets
+from ..data import IGNORE_INDEX
 
 
 def accepts_num_items(model) -> bool:
@@ -137,7 +137,7 @@ def _probe_reduction(model, batch: dict, label_name: str, causal: bool, forward_
     `_probe_sum` needs."""
     labels = batch[label_name]
     rows = labels.shape[0]
-    counts = [int(count_targets({label_name: labels[i:i + 1]}, label_name, causal)) for i in range(rows)]
+    counts = ((labels[:, 1:] if causal else labels) != IGNORE_INDEX).sum(1).tolist()  # each row's targets
     pairs = [(i, j) for i in range(rows) for j in range(i + 1, rows) if counts[i] and counts[j]]
     a, b = max(pairs, key=lambda p: abs(counts[p[0]] - counts[p[1]]), default=(0, min(1, rows - 1)))
 

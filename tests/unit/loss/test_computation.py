@@ -8,9 +8,10 @@ from tests.unit.test_step import StepProfile
 
 
 def test_a_plain_step_enters_three_loss_functions_all_in_one_module(tmp_path, monkeypatch):
-    """Tiny Llama, no accumulation: the window's items (LossConvention.window_items, its targets) and the model's
+    """Tiny Llama, no accumulation: the window's items (LossConvention.window_items, count_targets) and the model's
     own loss (ModelLoss.__call__), each step, and nothing else of stoker.loss (seven functions in two modules
-    before the package). Counted as in a fresh process, as tests/unit/test_step.py counts the whole step."""
+    before the package, and count_targets in stoker.data). Counted as in a fresh process, as
+    tests/unit/test_step.py counts the whole step."""
     from transformers.masking_utils import AttentionMaskInterface
 
     mapping = AttentionMaskInterface._global_mapping
@@ -25,5 +26,5 @@ def test_a_plain_step_enters_three_loss_functions_all_in_one_module(tmp_path, mo
     trainer.train()
     for step in profile.steps[1:]:  # step 1 holds the loss convention's probes, once per run
         assert sorted(f for f in step if f[0].startswith("loss/")) == [
-            ("loss/computation.py", "LossConvention.targets"), ("loss/computation.py", "LossConvention.window_items"),
-            ("loss/computation.py", "ModelLoss.__call__")]
+            ("loss/computation.py", "LossConvention.window_items"), ("loss/computation.py", "ModelLoss.__call__"),
+            ("loss/computation.py", "count_targets")]
