@@ -319,19 +319,3 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
         else None,
         **extra,
     )
-
-
-def count_targets(batch: Mapping, label_name: str | None, causal: bool) -> int | torch.Tensor:
-    """Items the loss averages over: target tokens (labels != -100, shifted by one for causal LMs) when the
-    batch has labels, else the number of samples."""
-    labels = batch.get(label_name) if label_name else None
-    if labels is None or not isinstance(labels, torch.Tensor):
-        first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
-        return first.shape[0]
-    if isinstance(batch.get("shift_labels"), torch.Tensor):  # shifted by the collator (padding-free batches)
-        labels = batch["shift_labels"]
-    elif causal:
-        labels = labels[..., 1:]
-    if labels.is_floating_point():
-        return labels.shape[0]  # regression targets: one item per sample
-    return (labels != IGNORE_INDEX).sum()

@@ -39,13 +39,11 @@ from .callbacks import (
     integration_callbacks,
 )
 from .checkpointer import Checkpointer, resolve_resume, resume_settings, save_model
-from .chunked_loss import output_head
 from .data import (
     ColumnFilter,
     HostCounting,
     PaddingCollator,
     build_dataloader,
-    count_targets,
     forward_columns,
 )
 from .diagnostics import peak_memory_metrics
@@ -66,16 +64,23 @@ from .evaluation import (
 )
 from .float8 import use_float8
 from .goodput import Ledger, furthest_step, summary_line
-from .load_balancing import LoadBalancing, has_router_loss
 from .log import logger, set_log_levels, transformers_logger
 from .lora import trainable_parameters, wrap
-from .loss_computation import loss_computation
-from .loss_normalization import LossConvention, loss_or_none
+from .loss import (
+    LabelSmoothing,
+    LoadBalancing,
+    LossConvention,
+    count_targets,
+    has_router_loss,
+    loss_computation,
+    loss_or_none,
+    output_head,
+    prefix_body,
+)
 from .memory_plan import async_save_line, rollback_line, start_of_training_line
 from .optim import set_mode, steps_on_metric, updates_in_backward
 from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 from .packing import packed_train_set
-from .prefix import prefix_body
 from .report import ReportCallback
 from .rollback import SpikeDetected, SpikeRollback
 from .run import Run
@@ -310,14 +315,9 @@ class Trainer(TransformersSurface):
                           f"{type(base).__name__} (problem_type='multi_label_classification')", UserWarning,
                           stacklevel=3)
             label_smoothing = 0.0
-        # transformers' attribute, for scripts and subclasses that read it (an override of compute_loss calls it
-        # as transformers' does); stoker's own loss smooths exactly over the window (stoker.loss_computation).
-        # Imported only when smoothing is on: transformers.trainer_pt_utils costs seconds to import
-        self.label_smoother = None
-        if label_smoothing:
-            from transformers.trainer_pt_utils import LabelSmoother
-
-            self.label_smoother = LabelSmoother(epsilon=label_smoothing)
+        # transformers' attribute, kept because an override of compute_loss calls it as transformers' does (and
+        # tests/parity checks it): the one smoother, which stoker's own loss sums over the window (stoker.loss)
+        self.label_smoother = LabelSmoothing(label_smoothing) if label_smoothing else None
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
@@ -325,7 +325,7 @@ class Trainer(TransformersSurface):
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
         chunked_head = output_head(model) if a.chunked_loss else None
-        # a MoE model's load-balancing loss, weighed over moe_aux_loss_scope (stoker.load_balancing); the probes
+        # a MoE model's load-balancing loss, weighed over moe_aux_loss_scope (stoker.loss.load_balancing); the probes
         # of its loss convention see the task loss alone, which a per-micro-batch aux term would blur
         balancing = (LoadBalancing(base, a.moe_aux_loss_scope, self.label_names, self._forward_kwargs)
                      if has_router_loss(base) else None)
@@ -335,9 +335,9 @@ class Trainer(TransformersSurface):
                                           chunked=chunked_head is not None)
         # global_batch's routing pass, run before each window's first backward (None: no pass)
         self._window_routing = balancing if balancing is not None and balancing.routes_windows else None
-        # how compute_loss computes the loss, decided here once (stoker.loss_computation)
+        # how compute_loss computes the loss, decided here once (stoker.loss.computation)
         self._loss = loss_computation(self._convention, self._forward_kwargs, chunked_head=chunked_head,
-                                      compute_loss_func=self.compute_loss_func, label_smoothing=label_smoothing,
+                                      compute_loss_func=self.compute_loss_func, smoother=self.label_smoother,
                                       base_model=base, prefix_body=prefix_body(model) if a.shared_prefix else None,
                                       balancing=balancing, fused_loss=a.use_liger_kernel)
         self._set_collator(base)
@@ -398,13 +398,13 @@ class Trainer(TransformersSurface):
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The micro-batch's share of the window loss: sum of its item losses / num_items_in_batch.
 
-        How is decided once per model (stoker.loss_computation): a model whose forward divides by a
+        How is decided once per model (stoker.loss.computation): a model whose forward divides by a
         num_items_in_batch it is given (as LossConvention finds out) receives it; any other returns a mean over
         its own items, which is rescaled by local items / window items, so that B x A micro-batches give exactly
         the update of one batch of B*A. compute_loss_func, label_smoothing_factor and chunked_loss (a causal LM's
         loss from its hidden states, unless the caller asks for the outputs: an evaluation that keeps its
         predictions needs the logits) each replace the model's loss; with shared_prefix, a training micro-batch's
-        common leading tokens are run once (stoker.prefix).
+        common leading tokens are run once (stoker.loss.prefix).
         """
         loss, outputs = self._loss(model, inputs, self.accelerator, num_items_in_batch, return_outputs)
         self._loss_is_window_share = True  # an override that calls this returns (a change of) the share
@@ -1068,7 +1068,7 @@ class Trainer(TransformersSurface):
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         if not (self._loss_is_window_share or scaled or num_items_in_batch is None):
-            loss = loss * (self._convention.targets(inputs) / num_items_in_batch)
+            loss = self._convention.mean_share(loss, inputs, num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
         # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)

@@ -17,12 +17,10 @@ from typing import Any
 import torch
 
 from .checkpoint_format import is_peft_model
-from .chunked_loss import chunked_loss_problems
 from .data import unseeded_shuffle_problem
 from .float8 import float8_kbit_problem, kbit_bits
-from .load_balancing import load_balancing_problems
+from .loss import chunked_loss_problems, load_balancing_problems, shared_prefix_problems
 from .memory_plan import rollback_line
-from .prefix import shared_prefix_problems
 
 
 def run_problems(args, model, train_dataset, accelerator, loader, rollback) -> list[str]:

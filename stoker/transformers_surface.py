@@ -44,7 +44,7 @@ class TransformersSurface:
     current_flos: float
     # ... and its own: the loss normalisation of the model (its target count for get_batch_samples), the
     # background checkpoint writer (a checkpoint in flight is committed before the Accelerator is rebuilt)
-    _convention: Any  # stoker.loss_normalization.LossConvention
+    _convention: Any  # stoker.loss.LossConvention
     _checkpoint_writer: Any  # stoker.background_save.BackgroundWriter
     # ... and, empty at first, this mixin's own: the trial of the last train() call, and a Ray trial's evaluation
     # waiting for its step's checkpoint

@@ -133,7 +133,7 @@ def test_two_processes_update_like_one_process_for_every_family(two_ranks, tmp_p
 
 
 def test_two_processes_sharing_a_prefix_update_like_one_process_without(two_ranks, tmp_path):
-    from tests.unit.test_prefix import prompt_rows
+    from tests.unit.loss.test_prefix import prompt_rows
 
     one = Trainer(llama(), w.training_args(str(tmp_path / "one"), per_device_train_batch_size=8, max_steps=3),
                   train_dataset=prompt_rows(24, seed=5))

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from stoker import ConfigError, Trainer, TrainingArguments
-from stoker import chunked_loss as chunked
-from stoker.chunked_loss import chunked_causal_lm_loss, output_head
 from stoker.data import PaddingCollator
+from stoker.loss import chunked
+from stoker.loss.chunked import chunked_causal_lm_loss, output_head
 from tests.gpu_paths.test_metrics import fake_gpu
 from tests.integration.test_trainer import llama, rows
-from tests.unit.test_chunked_loss import as_on_a_gpu, fake_liger  # noqa: F401  (a fixture)
+from tests.unit.loss.test_chunked import as_on_a_gpu, fake_liger  # noqa: F401  (a fixture)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

@@ -195,7 +195,7 @@ def _llama(attention: str):
 
 def _data(kind: str, lengths: str) -> list[dict]:
     from tests.integration.test_trainer import rows
-    from tests.unit.test_prefix import prompt_rows
+    from tests.unit.loss.test_prefix import prompt_rows
 
     # 32 rows: 4 steps of 8 an epoch, so that steps 2 and 3 are no epoch's end (which settles the step at once)
     if kind == "shared_prefix":
@@ -277,7 +277,7 @@ def test_a_step_halved_after_running_out_of_memory_reads_nothing_more(tmp_path, 
     so the rerun reads the device no more than a step that fits."""
     from stoker import Trainer
     from tests.integration.test_trainer import args
-    from tests.unit.test_prefix import prompt_rows
+    from tests.unit.loss.test_prefix import prompt_rows
 
     model, counter = _llama("eager"), StepSyncs(monkeypatch)
     trainer = Trainer(model, args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=3,

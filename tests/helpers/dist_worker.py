@@ -894,7 +894,7 @@ def families(out: str) -> None:
 def shared_prefix(out: str) -> None:
     """Rows that start alike with shared_prefix=True, 2 x batch 4 over 3 steps: compared by the test with one
     process x batch 8 without sharing. The prefix's forward runs outside DDP's wrapper, its backward inside."""
-    from tests.unit.test_prefix import PREFIX, EmbeddingShapes, prompt_rows
+    from tests.unit.loss.test_prefix import PREFIX, EmbeddingShapes, prompt_rows
 
     r = Report(out, "shared_prefix")
     args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=3,
