@@ -10,6 +10,7 @@ which one it is.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import itertools
 import math
@@ -106,6 +107,12 @@ from .transformers_surface import TransformersSurface
 TRAIN_HOOKS = ("get_train_dataloader", "compute_loss")
 EVAL_HOOKS = ("get_eval_dataloader", "compute_loss", "prediction_step", "evaluation_loop", "evaluate")
 PREDICT_HOOKS = ("get_test_dataloader", "compute_loss", "prediction_step", "evaluation_loop", "predict")
+
+
+# whether the loss of the training_step in progress went through stoker's own compute_loss (and so is already the
+# micro-batch's share of the window): a list the call marks, scoped to the one call rather than kept on the Trainer
+_WINDOW_SHARES: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("stoker_window_shares",
+                                                                                   default=None)
 
 
 def set_seed(seed: int) -> None:
@@ -305,7 +312,6 @@ class Trainer(TransformersSurface):
         # whether a loss-only evaluation with use_liger_kernel hands forward skip_logits=True (prediction_step)
         self._takes_skip_logits = (self._is_transformers or self.model_accepts_loss_kwargs
                                    or "skip_logits" in forward_columns(base))
-        self._loss_is_window_share = False  # whether the last compute_loss call went through stoker's own
         label_smoothing = a.label_smoothing_factor
         if label_smoothing and getattr(getattr(base, "config", None), "problem_type",
                                                 None) == "multi_label_classification":
@@ -407,7 +413,9 @@ class Trainer(TransformersSurface):
         common leading tokens are run once (stoker.loss.prefix).
         """
         loss, outputs = self._loss(model, inputs, self.accelerator, num_items_in_batch, return_outputs)
-        self._loss_is_window_share = True  # an override that calls this returns (a change of) the share
+        shares = _WINDOW_SHARES.get()
+        if shares is not None:  # inside training_step: an override that calls this returns (a change of) the share
+            shares.append(True)
         return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------------------------------
@@ -1056,10 +1064,13 @@ class Trainer(TransformersSurface):
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
         if callable(getattr(inner, "train", None)):  # a schedule-free optimizer back on its training point
             inner.train()
-        self._loss_is_window_share = False
-        # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
-        with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
-            loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        shares = []  # marked by stoker's compute_loss, if this micro-batch's loss goes through it
+        token = _WINDOW_SHARES.set(shares)
+        try:  # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
+            with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
+                loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        finally:
+            _WINDOW_SHARES.reset(token)
         # an override of compute_loss that returned its own mean over the micro-batch (loss_is_scaled_for_ga False,
         # or None with a model that takes no loss kwargs, where transformers divides by the accumulation steps) is
         # weighed by the micro-batch's items over the window's: transformers' division where the micro-batches hold
@@ -1067,7 +1078,7 @@ class Trainer(TransformersSurface):
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
-        if not (self._loss_is_window_share or scaled or num_items_in_batch is None):
+        if not (shares or scaled or num_items_in_batch is None):
             loss = self._convention.mean_share(loss, inputs, num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
