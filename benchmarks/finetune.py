@@ -60,7 +60,7 @@ def child(way: str, rows: int, threads: int) -> dict:
     from stoker.log import third_party_output
     from stoker.recipes.args import DataArguments, fast_bf16
     from stoker.recipes.data import sft_rows
-    from stoker.tasks import record_splits
+    from stoker.synthetic_tasks import record_splits
 
     torch.set_num_threads(threads)
     folder = local_model(packaged_model())

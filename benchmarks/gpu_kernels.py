@@ -14,7 +14,7 @@ Ways (each a forward, backward and optimizer step, timed after warm-up steps, me
                 rows padded to the longest of each micro-batch (sdpa with a padding mask). Real tokens per second
     loss        the output layer and loss alone at vocabularies 32k and 128k (hidden 4096, 16k tokens, an odd
                 16,383 targets): transformers' plain cross-entropy over full logits against stoker's chunked loss
-                (stoker.chunked_loss), on bfloat16 weights and on float32 weights under bf16 autocast (the GPU
+                (stoker.loss.chunked), on bfloat16 weights and on float32 weights under bf16 autocast (the GPU
                 default's dtype flow); and Liger's fused kernel (use_liger_kernel=True) where it is installed, with
                 its loss's and weight gradient's error against stoker's chunks. Tokens per second and peak memory
     float8      bf16 against fp8='tensorwise' (torchao, compiled both ways) on the 374M job's Llama and on a ~1B
@@ -163,7 +163,7 @@ def loss_step(way: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     """One forward and backward of the output layer and loss: over full float32 logits, chunked (stoker's chunks,
     or Liger's kernel: 'liger'), in bf16 autocast's dtypes when `autocast` (the chunks' compute dtype, as the
     Trainer hands it from lm_head's autocast). Returns the loss."""
-    from stoker.chunked_loss import chunked_cross_entropy
+    from stoker.loss import chunked_cross_entropy
 
     with precision(autocast):
         if way == "plain":
@@ -178,7 +178,7 @@ def loss_step(way: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
 def liger_error(hidden, weight, labels) -> dict:
     """Liger's loss and weight gradient against stoker's chunks on the same inputs: the largest differences."""
-    from stoker.chunked_loss import chunked_cross_entropy
+    from stoker.loss import chunked_cross_entropy
 
     found = {}
     for way in ("chunked", "liger"):
@@ -191,13 +191,13 @@ def liger_error(hidden, weight, labels) -> dict:
 
 
 def loss_way(rehearse: bool, steps: int) -> list[dict]:
-    from stoker import chunked_loss
+    from stoker.loss import chunked
 
     dev = device()
     hidden_size, tokens = (64, 512) if rehearse else (4096, 16384)
     vocabs = (1024, 4096) if rehearse else (32000, 128256)
     results = []
-    liger = dev.type == "cuda" and chunked_loss.fused_kernel("cuda", opted_in=True) is not None
+    liger = dev.type == "cuda" and chunked.fused_kernel("cuda", opted_in=True) is not None
     for vocab in vocabs:
         for autocast in (False, True):
             g = torch.Generator(device=dev).manual_seed(0)

@@ -8,7 +8,7 @@ Python process, so that its peak resident memory (resource.getrusage(RUSAGE_SELF
     transformers.Trainer              transformers.Trainer(model, transformers.TrainingArguments(...)).train()
     hand-written Accelerate loop      Accelerator.prepare, then forward / backward / clip / step / zero_grad
     stoker.Trainer                    the same arguments through stoker
-    stoker + chunked_loss             the loss from the hidden states in chunks (stoker.chunked_loss)
+    stoker + chunked_loss             the loss from the hidden states in chunks (stoker.loss.chunked)
     stoker + gradient_checkpointing   activations recomputed in backward
     stoker + adamw_8bit               bitsandbytes' 8-bit AdamW states instead of float32 ones
     stoker + all three

@@ -1,4 +1,4 @@
-"""What moe_aux_loss_scope='global_batch' costs: the routing pass (stoker.load_balancing), one forward of the
+"""What moe_aux_loss_scope='global_batch' costs: the routing pass (stoker.loss.load_balancing), one forward of the
 model's body without gradients per micro-batch before the window's first backward, against 'micro_batch', which
 has none.
 

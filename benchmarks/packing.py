@@ -277,7 +277,7 @@ def smollm2_job(rows: int) -> tuple[dict[str, Callable], list[dict], dict]:
     from stoker.gguf import local_model, packaged_model
     from stoker.recipes.args import DataArguments, fast_bf16
     from stoker.recipes.data import sft_rows as encode
-    from stoker.tasks import record_splits
+    from stoker.synthetic_tasks import record_splits
 
     folder = local_model(packaged_model())
     tokenizer = AutoTokenizer.from_pretrained(folder)

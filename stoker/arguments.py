@@ -288,12 +288,12 @@ class TrainingArguments:
         "whole model); 'blocks' or 'model' implies torch_compile."))
     chunked_loss: bool = field(default=False, metadata=_help(
         "Compute a causal LM's loss from its final hidden states a chunk of tokens at a time, never holding the "
-        "[batch, seq, vocab] logits (same loss and gradients; stoker.chunked_loss). Evaluation still computes "
+        "[batch, seq, vocab] logits (same loss and gradients; stoker.loss.chunked). Evaluation still computes "
         "logits when compute_metrics needs predictions."))
     shared_prefix: bool = field(default=False, metadata=_help(
         "Run the leading tokens that every row of a training micro-batch shares (a system prompt, a fixed "
         "instruction) once, for one row, and give the rest of each row their keys and values as a KV cache (same "
-        "loss and gradients; stoker.prefix). For causal LMs with a KV cache; the prefix holds no target."))
+        "loss and gradients; stoker.loss.prefix). For causal LMs with a KV cache; the prefix holds no target."))
     activation_checkpointing: bool | None = field(default=None, metadata=_help(
         "Recompute activations in the backward pass (transformers 5's name for gradient_checkpointing).") | BARE_FLAG)
     activation_checkpointing_kwargs: dict | str | None = field(default=None, metadata=_help(
@@ -301,7 +301,7 @@ class TrainingArguments:
     use_liger_kernel: bool = field(default=False, metadata=_help(
         "Patch the model with Liger kernels when training starts (needs the liger-kernel package then); a "
         "loss-only evaluation asks the model to skip its logits. With chunked_loss on a GPU, Liger's fused "
-        "kernel computes that loss (two host reads a micro-batch; stoker.chunked_loss)."))
+        "kernel computes that loss (two host reads a micro-batch; stoker.loss.chunked)."))
     liger_kernel_config: dict | str | None = field(default=None, metadata=_help(
         "Keyword arguments for liger_kernel's _apply_liger_kernel_to_instance, a dict or JSON."))
     use_cache: bool = field(default=False, metadata=_help(

@@ -17,35 +17,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import os
 import random
 import shutil
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from . import checkpoint_format as ckpt
 from .background_save import BackgroundWriter, HostCopies, Job, Pace, any_on_every_process, save_failed
-from .callbacks import TrainerState, callback_states, restore_callback_states
+from .callbacks import TrainerState
 from .errors import CheckpointError, NonFiniteError, NotACheckpointError
 from .log import logger
-from .loop import Layout, LoopPosition, RunningLog
-
-
-class RunObjects(NamedTuple):
-    """What a checkpoint holds of a run in progress, as the Trainer has them when it saves or restores."""
-
-    model: Any  # as trained: wrapped by DDP, FSDP or DeepSpeed
-    optimizer: Any
-    lr_scheduler: Any
-    state: TrainerState
-    callbacks: list
-    control: Any
+from .step import Layout, LogSums, LoopPosition, RunState
 
 
 def save_model(output_dir: str, accelerator, backend, model, processing_class, args) -> None:
@@ -197,9 +185,8 @@ class Checkpointer:
     """Saves one run (one train() call) as checkpoint folders and restores it from them.
 
     Built for the run with what stays fixed through it (the arguments, the Accelerator, the backend, the run's id,
-    the train set's length); what a checkpoint holds of the run in progress comes with each call (RunObjects),
-    with the loop's position and running log (stoker.loop). Methods that say "every rank" must be called by all
-    processes.
+    the train set's length); what a checkpoint holds is the run's one list of parts (`RunState.state_dict()`,
+    stoker.run), each written to its file. Methods that say "every rank" must be called by all processes.
     """
 
     def __init__(self, args, backend, run_id: str, dataset_len: int | None, writer: BackgroundWriter | None = None):
@@ -211,7 +198,6 @@ class Checkpointer:
         self._waits = 0  # saves that found the previous checkpoint still being written
         self._reserved = False  # async_save's host buffers (reserved after the first step)
         self._last_save_at: float | None = None  # async_save: when the last save (or the first step) was
-        self.healer = None  # the run's stoker.rollback.Healer: its quarantine goes into every checkpoint
 
     # -- saving ------------------------------------------------------------------------------------------
 
@@ -222,7 +208,7 @@ class Checkpointer:
         for stale in ckpt.stale_temp_dirs(self.args.output_dir):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def save(self, run: RunObjects, pos: LoopPosition, log: RunningLog) -> str:
+    def save(self, run: RunState) -> str:
         """Every rank: write output_dir/checkpoint-<global_step> and commit it atomically, then rotate; returns
         its path. Refuses (NonFiniteError) a model with non-finite parameters; a failure on any rank raises
         CheckpointError on all of them and leaves earlier checkpoints and no partial folder. With async_save the
@@ -232,9 +218,6 @@ class Checkpointer:
         final = ckpt.checkpoint_dir(a.output_dir, s.global_step)
         tmp = ckpt.temp_dir_for(final)
         self._wait_for_previous_write(s.global_step)
-        if s.best_global_step == s.global_step:  # (an evaluation after this save sets it in _evaluate_and_track)
-            s.best_model_checkpoint = final
-        s.stateful_callbacks = callback_states(run.callbacks, run.control)
         if not parameters_finite(acc, model):  # decided by every rank together
             raise NonFiniteError(f"refusing to save {os.path.basename(final)}: the model has non-finite parameters")
         # a sharded model's checkpoint holds every rank's shards, and the full model only if asked for (a peft
@@ -253,7 +236,7 @@ class Checkpointer:
         copy = self.writer.copies.begin() if a.async_save else None
         write = None
         try:  # the state of this step, taken now (FSDP plans its shard files with every rank: a collective)
-            write = self._snapshot(tmp, state_dict, run, pos, log, copy)
+            write = self._snapshot(tmp, state_dict, run, copy)
             if copy is None:
                 write()
         except Exception as e:  # safetensors reports a failed write as SafetensorError, not OSError
@@ -282,26 +265,30 @@ class Checkpointer:
         acc.wait_for_everyone()
         return final
 
-    def _snapshot(self, tmp: str, state_dict: dict | None, run: RunObjects, pos: LoopPosition, log: RunningLog,
+    def _snapshot(self, tmp: str, state_dict: dict | None, run: RunState,
                   copy: HostCopies | None) -> Callable[[], None]:
-        """Every rank: the state this rank writes of the checkpoint, taken now, and the write of it into `tmp`.
-        `copy` (async_save): every tensor copied to host memory and every other value serialised now, so that the
-        write stores this step's state while training goes on; None: the write runs at once."""
+        """Every rank: the state this rank writes of the checkpoint, taken now, and the write of it into `tmp`: every
+        part of the run (the model and optimizer through the backend; the parts that differ between processes into
+        process_<rank>; the others, by the main process, into their files). `copy` (async_save): every tensor
+        copied to host memory and every other value serialised now, so that the write stores this step's state
+        while training goes on; None: the write runs at once."""
         a, acc, backend = self.args, self.accelerator, self.backend
+        parts = run.state_dict()
         rank_parts = backend.rank_parts(tmp, run.model, run.optimizer, copy)  # a collective where it has one
         states = []  # (name, state): <name>.json + <name>.safetensors
         if not a.save_only_model:
-            states.append((f"process_{acc.process_index}", {"rng": rng_state(), "pending_log": log.pending()}))
+            states.append((f"process_{acc.process_index}", {PROCESS_FILE_KEYS.get(name, name): value
+                                                            for name, value in parts.items() if name not in SHARED}))
         main = acc.is_main_process
         if main and not a.save_only_model:
             optimizer = backend.optimizer_state(run.optimizer)
             if optimizer is not None:
                 states.append(("optimizer", optimizer))
-            states.append(("scheduler", run.lr_scheduler.state_dict()))
-            if acc.scaler is not None:
-                states.append(("scaler", acc.scaler.state_dict()))
-        texts = {"trainer_state.json": run.state.to_json_string(), "training_args.json": ckpt.json_text(a.to_dict()),
-                 "loop_state.json": ckpt.json_text(self.loop_state(pos))} if main else {}
+            states += [(name, parts[name]) for name in ("scheduler", "scaler") if name in parts]
+        state = dataclasses.replace(run.state, stateful_callbacks=parts["callbacks"])
+        texts = {"trainer_state.json": state.to_json_string(), "training_args.json": ckpt.json_text(a.to_dict()),
+                 "loop_state.json": ckpt.json_text(self.loop_state(parts["position"], parts.get("spike")))
+                 } if main else {}
         if copy is not None:
             if main and state_dict is None and backend.writes_full_model(run.model):
                 # a peft model (whose save_pretrained picks the adapter from the model): its trainable parameters
@@ -341,7 +328,7 @@ class Checkpointer:
                            f"is written (save_steps={self.args.save_steps}); raise save_steps to train without "
                            "waiting")
 
-    def poll(self, run: RunObjects) -> None:
+    def poll(self, run: RunState) -> None:
         """Every rank, every step: advance the checkpoint written in the background, raising its failure
         (CheckpointError) here (with several processes, one all-reduce while a checkpoint is in flight). After the
         run's first step (the optimizer has its state), async_save's host buffers are reserved."""
@@ -350,7 +337,7 @@ class Checkpointer:
             self._reserved, self._last_save_at = True, time.perf_counter()
             self.writer.copies.reserve(self._snapshot_specs(run), pinned=self.accelerator.device.type == "cuda")
 
-    def _snapshot_specs(self, run: RunObjects) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def _snapshot_specs(self, run: RunState) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The (shape, dtype) of each tensor this process's snapshot is expected to copy, from the model and the
         optimizer's state: the model's (a peft model's trainable) tensors where this process writes them, whole or
         as its shards, and the optimizer's state where it writes that. An estimate: the first snapshot's own
@@ -423,26 +410,27 @@ class Checkpointer:
         return Layout(self.accelerator.num_processes, pos.micro_batch, pos.accumulation,
                       self.args.accelerator_config.split_batches)
 
-    def loop_state(self, pos: LoopPosition) -> dict[str, Any]:
-        """Where the data stream stands, and the settings that must not change for an exact resume: the global
-        batch and its layout, and the position in samples of the epoch, which any layout of that global batch
-        resumes (see Layout)."""
-        a, layout = self.args, self.layout(pos)
+    def loop_state(self, position: dict[str, int], spike: dict[str, Any] | None) -> dict[str, Any]:
+        """Where the data stream stands (the run's position part), and the settings that must not change for an
+        exact resume: the global batch and its layout, and the position in samples of the epoch, which any layout
+        of that global batch resumes (see Layout); with the spike rollback's part, its quarantine and recent
+        losses."""
+        a, layout = self.args, self.layout(LoopPosition(**position))
         return {
-            "epoch": pos.epoch,
-            "batches_in_epoch": pos.batches,
-            "samples_in_epoch": pos.batches * layout.rows_per_micro_step,
+            "epoch": position["epoch"],
+            "batches_in_epoch": position["batches"],
+            "samples_in_epoch": position["batches"] * layout.rows_per_micro_step,
             "global_batch": layout.global_batch,
             "data_seed": a.data_seed,
             "world_size": layout.world_size,
             "seed": a.seed,
-            "per_device_train_batch_size": pos.micro_batch,  # as run: auto_find_batch_size may have halved it
-            "gradient_accumulation_steps": pos.accumulation,
+            "per_device_train_batch_size": position["micro_batch"],  # as run: auto_find_batch_size may halve it
+            "gradient_accumulation_steps": position["accumulation"],
             "split_batches": layout.split_batches,
             "train_dataset_len": self.dataset_len,
             "run_id": self.run_id,
             "save_only_model": a.save_only_model,
-            **(self.healer.loop_state() if self.healer is not None else {}),
+            **(spike or {}),
         }
 
     # -- resuming ----------------------------------------------------------------------------------------
@@ -460,42 +448,44 @@ class Checkpointer:
         left = (self.args.num_train_epochs - loop["epoch"]) * per_epoch - skip / start.accumulation
         return done + max(math.ceil(left), 0)
 
-    def restore(self, folder: str, loop: dict[str, Any], run: RunObjects,
-                start: LoopPosition) -> tuple[LoopPosition, RunningLog]:
-        """Every rank: continue the run from `folder`, whose loop state resume_settings returned. Restores what
-        `save` wrote (weights, optimizer, scheduler and scaler state, the TrainerState's progress, callback states
-        with restore_callback_states_from_checkpoint, this process's RNG states, or `reseed`'s on another number
-        of processes) and returns where the loop goes on (the position of `start`'s layout where the data stream
-        stood) and the running log with the loss sums not logged yet."""
-        acc = self.accelerator
+    def restore(self, folder: str, loop: dict[str, Any], run: RunState, start: LoopPosition) -> None:
+        """Every rank: continue the run from `folder`, whose loop state resume_settings returned: the model and
+        optimizer through the backend, then every other part the checkpoint holds handed to the run's
+        `load_state_dict` (the schedule, scaler, TrainerState's progress, callback states with
+        restore_callback_states_from_checkpoint, where the loop goes on in `start`'s layout, the log's sums, the
+        quarantine, this process's random streams). On another number of processes the per-process parts are
+        regrouped: the logs' sums dealt out, the random streams reseeded (see `reseed`)."""
+        acc, a = self.accelerator, self.args
         self.backend.load_training_state(folder, run.model, run.optimizer)
-        run.lr_scheduler.load_state_dict(ckpt.load_state(folder, "scheduler"))
+        saved = TrainerState.from_dict(ckpt.read_json(folder, "trainer_state.json"))
+        parts: dict[str, Any] = {"scheduler": ckpt.load_state(folder, "scheduler"), "trainer_state": vars(saved)}
         if acc.scaler is not None and os.path.exists(os.path.join(folder, "scaler.json")):
-            acc.scaler.load_state_dict(ckpt.load_state(folder, "scaler"))
-        saved, s = TrainerState.from_dict(ckpt.read_json(folder, "trainer_state.json")), run.state
-        for name in ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history", "best_metric",
-                     "best_global_step", "best_model_checkpoint", "stateful_callbacks"):
-            setattr(s, name, getattr(saved, name))
-        if self.args.restore_callback_states_from_checkpoint:
-            missing = restore_callback_states(run.callbacks, s.stateful_callbacks)
-            if missing:  # transformers' words, on its trainer's logger
-                logging.getLogger("transformers.trainer").warning(
-                    "Checkpoint included callbacks not included in current configuration. Ignoring. "
-                    f"({', '.join(missing)})")
-        log = RunningLog(acc.device)
+            parts["scaler"] = ckpt.load_state(folder, "scaler")
+        if a.restore_callback_states_from_checkpoint:
+            parts["callbacks"] = saved.stateful_callbacks
+        skip = batches_to_skip(loop, self.layout(start), a.ignore_data_skip)
+        parts["position"] = dataclasses.replace(start, epoch=loop["epoch"], batches=skip).state_dict()
+        if "quarantine" in loop:
+            parts["spike"] = {"quarantine": loop["quarantine"], "spike_losses": loop.get("spike_losses", [])}
         if loop["world_size"] == acc.num_processes:  # each process goes on with its own random streams and log
             own = ckpt.load_state(folder, f"process_{acc.process_index}")
-            set_rng_state(own["rng"])
-            log.restore(own["pending_log"])
-        else:  # no process's streams are this one's: see reseed; the logs in progress are regrouped
-            reseed(self.args.seed, s.global_step, acc.process_index)
+        else:  # no process's streams are this one's (see reseed); the logs' sums are regrouped
+            own = ckpt.load_state(folder, f"process_{acc.process_index % loop['world_size']}")
+            reseed(a.seed, saved.global_step, acc.process_index)
             pendings = [ckpt.load_state(folder, f"process_{r}")["pending_log"] for r in range(loop["world_size"])]
-            log.restore(RunningLog.regrouped(pendings, acc.num_processes, acc.process_index,
-                                             self.args.average_tokens_across_devices))
-        skip = batches_to_skip(loop, self.layout(start), self.args.ignore_data_skip)
-        if s.is_world_process_zero:
-            logger.info(f"resumed from {folder} at step {s.global_step}")
-        return dataclasses.replace(start, epoch=loop["epoch"], batches=skip), log
+            own.update(rng=rng_state(), pending_log=LogSums.regrouped(
+                pendings, acc.num_processes, acc.process_index, a.average_tokens_across_devices))
+        parts.update({PART_OF_PROCESS_KEY.get(key, key): value for key, value in own.items()})
+        run.load_state_dict(parts)
+        if acc.is_main_process:
+            logger.info(f"resumed from {folder} at step {saved.global_step}")
+
+
+# the run's parts written once for every process (by the main process, or by the backend in its layout); every
+# other part is each process's own, in process_<rank>, under its part's name but for the log's (an older name)
+SHARED = frozenset({"model", "optimizer", "scheduler", "scaler", "trainer_state", "callbacks", "position", "spike"})
+PROCESS_FILE_KEYS = {"log": "pending_log"}
+PART_OF_PROCESS_KEY = {v: k for k, v in PROCESS_FILE_KEYS.items()}
 
 
 def batches_to_skip(loop: dict[str, Any], now: Layout, ignore_data_skip: bool) -> int:
@@ -556,11 +546,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def parameters_finite(accelerator, model) -> bool:
-    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2
-    DTensor's local part, a ZeRO-3 parameter's partition). A sum is finite only if every value is, so one float32
-    sum per tensor and one host sync decide (about 50x cheaper than isfinite over every value, which a save paid
-    in the loop); only where a sum is not finite (a non-finite value, or an overflow of huge ones) are that
-    tensor's values checked one by one."""
+    """Whether every parameter is finite, decided together by all ranks (each checks its own shards: an FSDP2 DTensor's
+    local part, a ZeRO-3 parameter's partition). A sum is finite only if every value is, so one float32 sum per
+    tensor and one host sync decide (a reduction that writes one number per tensor, where isfinite over every
+    value writes a mask as large as the model and reads it back); only where a sum is not finite (a non-finite
+    value, or an overflow of huge ones) are that tensor's values checked one by one."""
     def own(p):
         return p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
 

@@ -20,17 +20,15 @@ import torch
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
-from .errors import ConfigError
-
 IGNORE_INDEX = -100
 _PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0}
 
 
-def _as_tensor(key: str, value):
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (np.ndarray, np.generic, int, float, bool, list, tuple)):
-        return torch.as_tensor(value)
+# what a column may hold to be batched as a tensor
+_BATCHABLE = (np.ndarray, np.generic, int, float, bool, list, tuple)
+
+
+def _unbatchable(key: str, value):
     raise TypeError(f"collator: column {key!r} holds {type(value).__name__} values, which cannot be batched "
                     "as tensors; remove the column or pass a data_collator")
 
@@ -50,10 +48,12 @@ class PaddingCollator:
     def __call__(self, features: list[Mapping]) -> dict[str, torch.Tensor]:
         if not isinstance(features[0], Mapping):
             raise TypeError(f"collator: rows must be dicts of columns, got {type(features[0]).__name__}")
-        features = [rename_label_columns(f) for f in features]
+        if not LABEL_COLUMNS.isdisjoint(features[0]):
+            features = [rename_label_columns(f) for f in features]
         batch = {}
         for key in features[0]:
-            values = [_as_tensor(key, f[key]) for f in features]
+            values = [v if isinstance(v := f[key], torch.Tensor) else torch.as_tensor(v) if isinstance(v, _BATCHABLE)
+                      else _unbatchable(key, v) for f in features]
             if values[0].dim() == 1 and len({v.shape[0] for v in values}) > 1:
                 batch[key] = self._pad(key, values)
             else:
@@ -80,12 +80,12 @@ class PaddingCollator:
 
 # the column names datasets give labels (GLUE-style `label`, older `label_ids`), which transformers' collators
 # hand to the model as `labels`
-LABEL_COLUMNS = ("label", "label_ids")
+LABEL_COLUMNS = frozenset({"label", "label_ids"})
 
 
 def rename_label_columns(row: Mapping) -> Mapping:
     """A row with its `label` / `label_ids` column named `labels`, as transformers' collators do."""
-    found = [k for k in LABEL_COLUMNS if k in row]
+    found = [k for k in ("label", "label_ids") if k in row]
     if not found or "labels" in row:
         return row
     return {("labels" if k == found[0] else k): v for k, v in row.items()}
@@ -271,18 +271,19 @@ def seed_worker(worker_id: int, num_workers: int, rank: int) -> None:
     torch.manual_seed(seed)  # and every device generator, as transformers.set_seed does
 
 
-def refuse_unseeded_shuffle(args) -> None:
+def unseeded_shuffle_problem(args, dataset) -> str | None:
     """accelerator_config's use_seedable_sampler=False, for a shuffled training set: transformers then draws the
     order from the global generator, whose state when an epoch starts a resumed run cannot restore; and Accelerate
     would leave this sampler's generator, seeded once, running on across epochs (a resumed epoch in another
     order). Refused rather than honoured: exact resume is the promise."""
-    if getattr(args.accelerator_config, "use_seedable_sampler", True):
-        return
-    raise ConfigError(["accelerator_config.use_seedable_sampler=False: stoker draws the training shuffle from "
-                       "data_seed and the epoch (Accelerate's seedable sampler), so that a resumed run reads the "
-                       "order of the run it continues; an order drawn from the global generator could not be read "
-                       "again; accepted: True (the default), or train_sampling_strategy='sequential' for no "
-                       "shuffle"], "accelerator_config")
+    shuffled = not (isinstance(dataset, torch.utils.data.IterableDataset) or args.group_by_length
+                    or args.train_sampling_strategy == "sequential")
+    if not shuffled or getattr(args.accelerator_config, "use_seedable_sampler", True):
+        return None
+    return ("accelerator_config.use_seedable_sampler=False: stoker draws the training shuffle from data_seed and the "
+            "epoch (Accelerate's seedable sampler), so that a resumed run reads the order of the run it continues; an "
+            "order drawn from the global generator could not be read again; accepted: True (the default), or "
+            "train_sampling_strategy='sequential' for no shuffle")
 
 
 def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> DataLoader:
@@ -296,7 +297,6 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
     elif args.group_by_length:
         sampler = LengthGroupedSampler(_lengths(dataset, args.length_column_name), batch_size, args.data_seed)
     else:
-        refuse_unseeded_shuffle(args)
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.data_seed))
     workers = args.dataloader_num_workers
     extra = {"in_order": args.dataloader_in_order} if workers > 0 else {}  # torch >= 2.6
@@ -319,19 +319,3 @@ def build_dataloader(dataset, args, batch_size: int, collator, train: bool) -> D
         else None,
         **extra,
     )
-
-
-def count_targets(batch: Mapping, label_name: str | None, causal: bool) -> int | torch.Tensor:
-    """Items the loss averages over: target tokens (labels != -100, shifted by one for causal LMs) when the
-    batch has labels, else the number of samples."""
-    labels = batch.get(label_name) if label_name else None
-    if labels is None or not isinstance(labels, torch.Tensor):
-        first = next(v for v in batch.values() if isinstance(v, torch.Tensor))
-        return first.shape[0]
-    if isinstance(batch.get("shift_labels"), torch.Tensor):  # shifted by the collator (padding-free batches)
-        labels = batch["shift_labels"]
-    elif causal:
-        labels = labels[..., 1:]
-    if labels.is_floating_point():
-        return labels.shape[0]  # regression targets: one item per sample
-    return (labels != IGNORE_INDEX).sum()

@@ -4,7 +4,7 @@ One clock with a current part. The run starts in `startup`; the loop's steps cou
 `recomputed`, while a resumed run redoes the steps an earlier run of it had already reached); a named phase
 (`with ledger.phase("evaluation"):`) counts its time to its own part, and phases nest (the inner one counts, the
 outer one resumes when it ends). Some losses happen inside other parts and are known from counters that only grow:
-the loop's wait for batches (`data_wait`, the RunningLog's data clock) and torch.compile's compilation (`compile`,
+the loop's wait for batches (`data_wait`, the LogSums' data clock) and torch.compile's compilation (`compile`,
 torch._dynamo's own cumulative compile times). At each switch of part their growth since the last switch is moved
 out of the part that was running, so the parts still add up to the wall time.
 

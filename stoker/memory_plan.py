@@ -77,7 +77,7 @@ ALLOCATOR_HEADROOM = 0.10
 NCCL_BUFFERS = 0.25 * GIB
 # optimizers whose torch implementation defaults to foreach on a GPU, allocating a copy of the parameters
 FOREACH_COPY = ("adamw_torch", "adagrad", "rmsprop")
-# stoker.chunked_loss's budget for one chunk's logits on a GPU (at most; an eighth of the free memory), and its
+# stoker.loss.chunked's budget for one chunk's logits on a GPU (at most; an eighth of the free memory), and its
 # longest chunk, repeated so that planning imports no torch
 CHUNK_BYTES, MAX_CHUNK_TOKENS = 2**31, 16384
 

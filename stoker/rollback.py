@@ -5,12 +5,11 @@ the run may never recover. PaLM's remedy was manual (restart ~100 steps before t
 hand); Lightning's SpikeDetection and llm-foundry's KillLossSpike stop the run for a person to restart. Here the run
 rolls back by itself:
 
-    every step         the window's loss over every process rides the step's one check (loop.StepCheck); the host
+    every step         the window's loss over every process rides the step's one check (step.StepCheck); the host
                        compares it with spike_factor x the median of the last spike_window accepted windows
                        (`SpikeDetector`, after spike_window steps); a non-finite loss or gradient norm is a spike too
-    every spike_snapshot_steps steps   `Snapshot.take`: the trainable weights, buffers and optimizer state copied to
-                       host memory (as async_save copies them: no device memory, no disk), the schedule, scaler, RNG
-                       states, TrainerState, stateful callbacks, loop position and running log kept beside them
+    every spike_snapshot_steps steps   `SpikeRollback.snapshot`: the run's state (its one list of parts, stoker.run)
+                       copied to host memory (as async_save copies it: no device memory, no disk)
     on a spike at k    the rows of step k's window (dataset indices, from the sampler's order of the epoch) recorded
                        in output_dir/quarantine.jsonl (fsynced first, so a crash mid-rollback keeps them), the
                        snapshot restored in place, and the loop goes on from the snapshot's step with the sampler
@@ -24,7 +23,7 @@ to be bad then), and a snapshot taken in an earlier epoch than the spike's has t
 equality holds from there on.
 
 Every process computes the same rows (the sampler's order is the same on every process; the window's rows are a
-slice of it whatever the layout, see loop.Layout), so the quarantine needs no collective of its own, and the
+slice of it whatever the layout, see step.Layout), so the quarantine needs no collective of its own, and the
 decision to roll back rides the step's existing all-reduce: every process rolls back together.
 """
 
@@ -42,13 +41,8 @@ from typing import Any
 import torch
 
 from .background_save import HostCopies
-from .callbacks import callback_states, restore_callback_states
-from .checkpointer import RunObjects, rng_state, set_rng_state
 from .goodput import QUARANTINE_FILE, Mark, read_records
-from .loop import Layout, LoopPosition, RunningLog
-
-# the RunningLog's fields that time the current logging window: a rollback keeps them running
-_CLOCK_FIELDS = ("window_started", "excluded", "data_clock", "warned_data_wait", "flops_shape")
+from .step import Layout, LoopPosition, RunState
 
 
 class SpikeDetected(Exception):
@@ -68,7 +62,7 @@ class SpikeDetector:
         self.factor = factor
         self.losses: collections.deque[float] = collections.deque(losses, maxlen=window)
 
-    def judge(self, step: int, loss: float, finite: bool) -> None:
+    def check(self, step: int, loss: float, finite: bool) -> None:
         """Accept the window's loss, or raise SpikeDetected."""
         if not finite or not math.isfinite(loss):
             raise SpikeDetected(step, loss, self.median(), "non-finite loss or gradient norm")
@@ -150,46 +144,45 @@ class Window:
 
 @dataclasses.dataclass
 class Snapshot:
-    """The run's state at the end of a step, in host memory: what a checkpoint would hold, put back in place."""
+    """The run's state at the end of a step, in host memory: its parts' states with every tensor copied (the tree
+    keeps everything else as it was, copied again each time it is put back)."""
 
     step: int
-    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, its host copy): weights, buffers, moments
-    optimizer_state: dict[Any, dict[str, Any]]  # parameter -> its state (live tensors, copied values)
-    param_groups: list[dict[str, Any]]
-    scheduler: dict[str, Any]
-    scaler: dict[str, Any] | None
-    rng: dict[str, Any]
-    state: dict[str, Any]
-    callbacks: dict[str, Any]
-    position: LoopPosition
-    log: dict[str, Any]
-    losses: list[float]
-    current_flos: float
+    tree: Any  # the parts' states, each tensor replaced by its key in `host`
+    host: dict[str, torch.Tensor]
     ledger_mark: Mark | None = None  # the goodput ledger's step time at the snapshot
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's own part: an FSDP2 DTensor's shard on this process, else the tensor."""
-    return (t.to_local() if hasattr(t, "to_local") else t).detach()
+def _split(state: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """`state` with each tensor replaced by a key into `tensors` (where it is put), everything else copied."""
+    if isinstance(state, torch.Tensor):
+        key = str(len(tensors))
+        tensors[key] = state
+        return _Tensor(key)
+    if isinstance(state, dict):
+        return {k: _split(v, tensors) for k, v in state.items()}
+    if isinstance(state, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in state):
+        return type(state)(_split(v, tensors) for v in state)
+    return copy.deepcopy(state)
 
 
-def _inner(optimizer):
-    """The torch optimizer under Accelerate's wrapper."""
-    return getattr(optimizer, "optimizer", optimizer)
+def _joined(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The state `_split` took apart: its tensors from `tensors`, everything else a fresh copy."""
+    if isinstance(tree, _Tensor):
+        return tensors[tree.key]
+    if isinstance(tree, dict):
+        return {k: _joined(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and any(isinstance(v, (_Tensor, dict, list, tuple)) for v in tree):
+        return type(tree)(_joined(v, tensors) for v in tree)
+    return copy.deepcopy(tree)
 
 
-def _trained_tensors(model, optimizer) -> list[torch.Tensor]:
-    """What an update changes: the trainable parameters, every buffer, the optimizer's state tensors, each once
-    (frozen weights, a LoRA run's base or a QLoRA run's 4-bit ones, never change and are not copied)."""
-    found = {}
-    for t in [*(p for p in model.parameters() if p.requires_grad), *model.buffers(),
-              *(v for state in _inner(optimizer).state.values() for v in state.values()
-                if isinstance(v, torch.Tensor))]:
-        found.setdefault(id(t), t)
-    return list(found.values())
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    key: str
 
 
-class Healer:
+class SpikeRollback:
     """One run's spike rollback: the detector, the latest snapshot, the quarantined rows and their record.
 
     `quarantined` (dataset indices) is shared with the training loader's QuarantineSampler; `sources` maps a
@@ -202,17 +195,24 @@ class Healer:
         self.quarantined, self.sources = quarantined, sources
         self.detector = SpikeDetector(args.spike_factor, args.spike_window, losses)
         self.rollbacks = 0
-        self.snapshot: Snapshot | None = None
+        self.saved: Snapshot | None = None
         self.sampler: QuarantineSampler | None = None
         self.windows: collections.deque[Window] = collections.deque(maxlen=2)  # the steps whose verdict may be due
         self._copies = HostCopies()
 
-    # -- what a checkpoint keeps -----------------------------------------------------------------------
+    # -- its part of the run's state -------------------------------------------------------------------
 
-    def loop_state(self) -> dict[str, Any]:
-        """The quarantine and the detector's window, for loop_state.json: a resumed run skips the same rows and
-        judges its next windows as the run it continues would have."""
+    def state_dict(self) -> dict[str, Any]:
+        """The quarantine and the detector's recent losses (a checkpoint keeps them in loop_state.json): a resumed
+        run skips the same rows and checks its next windows as the run it continues would have."""
         return {"quarantine": sorted(self.quarantined), "spike_losses": list(self.detector.losses)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """The detector's recent losses as saved; the saved quarantine joins the rows quarantined since (a row once
+        quarantined stays so: the rollback that restores an earlier state keeps the rows it found)."""
+        self.quarantined.update(saved["quarantine"])
+        self.detector.losses.clear()
+        self.detector.losses.extend(saved["spike_losses"])
 
     @staticmethod
     def recorded(output_dir: str, run_id: str) -> list[dict[str, Any]]:
@@ -231,74 +231,35 @@ class Healer:
         rows = layout.rows_per_micro_step
         self.windows.append(Window(step, pos.epoch, pos.batches * rows, (pos.batches + micro_batches) * rows, layout))
 
-    def judge(self, step: int, loss: float, finite: bool) -> None:
+    def check_loss(self, step: int, loss: float, finite: bool) -> None:
         """The step's verdict: accepted, or SpikeDetected."""
-        self.detector.judge(step, loss, finite)
+        self.detector.check(step, loss, finite)
 
     # -- snapshots -------------------------------------------------------------------------------------
 
-    def take(self, run: RunObjects, pos: LoopPosition, log: RunningLog, current_flos: float,
-             ledger_mark: Mark | None = None) -> None:
-        """Snapshot the run at the end of the current step (its verdict read and accepted). The host buffers of the
-        previous snapshot are reused."""
-        copies = self._copies.begin()
-        live = _trained_tensors(run.model, run.optimizer)
-        host = copies({str(i): _local(t) for i, t in enumerate(live)})
-        copies.end()
-        optimizer = _inner(run.optimizer)
-        scaler = self.accelerator.scaler
-        self.snapshot = Snapshot(
-            step=run.state.global_step, copies=list(zip(live, host.values(), strict=True)),
-            optimizer_state={p: {k: v if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in st.items()}
-                             for p, st in optimizer.state.items()},
-            param_groups=[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            scheduler=copy.deepcopy(run.lr_scheduler.state_dict()),
-            scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None, rng=rng_state(),
-            state=copy.deepcopy(vars(run.state)), callbacks=copy.deepcopy(callback_states(run.callbacks, run.control)),
-            position=dataclasses.replace(pos),
-            log={k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                 for k, v in vars(log).items() if k not in _CLOCK_FIELDS},
-            losses=list(self.detector.losses), current_flos=current_flos, ledger_mark=ledger_mark)
+    def snapshot(self, run: RunState, ledger_mark: Mark | None = None) -> None:
+        """Snapshot the run at the end of the current step (its verdict read and accepted): its state copied to host
+        memory, into the previous snapshot's buffers."""
+        host = self._copies.begin()
+        tensors: dict[str, torch.Tensor] = {}
+        tree = _split(run.state_dict(), tensors)
+        self.saved = Snapshot(run.state.global_step, tree, host(tensors), ledger_mark)
+        host.end()
 
-    def restore(self, run: RunObjects, pos: LoopPosition, log: RunningLog) -> Snapshot:
-        """Put the snapshot back in place: weights, buffers, optimizer state and hyperparameters, schedule, scaler,
-        RNG states, TrainerState, stateful callbacks, loop position, running log, the detector's window. Returns
-        it (the caller restores what the Trainer keeps: current_flos, the ledger)."""
-        snap = self.snapshot
+    def restore(self, run: RunState) -> Snapshot:
+        """Put the snapshot back in place through the run's list (weights, buffers, optimizer state and
+        hyperparameters, schedule, scaler, TrainerState, callback states, loop position, log sums, the detector's
+        recent losses, RNG states), the gradients of the step the spike interrupted dropped first. Returns it."""
+        snap = self.saved
         self._copies.wait()
-        optimizer = _inner(run.optimizer)
-        optimizer.zero_grad(set_to_none=True)  # the gradients of a step the spike interrupted
-        for p in list(optimizer.state):  # state made after the snapshot (its parameter's first update came later)
-            if p not in snap.optimizer_state:
-                del optimizer.state[p]
-        for p, saved in snap.optimizer_state.items():
-            optimizer.state[p] = {k: v if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in saved.items()}
-        with torch.no_grad():
-            for live, host in snap.copies:
-                _local(live).copy_(host, non_blocking=True)
-        for group, saved in zip(optimizer.param_groups, snap.param_groups, strict=True):
-            group.update(copy.deepcopy(saved))
-        run.lr_scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
-        if snap.scaler is not None:
-            self.accelerator.scaler.load_state_dict(copy.deepcopy(snap.scaler))
-        set_rng_state(snap.rng)
-        vars(run.state).update(copy.deepcopy(snap.state))
-        restore_callback_states(run.callbacks, copy.deepcopy(snap.callbacks))
-        for name in vars(run.control):
-            if name.startswith("should_"):
-                setattr(run.control, name, False)
-        for name, value in dataclasses.asdict(snap.position).items():
-            setattr(pos, name, value)
-        for name, value in snap.log.items():
-            setattr(log, name, value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value))
-        self.detector.losses.clear()
-        self.detector.losses.extend(snap.losses)
+        run.optimizer.zero_grad(set_to_none=True)
+        run.load_state_dict(_joined(snap.tree, snap.host))
         self.windows.clear()
         return snap
 
     def release(self) -> None:
         """At the end of the run: the host copies go."""
-        self.snapshot = None
+        self.saved = None
         self._copies.release()
 
     # -- a spike ---------------------------------------------------------------------------------------
@@ -312,7 +273,7 @@ class Healer:
             raise RuntimeError(f"spike rollback: the rows of step {spike.step}'s window are not known")
         positions = range(window.start, min(window.stop, len(order)))
         indices = [order[p] for p in positions]
-        record = {"step": spike.step, "restored_step": self.snapshot.step, "reason": spike.reason,
+        record = {"step": spike.step, "restored_step": self.saved.step, "reason": spike.reason,
                   "loss": spike.loss if math.isfinite(spike.loss) else str(spike.loss),
                   "median": spike.median, "factor": self.detector.factor, "epoch": window.epoch,
                   "indices": indices, "ranks": [window.rank_of(p) for p in positions], "run_id": self.run_id}

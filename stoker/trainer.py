@@ -1,18 +1,16 @@
 """The Trainer: one managed training loop over an accelerate.Accelerator, steered by callbacks.
 
-One optimizer step reads top to bottom in `Trainer._optimizer_step`: a window of micro-batches (`_accumulate`:
-the window's target tokens counted over every process, `training_step` per micro-batch with the loss normalised
-over the whole window), clip, one check every process agrees on (read one step late where the optimizer skips a
-non-finite update on the device, so that the GPU never waits for the host inside a step), step or skip,
-schedule, then log / evaluate / save as the callbacks ask. One train() call's state is a `Run` (stoker.loop)
-built by `_start_run` and passed down; how a model's loss is normalised and computed is decided once per model
-(stoker.loss_normalization, stoker.loss_computation); device placement, DDP, FSDP, DeepSpeed and mixed precision
-are Accelerate's, behind a backend object that the loop calls without branching on which one it is.
+`Trainer._optimizer_step` is one optimizer step, top to bottom (accumulate, clip, check, update, record); the
+loop's outline around it is told once, in docs/architecture.md ("The step"). One train() call is a `Run`
+(stoker.run), the one owner of its state, built by `_start_run` and passed down; device placement, DDP, FSDP,
+DeepSpeed and mixed precision are Accelerate's, behind a backend object that the loop calls without branching on
+which one it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import itertools
 import math
@@ -41,19 +39,18 @@ from .callbacks import (
     TrainerState,
     integration_callbacks,
 )
-from .checkpointer import Checkpointer, RunObjects, resolve_resume, resume_settings, save_model
-from .chunked_loss import output_head
+from .checkpointer import Checkpointer, resolve_resume, resume_settings, save_model
 from .data import (
     ColumnFilter,
     HostCounting,
     PaddingCollator,
     build_dataloader,
-    count_targets,
     forward_columns,
 )
 from .diagnostics import peak_memory_metrics
 from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
+from .distributed.deepspeed import non_embedding_parameters
 from .errors import ConfigError, NonFiniteError, SpikeError, TrainingPreempted, exit_with_code_after_preemption
 from .evaluation import (
     Collected,
@@ -68,33 +65,41 @@ from .evaluation import (
 )
 from .float8 import use_float8
 from .goodput import Ledger, furthest_step, summary_line
-from .load_balancing import LoadBalancing, has_router_loss
 from .log import logger, set_log_levels, transformers_logger
-from .loop import (
+from .lora import trainable_parameters, wrap
+from .loss import (
+    LabelSmoothing,
+    LoadBalancing,
+    LossConvention,
+    count_targets,
+    has_router_loss,
+    loss_computation,
+    loss_or_none,
+    output_head,
+    prefix_body,
+)
+from .memory_plan import async_save_line, rollback_line, start_of_training_line
+from .optim import set_mode, steps_on_metric, updates_in_backward
+from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
+from .packing import packed_train_set
+from .report import ReportCallback
+from .rollback import SpikeDetected, SpikeRollback
+from .run import Run
+from .sdpa_mask import answers_mask, unpadded_attention
+from .step import (
+    LogSums,
     LoopPosition,
     MicroBatchHalver,
     NonFinitePolicy,
+    PendingStep,
     PreemptionSignals,
-    Run,
-    RunningLog,
     StepCheck,
     neftune_noise,
     plan_steps,
     window_sizes,
 )
-from .lora import trainable_parameters, wrap
-from .loss_computation import loss_computation
-from .loss_normalization import LossConvention, loss_or_none
-from .memory_plan import async_save_line, rollback_line, start_of_training_line
-from .optim import set_mode, steps_on_metric, updates_in_backward
-from .outputs import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
-from .packing import packed_train_set
-from .prefix import prefix_body
-from .report import ReportCallback
-from .rollback import Healer, SpikeDetected
-from .sdpa_mask import answers_mask, unpadded_attention
-from .trainer_api import TrainerAPI
-from .trainer_checks import batch_problems, trainer_input_problems
+from .trainer_checks import batch_problems, run_problems, trainer_input_problems
+from .transformers_surface import TransformersSurface
 
 # the hooks whose override makes the train batches or the loss (TRAIN_HOOKS), or the eval (EVAL_HOOKS) or test
 # (PREDICT_HOOKS) batches, the loss or the evaluation itself: where a subclass overrides one, the first batch of
@@ -102,6 +107,12 @@ from .trainer_checks import batch_problems, trainer_input_problems
 TRAIN_HOOKS = ("get_train_dataloader", "compute_loss")
 EVAL_HOOKS = ("get_eval_dataloader", "compute_loss", "prediction_step", "evaluation_loop", "evaluate")
 PREDICT_HOOKS = ("get_test_dataloader", "compute_loss", "prediction_step", "evaluation_loop", "predict")
+
+
+# whether the loss of the training_step in progress went through stoker's own compute_loss (and so is already the
+# micro-batch's share of the window): a list the call marks, scoped to the one call rather than kept on the Trainer
+_WINDOW_SHARES: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("stoker_window_shares",
+                                                                                   default=None)
 
 
 def set_seed(seed: int) -> None:
@@ -151,7 +162,7 @@ def offload_checkpointed_inputs(model, device: torch.device) -> None:
                            f"to the host; accepted: a transformers model, or offload left out"], "Trainer inputs")
 
 
-class Trainer(TrainerAPI):
+class Trainer(TransformersSurface):
     """Trains, evaluates and predicts with a PyTorch model, with the constructor and methods of
     transformers.Trainer (a script written for it runs with the import changed).
 
@@ -244,16 +255,15 @@ class Trainer(TrainerAPI):
         self.is_in_train = False
         self._initial_num_input_tokens_seen = 0  # when this train() call started (transformers' name)
         self.optimizer, self.lr_scheduler = optimizers
-        self._trial, self._flops_model, self._flops_parameters = None, None, None  # TrainerAPI's, empty at first
+        self._trial, self._flops_model, self._flops_parameters = None, None, None  # empty at first
         self._ray_report = None
         # what get_train_dataloader batches by (as transformers): the micro-batch, which auto_find_batch_size halves
         self._train_batch_size = self.args.per_device_train_batch_size
-        self._answers_mask = False  # whether this run's forwards answer sdpa's mask from the host (set per run)
+        self._answers_mask = False  # whether the forwards answer sdpa's mask from the host (set as a run starts)
         self._eval_batch_size = self.args.per_device_eval_batch_size  # halved on OOM (auto_find_batch_size)
         self._eval_dataloaders = {}  # with dataloader_persistent_workers: "eval" or a set's name -> its loader
-        # the evaluation sets whose first batch has been checked against the model (by id), and the name of the
-        # one the evaluation now starting should check (trainer_checks.batch_problems)
-        self._rows_checked, self._rows_to_check = set(), None
+        # the evaluation sets whose first batch has been checked against the model (by id)
+        self._rows_checked = set()
 
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)
@@ -302,7 +312,6 @@ class Trainer(TrainerAPI):
         # whether a loss-only evaluation with use_liger_kernel hands forward skip_logits=True (prediction_step)
         self._takes_skip_logits = (self._is_transformers or self.model_accepts_loss_kwargs
                                    or "skip_logits" in forward_columns(base))
-        self._loss_is_window_share = False  # whether the last compute_loss call went through stoker's own
         label_smoothing = a.label_smoothing_factor
         if label_smoothing and getattr(getattr(base, "config", None), "problem_type",
                                                 None) == "multi_label_classification":
@@ -312,14 +321,9 @@ class Trainer(TrainerAPI):
                           f"{type(base).__name__} (problem_type='multi_label_classification')", UserWarning,
                           stacklevel=3)
             label_smoothing = 0.0
-        # transformers' attribute, for scripts and subclasses that read it (an override of compute_loss calls it
-        # as transformers' does); stoker's own loss smooths exactly over the window (stoker.loss_computation).
-        # Imported only when smoothing is on: transformers.trainer_pt_utils costs seconds to import
-        self.label_smoother = None
-        if label_smoothing:
-            from transformers.trainer_pt_utils import LabelSmoother
-
-            self.label_smoother = LabelSmoother(epsilon=label_smoothing)
+        # transformers' attribute, kept because an override of compute_loss calls it as transformers' does (and
+        # tests/parity checks it): the one smoother, which stoker's own loss sums over the window (stoker.loss)
+        self.label_smoother = LabelSmoothing(label_smoothing) if label_smoothing else None
         # as transformers: the forward arguments named like labels (start_positions and end_positions for
         # question answering)
         self.label_names = a.label_names or (_label_arguments(base) if self._is_transformers else None) or ["labels"]
@@ -327,7 +331,7 @@ class Trainer(TrainerAPI):
         # position_ids of packed rows (stoker.packing) and lets their sequences attend to each other
         self._forward_kwargs = {"use_cache": a.use_cache} if "use_cache" in forward_columns(base) else {}
         chunked_head = output_head(model) if a.chunked_loss else None
-        # a MoE model's load-balancing loss, weighed over moe_aux_loss_scope (stoker.load_balancing); the probes
+        # a MoE model's load-balancing loss, weighed over moe_aux_loss_scope (stoker.loss.load_balancing); the probes
         # of its loss convention see the task loss alone, which a per-micro-batch aux term would blur
         balancing = (LoadBalancing(base, a.moe_aux_loss_scope, self.label_names, self._forward_kwargs)
                      if has_router_loss(base) else None)
@@ -337,9 +341,9 @@ class Trainer(TrainerAPI):
                                           chunked=chunked_head is not None)
         # global_batch's routing pass, run before each window's first backward (None: no pass)
         self._window_routing = balancing if balancing is not None and balancing.routes_windows else None
-        # how compute_loss computes the loss, decided here once (stoker.loss_computation)
+        # how compute_loss computes the loss, decided here once (stoker.loss.computation)
         self._loss = loss_computation(self._convention, self._forward_kwargs, chunked_head=chunked_head,
-                                      compute_loss_func=self.compute_loss_func, label_smoothing=label_smoothing,
+                                      compute_loss_func=self.compute_loss_func, smoother=self.label_smoother,
                                       base_model=base, prefix_body=prefix_body(model) if a.shared_prefix else None,
                                       balancing=balancing, fused_loss=a.use_liger_kernel)
         self._set_collator(base)
@@ -388,8 +392,11 @@ class Trainer(TrainerAPI):
 
     def _fire(self, event: str, **kwargs) -> None:
         """Fire `event` through the handler, which hands every callback its model, optimizer, schedule and loaders
-        (a subclass calling self.callback_handler.on_<event> fires the same)."""
-        self.control = self.callback_handler.fire(event, self.args, self.state, self.control, **kwargs)
+        (a subclass calling self.callback_handler.on_<event> fires the same). A control a callback returns of its
+        own has its flags taken into the Trainer's, the one the run holds."""
+        control = self.callback_handler.fire(event, self.args, self.state, self.control, **kwargs)
+        if control is not self.control:
+            vars(self.control).update(vars(control))
 
     # ------------------------------------------------------------------------------------------
     # loss
@@ -397,16 +404,18 @@ class Trainer(TrainerAPI):
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The micro-batch's share of the window loss: sum of its item losses / num_items_in_batch.
 
-        How is decided once per model (stoker.loss_computation): a model whose forward divides by a
+        How is decided once per model (stoker.loss.computation): a model whose forward divides by a
         num_items_in_batch it is given (as LossConvention finds out) receives it; any other returns a mean over
         its own items, which is rescaled by local items / window items, so that B x A micro-batches give exactly
         the update of one batch of B*A. compute_loss_func, label_smoothing_factor and chunked_loss (a causal LM's
         loss from its hidden states, unless the caller asks for the outputs: an evaluation that keeps its
         predictions needs the logits) each replace the model's loss; with shared_prefix, a training micro-batch's
-        common leading tokens are run once (stoker.prefix).
+        common leading tokens are run once (stoker.loss.prefix).
         """
         loss, outputs = self._loss(model, inputs, self.accelerator, num_items_in_batch, return_outputs)
-        self._loss_is_window_share = True  # an override that calls this returns (a change of) the share
+        shares = _WINDOW_SHARES.get()
+        if shares is not None:  # inside training_step: an override that calls this returns (a change of) the share
+            shares.append(True)
         return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------------------------------
@@ -520,16 +529,10 @@ class Trainer(TrainerAPI):
         return [m for m in hooks if _defining_class(type(self), m).__module__.split(".")[0] != "stoker"]
 
     def _start_run(self, resume_dir: str | None, trial, ignore_keys_for_eval, ledger: Ledger) -> Run:
-        """Everything before the first step: fresh state, the model, optimizer and schedule prepared by the backend,
-        the checkpoint resumed from (counted in the ledger as resume); returns the run."""
+        """Everything before the first step: fresh state, the run's problems refused all at once (run_problems),
+        the model, optimizer and schedule prepared by the backend, the checkpoint resumed from (counted in the
+        ledger as resume); returns the run, the one owner of its state (stoker.run)."""
         a, acc = self.args, self.accelerator
-        if a.auto_find_batch_size and acc.num_processes > 1 and a.accelerator_config.syncs_each_batch():
-            # the processes agree on an out-of-memory error before the window's one gradient all-reduce; with one
-            # per micro-batch an error after the first would leave the others waiting in the next
-            raise ConfigError([f"auto_find_batch_size=True with accelerator_config.gradient_accumulation_kwargs="
-                               f"{a.accelerator_config.gradient_accumulation_kwargs!r} on {acc.num_processes} "
-                               "processes: halving needs the gradients synchronised once per window; drop "
-                               "sync_each_batch or auto_find_batch_size"], "Trainer")
         self._backend.check_new_run()
         pos = LoopPosition(epoch=0, batches=0, micro_batch=a.per_device_train_batch_size,
                            accumulation=a.gradient_accumulation_steps)
@@ -554,25 +557,27 @@ class Trainer(TrainerAPI):
         # every run prepares against a clean Accelerator: it would keep the last run's model, optimizer and loaders
         # in its lists, and with fp16 unscale_gradients() unscales every optimizer listed (the gradients divided by
         # the scale once per run, or an error for the same optimizer given twice); with model_init, the model the
-        # constructor built goes too. The cost, a garbage collection (~0.15 s in a process holding torch and
-        # transformers), is paid only where there is something to free
+        # constructor built goes too. The cost, a garbage collection, is paid only where there is something to free
         if self._backend.runs or self.model_init is not None:
             acc.free_memory()
         if self.model_init is not None:  # as transformers: a fresh model for every train() call
             model = self._set_up_model(self.call_model_init(trial))
             self._enable_gradient_checkpointing(model)
             self.model = self.model_wrapped = model
+        # whether this model's forwards answer sdpa's mask from rows the host counted (the loader counts them)
+        self._answers_mask = answers_mask(_unwrap_peft(self.model), a, acc.device)
+        run_id = (loop or {}).get("run_id") or uuid.uuid4().hex  # a resumed run continues its checkpoint's id
+        rollback = self._spike_rollback(loop, run_id)
+        loader = self._train_loader(pos.micro_batch, rollback)
+        problems = run_problems(a, self.model, self.train_dataset, acc, loader, rollback)
+        if problems:
+            raise ConfigError(problems, "Trainer")
         if a.use_liger_kernel:
             self._apply_liger_kernel()
-        # checkpoints of this run carry its id; a resumed run continues the id of its checkpoint
-        checkpointer = Checkpointer(a, self._backend, (loop or {}).get("run_id") or uuid.uuid4().hex, dataset_len,
-                                    self._checkpoint_writer)
-        # prepared first: sharded over the processes, its length is the micro-batches of one process, which is
-        # what the number of steps (and so the schedule) must be planned from
-        self._answers_mask = answers_mask(_unwrap_peft(self.model), a, acc.device)
-        loader = self._train_loader(pos.micro_batch)
-        max_steps, per_epoch = plan_steps(loader, pos.accumulation, a)  # planned over every row, as first run
-        healer = self._healer(loop, checkpointer, loader)
+        checkpointer = Checkpointer(a, self._backend, run_id, dataset_len, self._checkpoint_writer)
+        # planned over the prepared loader: sharded over the processes, its length is the micro-batches of one
+        # process, which is what the number of steps (and so the schedule) must be planned from, over every row
+        max_steps, per_epoch = plan_steps(loader, pos.accumulation, a)
         if loop is not None and per_epoch:
             max_steps = checkpointer.replanned_steps(resume_dir, loop, pos, len(loader), per_epoch) or max_steps
         trainable, total = trainable_parameters(self.model)  # before FSDP makes them shards
@@ -586,72 +591,75 @@ class Trainer(TrainerAPI):
         handler = self.callback_handler  # what callbacks receive from now on (as transformers updates them here)
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         for writer in handler.writers:  # metrics.jsonl's records name their run (goodput.furthest_step reads them)
-            writer.run_id = checkpointer.run_id
+            writer.run_id = run_id
         s.max_steps, s.train_batch_size = max_steps, pos.micro_batch
         s.num_train_epochs = math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
         s.compute_steps(a, max_steps)
-        log = RunningLog(acc.device)
+        run = Run(model=self.model_wrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, accelerator=acc,
+                  state=s, control=self.control, callbacks=handler.callbacks, position=pos,
+                  log=LogSums(acc.device, counts_pairs=acc.device.type == "cuda"),  # MFU's term: GPU only
+                  checkpointer=checkpointer, train_dataloader=loader, steps_per_epoch=per_epoch,
+                  halver=MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend),
+                  nonfinite=NonFinitePolicy(a, self._backend),
+                  # the step's check, deferred to the next step where a non-finite update can be skipped on the device
+                  check=StepCheck(acc, self._backend.skips_on_device(self.optimizer),
+                                  not self._backend.scaler_handles_inf(), a.spike_rollback,
+                                  a.average_tokens_across_devices),
+                  schedule_per_step=not self._steps_on_metric(), signals=PreemptionSignals(a.save_on_signal),
+                  resumed=resume_dir is not None, rollback=rollback, ignore_keys_for_eval=ignore_keys_for_eval,
+                  ledger=ledger)
         if resume_dir is not None:
             with ledger.phase("resume"):
-                pos, log = checkpointer.restore(resume_dir, loop, self._run_objects(), pos)
+                checkpointer.restore(resume_dir, loop, run, pos)
             # the steps an earlier run of this run reached past the checkpoint are redone: counted as recomputed
-            ledger.recompute_until = furthest_step(a.output_dir, checkpointer.run_id)
+            ledger.recompute_until = furthest_step(a.output_dir, run_id)
             if per_epoch:  # the epochs still needed from here: the planned number, unless the run was resumed with
                 # another world size or batch (resume_mismatch='warn'), where epochs hold another number of steps
                 left = len(window_sizes(max(len(loader) - pos.batches, 0), pos.accumulation))
                 s.num_train_epochs = pos.epoch + 1 + max(math.ceil((max_steps - s.global_step - left) / per_epoch), 0)
-        self._log_training_header(trainable, loader)
-        if a.spike_rollback:  # every process pins its own snapshot: refused on each, before any work, where it cannot
-            level, line = rollback_line(self.model, a, acc.num_processes)
-            if level == "error":
-                raise ConfigError([line], "Trainer inputs")
-            if s.is_world_process_zero:
-                getattr(logger, level)(line)
+        self._log_run_start(trainable, total, loader)
         if s.is_world_process_zero:
-            logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
-                        f"({100 * trainable / max(total, 1):.2f}%)")
-            if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
-                logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
-            if a.async_save:
-                logger.info(async_save_line(self.model, a, acc.num_processes))
             checkpointer.open_output_dir()
-        halver = MicroBatchHalver(a.auto_find_batch_size, pos, s, acc, self._backend)
-        # the step's check, deferred to the next step where a non-finite update can be skipped on the device
-        check = StepCheck(acc, self._backend.skips_on_device(self.optimizer), not self._backend.scaler_handles_inf(),
-                          a.spike_rollback, a.average_tokens_across_devices)
-        return Run(position=pos, log=log, checkpointer=checkpointer, train_dataloader=loader, healer=healer,
-                   steps_per_epoch=per_epoch, halver=halver, check=check,
-                   schedule_per_step=not self._steps_on_metric(),
-                   nonfinite=NonFinitePolicy(a, self._backend), signals=PreemptionSignals(a.save_on_signal),
-                   resumed=resume_dir is not None, ignore_keys_for_eval=ignore_keys_for_eval, ledger=ledger)
+        return run
 
-    def _healer(self, loop: dict | None, checkpointer: Checkpointer, loader) -> Healer | None:
+    def _spike_rollback(self, loop: dict | None, run_id: str) -> SpikeRollback | None:
         """The run's spike rollback (stoker.rollback), or, without spike_rollback, the rows a resumed run keeps
         skipping: those its checkpoint quarantined and those its run recorded in quarantine.jsonl after it (a
         crash between a rollback and the next checkpoint). None where there is neither."""
         a = self.args
         quarantined = set((loop or {}).get("quarantine", []))
         if loop is not None:
-            quarantined.update(i for r in Healer.recorded(a.output_dir, checkpointer.run_id) for i in r["indices"])
+            quarantined.update(i for r in SpikeRollback.recorded(a.output_dir, run_id) for i in r["indices"])
         if not (a.spike_rollback or quarantined):
             return None
-        healer = Healer(a, self.accelerator, checkpointer.run_id, quarantined, (loop or {}).get("spike_losses", []),
-                        getattr(self.train_dataset, "sources", None))
-        healer.install(loader)
-        if healer.sampler is None:
-            raise ConfigError([f"spike_rollback={a.spike_rollback}: the training loader has no index sampler to "
-                               "skip quarantined rows with (a get_train_dataloader of your own, or an "
-                               "IterableDataset); return a DataLoader over a dataset with a length, or set "
-                               "spike_rollback=False"], "Trainer")
-        checkpointer.healer = healer
-        return healer
+        return SpikeRollback(a, self.accelerator, run_id, quarantined, (loop or {}).get("spike_losses", []),
+                             getattr(self.train_dataset, "sources", None))
 
-    def _train_loader(self, micro_batch: int):
+    def _log_run_start(self, trainable: int, total: int, loader) -> None:
+        """transformers' header, then what the run will take: its trainable parameters, memory plan, the spike
+        rollback's and async_save's host memory."""
+        a, s, acc = self.args, self.state, self.accelerator
+        self._log_training_header(trainable, loader)
+        if not s.is_world_process_zero:
+            return
+        if a.spike_rollback:
+            level, line = rollback_line(self.model, a, acc.num_processes)  # refused before now where it cannot fit
+            getattr(logger, level)(line)
+        logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
+                    f"({100 * trainable / max(total, 1):.2f}%)")
+        if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
+            logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
+        if a.async_save:
+            logger.info(async_save_line(self.model, a, acc.num_processes))
+
+    def _train_loader(self, micro_batch: int, rollback: SpikeRollback | None):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
-        _train_batch_size, as transformers')."""
-        self._train_batch_size = micro_batch
-        self.callback_handler.train_dataloader = self._prepared(self.get_train_dataloader())
-        return self.callback_handler.train_dataloader
+        _train_batch_size, as transformers'), skipping the quarantined rows where the run has any."""
+        self._train_batch_size = self.state.train_batch_size = micro_batch
+        loader = self.callback_handler.train_dataloader = self._prepared(self.get_train_dataloader())
+        if rollback is not None:
+            rollback.install(loader)
+        return loader
 
     def _build_optimizer_and_scheduler(self, model, steps: int) -> tuple:
         """What a backend calls when it needs the run's optimizer and schedule built (transformers' hooks, which a
@@ -661,21 +669,7 @@ class Trainer(TrainerAPI):
 
     def _apply_liger_kernel(self) -> None:
         """Patch the model with Liger's kernels, as transformers does when training starts (evaluation alone needs
-        no package). Refuses before any work without the package, and on the CPU, where Triton has no GPU driver
-        for the kernels (transformers patches and fails in the first forward: "0 active drivers")."""
-        import importlib.util
-
-        problems = []
-        if importlib.util.find_spec("liger_kernel") is None:
-            problems.append("use_liger_kernel=True: training needs the liger-kernel package, which is not "
-                            "installed (pip install liger-kernel), or set it to False")
-        if self.accelerator.device.type == "cpu":
-            problems.append(f"use_liger_kernel=True: Liger's kernels are Triton GPU kernels, and this run is on the "
-                            f"CPU ({'use_cpu=True' if self.args.use_cpu else 'no GPU'}), where Triton has no driver "
-                            f"to run them (its error: '0 active drivers'); accepted on the CPU: "
-                            f"use_liger_kernel=False")
-        if problems:
-            raise ConfigError(problems, "Trainer")
+        no package; run_problems has refused a run that cannot have them)."""
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         base = _unwrap_peft(self.model)
@@ -725,8 +719,8 @@ class Trainer(TrainerAPI):
         # the ledger, and spike_rollback's counts (quarantine.jsonl names the rows), are train()'s metrics and the
         # final record's diagnostics (metrics.jsonl, the report); the logged record keeps transformers' keys alone
         ledger = run.ledger.finish()
-        if run.healer is not None:
-            ledger.update(rollbacks=run.healer.rollbacks, quarantined_rows=len(run.healer.quarantined))
+        if run.rollback is not None:
+            ledger.update(rollbacks=run.rollback.rollbacks, quarantined_rows=len(run.rollback.quarantined))
         diagnostics.update(ledger)
         if s.is_world_process_zero:
             logger.info(summary_line(diagnostics))
@@ -756,11 +750,11 @@ class Trainer(TrainerAPI):
     def _train_loop(self, run: Run) -> int | None:
         """The epochs from the run's position on, rolled back to the last snapshot on a spike (spike_rollback);
         returns the signal that preempted the run, or None."""
-        log, healer = run.log, run.healer
+        log, rollback = run.log, run.rollback
         self.model_wrapped.train()
         log.restart_clock()
         run.ledger.begin_steps(self.state.global_step, log.data_clock)
-        if healer is not None and healer.enabled:
+        if rollback is not None and rollback.enabled:
             self._snapshot(run)
         try:
             while True:
@@ -770,33 +764,36 @@ class Trainer(TrainerAPI):
                 except SpikeDetected as spike:
                     self._roll_back(run, spike)
         finally:
-            if healer is not None:
-                healer.release()
+            if rollback is not None:
+                rollback.release()
         if log.steps:  # loss and tokens of steps after the last log
             log.total_loss += log.reduce_loss(self.accelerator, self.args.average_tokens_across_devices)
-        log.fold_tokens(self.accelerator, self.state, self.args.include_num_input_tokens_seen)
+        seen = log.fold_tokens(self.accelerator, self.args.include_num_input_tokens_seen)[2]
+        self.state.num_input_tokens_seen += seen
         return preempted
 
     def _snapshot(self, run: Run) -> None:
-        """spike_rollback: snapshot the run as it stands after the current step (its verdict read first)."""
+        """spike_rollback: snapshot the run as it stands after the current step (its verdict read first, the FLOPs
+        counted so far folded into the state, which the snapshot holds)."""
         with run.ledger.phase("rollback"):  # the cost of being able to roll back
-            self._settle(run)
-            run.healer.take(self._run_objects(), run.position, run.log, self.current_flos, run.ledger.mark())
+            self._apply_pending_verdict(run)
+            self.store_flos()
+            run.rollback.snapshot(run, run.ledger.mark())
 
     def _roll_back(self, run: Run, spike: SpikeDetected) -> None:
         """A spike: its window's rows quarantined and recorded, the run put back to its last snapshot (every process
         does the same). After max_rollbacks, the snapshot's state is checkpointed and SpikeError raised."""
-        healer = run.healer
+        rollback = run.rollback
         with run.ledger.phase("rollback"):
-            record = healer.quarantine(spike)
-            snapshot = healer.restore(self._run_objects(), run.position, run.log)
+            record = rollback.quarantine(spike)
+            snapshot = rollback.restore(run)
         run.ledger.rolled_back(snapshot.ledger_mark)  # the steps since the snapshot are lost
-        self.current_flos = snapshot.current_flos
+        self.current_flos = 0  # counted since the snapshot, which folded the count before it into the state
         if self.accelerator.is_main_process:
-            logger.warning(healer.describe(record))
-        if healer.rollbacks > self.args.max_rollbacks:
+            logger.warning(rollback.describe(record))
+        if rollback.rollbacks > self.args.max_rollbacks:
             path = self._save_checkpoint(run)
-            raise SpikeError(f"{healer.describe(record)}: more than max_rollbacks={self.args.max_rollbacks} "
+            raise SpikeError(f"{rollback.describe(record)}: more than max_rollbacks={self.args.max_rollbacks} "
                              f"rollbacks, stopping; {path} holds the last good state with the spike's rows "
                              f"quarantined (resume from it to go on without them, or raise max_rollbacks or "
                              f"spike_factor)")
@@ -820,7 +817,7 @@ class Trainer(TrainerAPI):
                     # replaces self.control (as in transformers)
                     if self.control.should_epoch_stop or self.control.should_training_stop:
                         break
-            self._settle(run)  # the last step's verdict, before the epoch's events see the state
+            self._apply_pending_verdict(run)  # the last step's, before the epoch's events see the state
             if run.steps_per_epoch and pos.batches >= len(run.train_dataloader):
                 s.epoch = pos.epoch + 1
             self._fire("on_epoch_end")
@@ -831,33 +828,33 @@ class Trainer(TrainerAPI):
         return preempted
 
     def _optimizer_step(self, model, window: list[dict], run: Run) -> int | None:
-        """One optimizer step over a window of micro-batches, top to bottom as callbacks.py maps its events.
-        Returns the signal that preempts the run after this step (its checkpoint is written), or None."""
+        """One optimizer step: accumulate, clip, check, update, record; returns the signal that preempts the run."""
         a, s, acc, pos, check = self.args, self.state, self.accelerator, run.position, run.check
         self._fire("on_step_begin")
-        # forward and backward of every micro-batch; out of memory reruns the same samples at half the micro-batch
+        # accumulate: forward and backward of every micro-batch; out of memory reruns the same samples halved
         window, window_loss = self._accumulate(model, window, run)
         for batch in window:
             run.log.count(batch, acc.num_processes)
             self.current_flos += float(self.floating_point_ops(batch))
-        if run.healer is not None:  # the window's rows, named if its verdict is a spike
-            run.healer.window(s.global_step + 1, pos, len(window), run.checkpointer.layout(pos))
+        if run.rollback is not None:  # the window's rows, named if its verdict is a spike
+            run.rollback.window(s.global_step + 1, pos, len(window), run.checkpointer.layout(pos))
         pos.batches += len(window)
-        # with max_grad_norm=0 this only measures the norm (the check needs it); FSDP2's is a DTensor, made whole
+        # clip: with max_grad_norm=0 this only measures the norm (the check needs it); a DTensor's is made whole
         grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self._settle(run)  # the previous step's verdict, read only now that this step's work is queued
+        # check: deferred, the previous step's verdict is read and recorded only now that this step's work is queued
+        if (previous := self._verdict(run)) is not None:
+            self._record(run, *previous, applied=previous[1])
         skip = check.queue(window_loss, grad_norm, s.global_step + 1, self._learning_rate(), run.signals.received)
-        # deferred, the update is queued and skipped on the device if the flag says so; else this step's verdict is
-        # read now (one host sync) and a non-finite update never runs
-        if check.deferred or self._settle(run):
+        # synchronous, this step's verdict is read now (one host sync) and a non-finite update never runs; deferred,
+        # the update is queued with the flag that skips it on the device (`skip`)
+        verdict = None if check.deferred else self._verdict(run)
+        if applied := verdict is None or verdict[1]:
             self._fire("on_pre_optimizer_step")
             applied = self._backend.optimizer_step(self.optimizer, skip)  # False: fp16 loss scaling skipped it
             self._fire("on_optimizer_step")
-            if not check.deferred:  # logged with the rate this step used; a plateau schedule steps after evaluation
-                run.log.add_step(window_loss, grad_norm, self._learning_rate())
-                if applied and run.schedule_per_step:
-                    self.lr_scheduler.step()
+        if verdict is not None:  # record: synchronous, now; deferred, at the next step's check
+            self._record(run, *verdict, applied=applied)
         self.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
         s.epoch = pos.epoch + (pos.batches / len(run.train_dataloader) if run.steps_per_epoch else 0)
@@ -871,36 +868,46 @@ class Trainer(TrainerAPI):
         self._maybe_log_save_evaluate(run)
         return preempted
 
-    def _settle(self, run: Run) -> bool:
-        """Read the verdict of the step whose check is pending (none: True) and act on it: the non-finite policy (a
-        skip warned about and counted, or NonFiniteError), then, deferred, the step's loss, gradient norm and rate
-        into the log and the schedule stepped where its update was applied (on the device). Synchronous, the step
-        then applies its update only if this returns True (and logs it itself); a skipped one is logged here and
-        the fp16 scaler told. Every save, evaluation, log and the end of the loop settle first, so that what they
-        see is what the synchronous check would have left."""
+    def _verdict(self, run: Run) -> tuple[PendingStep, bool] | None:
+        """The step whose check is pending and whether its update may run (None when no step is pending): the
+        check's flags read from their host copy, then the spike rollback's say (SpikeDetected) and the non-finite
+        policy's (a skip warned about and counted, or NonFiniteError)."""
         taken = run.check.take(run.signals.received)
         if taken is None:
-            return True
-        (step, loss, grad_norm, learning_rate), verdict = taken
-        if run.healer is not None and run.healer.enabled:  # a spike (or a non-finite step) rolls the run back
-            run.healer.judge(step, verdict.loss, verdict.finite)
+            return None
+        pending, verdict = taken
+        if run.rollback is not None and run.rollback.enabled:  # a spike (or a non-finite step) rolls the run back
+            run.rollback.check_loss(pending.step, verdict.loss, verdict.finite)
         if not verdict.finite and updates_in_backward(self.optimizer):
-            raise NonFiniteError(f"non-finite loss or gradient norm at step {step}; optim={self.args.optim!r} has "
-                                 "applied the update inside the backward, where it cannot be skipped: stopping")
-        allowed = verdict.finite or run.nonfinite.allows(verdict, run.log, loss, grad_norm, step,
-                                                         self.accelerator.process_index)
+            raise NonFiniteError(f"non-finite loss or gradient norm at step {pending.step}; optim={self.args.optim!r} "
+                                 "has applied the update inside the backward, where it cannot be skipped: stopping")
+        allowed = verdict.finite or run.nonfinite.allows(verdict, run.log, pending.loss, pending.grad_norm,
+                                                         pending.step, self.accelerator.process_index)
         if verdict.finite:
             run.log.nonfinite_run = 0  # a finite step ends a run of non-finite ones
-        if allowed and run.check.deferred:
-            run.log.add_step(loss, grad_norm, learning_rate)
-            if run.schedule_per_step:
+        return pending, allowed
+
+    def _record(self, run: Run, pending: PendingStep, allowed: bool, applied: bool) -> None:
+        """A step whose verdict is known, in the log and the schedule: its loss, gradient norm and learning rate
+        logged and the schedule stepped where its update was applied (a plateau schedule steps after evaluation);
+        a skipped one logged as such (unless logging_nan_inf_filter) and, synchronous, the fp16 scaler told."""
+        if allowed:
+            run.log.add_step(pending.loss, pending.grad_norm, pending.learning_rate)
+            if applied and run.schedule_per_step:
                 self.lr_scheduler.step()
-        elif not allowed:
-            if not run.check.deferred:
-                self._backend.step_skipped()  # the fp16 scaler, which unscaled this step's gradients, sees it end
-            if not self.args.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
-                run.log.add_step(loss)
-        return allowed
+            return
+        if not run.check.deferred:
+            self._backend.step_skipped()  # the fp16 scaler, which unscaled this step's gradients, sees it end
+        if not self.args.logging_nan_inf_filter:  # the update is still skipped; only the log shows it
+            run.log.add_step(pending.loss)
+
+    def _apply_pending_verdict(self, run: Run) -> None:
+        """Before anything looks at the state (a log, an evaluation, a save, a snapshot, an epoch's end): the
+        verdict of a deferred step read and recorded, so that what it sees is what the synchronous check would
+        have left."""
+        decided = self._verdict(run)
+        if decided is not None:
+            self._record(run, *decided, applied=decided[1])
 
     def _accumulate(self, model, window: list[dict], run: Run) -> tuple[list[dict], torch.Tensor]:
         """Forward and backward of every micro-batch of the window; returns the window as it ran and its loss
@@ -968,12 +975,25 @@ class Trainer(TrainerAPI):
             self.control.should_training_stop = True
         return None if empty else window
 
+    def _unchecked_set(self, dataloader, description: str) -> tuple[str, int] | None:
+        """(name, id) of the evaluation or test set `dataloader` reads, where its first batch is still to be checked
+        against the model: not checked before, and made by stoker's own hooks (a subclass that overrides one makes
+        what reaches the model its own business); else None."""
+        predicting = description == "Prediction"
+        dataset = getattr(dataloader, "dataset", None)
+        if (dataset is None or id(dataset) in self._rows_checked
+                or self._overridden(PREDICT_HOOKS if predicting else EVAL_HOOKS)):
+            return None
+        named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
+        key = next((k for k, v in named.items() if v is dataset), None)
+        return ("test_dataset" if predicting else "eval_dataset" if key is None else f"eval_dataset[{key!r}]",
+                id(dataset))
+
     def _checked_first_batch(self, batches: Iterator, name: str, key: int):
         """The first batch of an evaluation set (or None, where this process has none), checked against the model
         (trainer_checks.batch_problems) before the model sees it, when the set's first evaluation starts; refused on
         every process if any process's fails (ConfigError), after one all-reduce of one number."""
         acc, problems, error, first = self.accelerator, [], None, None
-        self._rows_to_check = None
         try:
             first = next(batches, None)
         except Exception as e:
@@ -1003,10 +1023,8 @@ class Trainer(TrainerAPI):
         pos = run.position
         while True:
             size = pos.micro_batch
-            if self._train_batch_size != size:
-                run.train_dataloader = self._train_loader(size)
-                if run.healer is not None:
-                    run.healer.install(run.train_dataloader)
+            if self._train_batch_size != size:  # halved after an out-of-memory error
+                run.train_dataloader = self._train_loader(size, run.rollback)
             loader = run.train_dataloader
             if hasattr(loader, "set_epoch"):  # a loader of the user's own may have none, as in transformers
                 loader.set_epoch(pos.epoch)
@@ -1046,10 +1064,13 @@ class Trainer(TrainerAPI):
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
         if callable(getattr(inner, "train", None)):  # a schedule-free optimizer back on its training point
             inner.train()
-        self._loss_is_window_share = False
-        # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
-        with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
-            loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        shares = []  # marked by stoker's compute_loss, if this micro-batch's loss goes through it
+        token = _WINDOW_SHARES.set(shares)
+        try:  # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
+            with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
+                loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        finally:
+            _WINDOW_SHARES.reset(token)
         # an override of compute_loss that returned its own mean over the micro-batch (loss_is_scaled_for_ga False,
         # or None with a model that takes no loss kwargs, where transformers divides by the accumulation steps) is
         # weighed by the micro-batch's items over the window's: transformers' division where the micro-batches hold
@@ -1057,8 +1078,8 @@ class Trainer(TrainerAPI):
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
-        if not (self._loss_is_window_share or scaled or num_items_in_batch is None):
-            loss = loss * (self._convention.targets(inputs) / num_items_in_batch)
+        if not (shares or scaled or num_items_in_batch is None):
+            loss = self._convention.mean_share(loss, inputs, num_items_in_batch)
         # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
         # item count, so scale back up to get the sum over the global window
         # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)
@@ -1069,17 +1090,40 @@ class Trainer(TrainerAPI):
             clear_device_cache()
         return loss.detach()
 
+    # ------------------------------------------------------------------------------------------
+    # FLOPs (state.total_flos, as transformers counts them: 6 x parameters x tokens)
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """6 x the main input's tokens x the non-embedding parameters (0 for a model without num_parameters);
+        override it for another estimate."""
+        model = self.model
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(model, "num_parameters"):
+            return 0
+        if self._flops_model is not model:  # counted once per model: it visits every parameter
+            self._flops_model, self._flops_parameters = model, non_embedding_parameters(model)
+        return 6 * inputs[main_input].numel() * self._flops_parameters
+
+    def store_flos(self) -> None:
+        """Add the FLOPs counted since the last call, summed over every process, to state.total_flos and restart
+        the count. Every process must call it (a collective when there are several)."""
+        flos = torch.tensor(float(self.current_flos), device=self.accelerator.device, dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            flos = self.accelerator.reduce(flos, reduction="sum")
+        self.state.total_flos += flos.item()
+        self.current_flos = 0
+
     def _maybe_log_save_evaluate(self, run: Run) -> None:
         """Act on the control flags: log, evaluate, save (time spent evaluating and saving is not counted in
         the logged throughput)."""
         s, log, c = self.state, run.log, self.control  # read anew after each event: a callback may replace it
         if c.should_log or c.should_evaluate or c.should_save:
-            self._settle(run)  # what they see is the state the synchronous check would have left
+            self._apply_pending_verdict(run)
         if self.args.async_save:  # the checkpoint in flight committed, or its failure raised
-            run.checkpointer.poll(self._run_objects())
+            run.checkpointer.poll(run)
         if self.control.should_log and (log.steps or log.nonfinite_total):
-            logs, diagnostics = log.window_logs(self.args, self.accelerator, self.model_wrapped, s,
-                                                self._learning_rate())
+            logs, diagnostics, seen = log.logs(self.args, self.accelerator, self.model_wrapped, self._learning_rate())
+            s.num_input_tokens_seen += seen
             self._log(logs, run.started, diagnostics)
             log.restart_clock()
         self.control.should_log = False
@@ -1097,9 +1141,9 @@ class Trainer(TrainerAPI):
                     self._save_checkpoint(run)
         if self._ray_report is not None:  # a Ray search trial's evaluation, with this step's checkpoint if saved
             self._report_to_ray(self._committed_checkpoint(run))
-        healer = run.healer
-        if (healer is not None and healer.enabled and s.global_step % self.args.spike_snapshot_steps == 0
-                and healer.snapshot.step != s.global_step):
+        rollback = run.rollback
+        if (rollback is not None and rollback.enabled and s.global_step % self.args.spike_snapshot_steps == 0
+                and rollback.saved.step != s.global_step):
             self._snapshot(run)
         log.excluded += time.perf_counter() - paused
 
@@ -1126,7 +1170,8 @@ class Trainer(TrainerAPI):
         """log() from the loop, with exactly the arguments its signature takes: an override written for
         transformers' log(logs, start_time) gets no diagnostics, and one written as log(self, logs) (older scripts,
         transformers' own plateau test) gets the logs alone. Read at each call, so that a log replaced on the
-        instance is called right too (a signature costs microseconds; a log record comes once per logging_steps)."""
+        instance is called right too (reading a signature is cheap beside a log record, which comes once per
+        logging_steps)."""
         parameters = list(inspect.signature(self.log).parameters.values())
         kinds = {p.kind for p in parameters}
         positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -1232,15 +1277,6 @@ class Trainer(TrainerAPI):
         batch's forwards tells the others before the batch's gather (OutOfMemoryInEvaluation), and one anywhere
         else, where the others may be waiting in a collective, is raised."""
         acc = self.accelerator
-        # the set's first batch is checked against the model when its first evaluation starts (evaluation_loop)
-        predicting = description == "Prediction"
-        actual = self.eval_dataset[dataset] if isinstance(dataset, str) else (
-            dataset if dataset is not None or predicting else self.eval_dataset)
-        name = "test_dataset" if predicting else f"eval_dataset[{dataset!r}]" if isinstance(dataset, str) else (
-            "eval_dataset")
-        self._rows_to_check = None
-        if id(actual) not in self._rows_checked and not self._overridden(PREDICT_HOOKS if predicting else EVAL_HOOKS):
-            self._rows_to_check = (name, id(actual))
         while True:
             started = time.time()  # wall-clock, as transformers' speed_metrics measures from
             try:
@@ -1343,8 +1379,8 @@ class Trainer(TrainerAPI):
         # process, which then halve the evaluation batch together (_run_evaluation)
         agree = a.auto_find_batch_size and acc.num_processes > 1 and self._backend.agrees_on_out_of_memory
         batches = iter(dataloader)
-        if self._rows_to_check is not None:  # the set's first evaluation: its first batch against the model
-            first = self._checked_first_batch(batches, *self._rows_to_check)
+        if (unchecked := self._unchecked_set(dataloader, description)) is not None:  # its first batch, checked
+            first = self._checked_first_batch(batches, *unchecked)
             batches = itertools.chain([first] if first is not None else [], batches)
         for n, batch in enumerate(batches, 1):
             batch = dict(batch)  # a transformers collator's BatchEncoding
@@ -1407,7 +1443,10 @@ class Trainer(TrainerAPI):
         """Write checkpoint-<global_step> of the run at its position (stoker.checkpointer does the work), then
         on_save."""
         self.store_flos()
-        path = run.checkpointer.save(self._run_objects(), run.position, run.log)
+        s = self.state
+        if s.best_global_step == s.global_step:  # (an evaluation after this save sets it in _evaluate_and_track)
+            s.best_model_checkpoint = ckpt.checkpoint_dir(self.args.output_dir, s.global_step)
+        path = run.checkpointer.save(run)
         self._fire("on_save")
         return path
 
@@ -1417,8 +1456,3 @@ class Trainer(TrainerAPI):
             return None
         run.checkpointer.writer.finish()
         return ckpt.checkpoint_dir(self.args.output_dir, self.state.global_step)
-
-    def _run_objects(self) -> RunObjects:
-        """What a checkpoint holds of the run in progress."""
-        return RunObjects(self.model_wrapped, self.optimizer, self.lr_scheduler, self.state,
-                          self.callback_handler.callbacks, self.control)

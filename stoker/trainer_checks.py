@@ -1,13 +1,15 @@
-"""Checks of a Trainer's inputs: in its constructor, before any work, the datasets and the model against the
-arguments (`trainer_input_problems`); when a dataset's rows first reach the model, its first real batch against
-the model's forward (`batch_problems`), so that a missing column, a label of the wrong dtype or shape, or a
-collator that returns non-tensors is named with the dataset it comes from. The batch checked is the one the loop
-or the evaluation was about to run, so the data collator is never called an extra time (a collator that counts,
-logs or draws random numbers, as masked-LM masking does, sees exactly the calls transformers.Trainer makes) and
-no dataset is read ahead (a stream that can be read once is not used up)."""
+"""Checks of a Trainer's inputs: in its constructor, before any work, the datasets and the model against the arguments
+(`trainer_input_problems`); when train() starts, before the run's first work, what the run needs of this machine,
+its processes and its loader (`run_problems`); when a dataset's rows first reach the model, its first real batch
+against the model's forward (`batch_problems`), so that a missing column, a label of the wrong dtype or shape, or a
+collator that returns non-tensors is named with the dataset it comes from. The batch checked is the one the loop or
+the evaluation was about to run, so the data collator is never called an extra time (a collator that counts, logs or
+draws random numbers, as masked-LM masking does, sees exactly the calls transformers.Trainer makes) and no dataset
+is read ahead (a stream that can be read once is not used up)."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -15,10 +17,44 @@ from typing import Any
 import torch
 
 from .checkpoint_format import is_peft_model
-from .chunked_loss import chunked_loss_problems
+from .data import unseeded_shuffle_problem
 from .float8 import float8_kbit_problem, kbit_bits
-from .load_balancing import load_balancing_problems
-from .prefix import shared_prefix_problems
+from .loss import chunked_loss_problems, load_balancing_problems, shared_prefix_problems
+from .memory_plan import rollback_line
+
+
+def run_problems(args, model, train_dataset, accelerator, loader, rollback) -> list[str]:
+    """Problems of a run that show only when train() starts, all of them: what it needs of the processes it runs
+    on (the out-of-memory halving's one gradient sync), of this machine (Liger's GPU kernels, spike_rollback's
+    host memory), and of its training loader (an index sampler to skip quarantined rows, a shuffle a resume can
+    read again). `rollback`: the run's spike rollback, its quarantine installed in `loader` if it could be."""
+    a, p, processes = args, [], accelerator.num_processes
+    if a.auto_find_batch_size and processes > 1 and a.accelerator_config.syncs_each_batch():
+        # the processes agree on an out-of-memory error before the window's one gradient all-reduce; with one
+        # per micro-batch an error after the first would leave the others waiting in the next
+        p.append(f"auto_find_batch_size=True with accelerator_config.gradient_accumulation_kwargs="
+                 f"{a.accelerator_config.gradient_accumulation_kwargs!r} on {processes} processes: halving needs "
+                 "the gradients synchronised once per window; drop sync_each_batch or auto_find_batch_size")
+    if a.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        p.append("use_liger_kernel=True: training needs the liger-kernel package, which is not installed (pip "
+                 "install liger-kernel), or set it to False")
+    if a.use_liger_kernel and accelerator.device.type == "cpu":
+        # transformers patches and fails in the first forward: "0 active drivers"
+        p.append(f"use_liger_kernel=True: Liger's kernels are Triton GPU kernels, and this run is on the CPU "
+                 f"({'use_cpu=True' if a.use_cpu else 'no GPU'}), where Triton has no driver to run them (its "
+                 f"error: '0 active drivers'); accepted on the CPU: use_liger_kernel=False")
+    if a.spike_rollback:  # every process pins its own snapshot
+        level, line = rollback_line(model, a, processes)
+        if level == "error":
+            p.append(line)
+    if rollback is not None and rollback.sampler is None:
+        p.append(f"spike_rollback={a.spike_rollback}: the training loader has no index sampler to skip quarantined "
+                 "rows with (a get_train_dataloader of your own, or an IterableDataset); return a DataLoader over a "
+                 "dataset with a length, or set spike_rollback=False")
+    shuffle = unseeded_shuffle_problem(a, train_dataset)
+    if shuffle is not None:
+        p.append(shuffle)
+    return p
 
 
 def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset, compute_loss_func) -> list[str]:

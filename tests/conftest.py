@@ -129,7 +129,7 @@ def fake_liger(monkeypatch):
     import sys
     import types
 
-    from stoker import chunked_loss as chunked
+    from stoker.loss import chunked
     from tests.helpers.gpu_stand_ins import LigerStandIn
 
     calls = []

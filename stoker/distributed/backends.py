@@ -221,7 +221,7 @@ class Backend:
     def micro_batch(self, model, last: bool, before_sync: Callable[[], None] | None = None):
         """The context of one micro-batch of an accumulation window: gradients are synchronised across
         processes only on the window's last micro-batch (`last`), whose backward first calls `before_sync` (where
-        every process agrees on out-of-memory errors, stoker.loop.MicroBatchHalver). With accelerator_config's
+        every process agrees on out-of-memory errors, stoker.step.MicroBatchHalver). With accelerator_config's
         gradient_accumulation_kwargs sync_each_batch=True, on every micro-batch (no no_sync window): each
         backward all-reduces what it added, so the window's gradient is the same sum (the loss of each micro-batch
         is already normalised over the whole window), at the cost of one all-reduce per micro-batch."""

@@ -26,7 +26,7 @@ from stoker.recipes.args import GENERATED, RECIPES, DataArguments, ModelArgument
 from stoker.recipes.data import load_rows, require_columns
 from stoker.recipes.models import build_classifier, lora_base_in_bf16, peft_config_for
 from stoker.recipes.results import summary, write_results
-from stoker.tasks import TOPICS, classification_metrics, topic_sentences
+from stoker.synthetic_tasks import TOPICS, classification_metrics, topic_sentences
 from stoker.trainer import Trainer
 
 RECIPE = "classification"

@@ -12,7 +12,7 @@ Every problem with the rows is a ConfigError naming the split and what was found
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..tasks import arithmetic_splits, encode_completion, record_splits
+from ..synthetic_tasks import arithmetic_splits, encode_completion, record_splits
 from .args import RECIPES, DataArguments
 
 

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..gguf import local_model
 from ..log import logger, third_party_output
 from ..lora import kbit_device_map, lora_config, quantization_config
-from ..tasks import char_tokenizer, train_word_tokenizer
+from ..synthetic_tasks import char_tokenizer, train_word_tokenizer
 from .args import ModelArguments
 
 

@@ -29,7 +29,7 @@ from stoker.recipes.args import GENERATED, DataArguments, ModelArguments, recipe
 from stoker.recipes.data import generated_pairs, load_rows, sft_rows
 from stoker.recipes.models import build_causal_lm, lora_base_in_bf16, peft_config_for
 from stoker.recipes.results import final_metrics, generate_sample, summary, write_results
-from stoker.tasks import answer_metrics, argmax_logits
+from stoker.synthetic_tasks import answer_metrics, argmax_logits
 from stoker.trainer import Trainer
 
 RECIPE = "sft"

@@ -75,7 +75,7 @@ def test_many_lengths_compile_a_fixed_number_of_graphs(tmp_path, compiled_graphs
 
 def test_the_probes_compile_nothing(tmp_path, compiled_graphs):
     """The loss convention's probes and packing's check run a model whose layers are compiled: no graph."""
-    from stoker.loss_normalization import LossConvention
+    from stoker.loss import LossConvention
 
     model = _llama("sdpa")
     a = args(tmp_path, torch_compile_backend="eager")

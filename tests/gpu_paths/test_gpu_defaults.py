@@ -222,7 +222,7 @@ def test_training_forwards_keep_the_autocast_logits_where_stoker_computes_the_lo
     (2.1 GB at 8 x 2048 x 32k). Where stoker computes the loss the logits stay bf16, and the losses do not change
     (transformers' loss upcasts inside the forward); a compute_loss_func or a subclass's compute_loss, which read
     the logits themselves, get them in float32 as from transformers.Trainer."""
-    from stoker.loss_normalization import loss_of
+    from stoker.loss import loss_or_none
 
     ours = logits_of_a_run(tmp_path)
     assert ours.dtypes == [torch.bfloat16, torch.bfloat16]
@@ -237,7 +237,7 @@ def test_training_forwards_keep_the_autocast_logits_where_stoker_computes_the_lo
 
     def function(outputs, labels, num_items_in_batch=None):
         assert outputs.logits.dtype == torch.float32
-        return loss_of(outputs) if getattr(outputs, "loss", None) is not None else outputs.logits.sum() * 0
+        return loss_or_none(outputs) if getattr(outputs, "loss", None) is not None else outputs.logits.sum() * 0
 
     assert logits_of_a_run(tmp_path, compute_loss_func=function).dtypes == [torch.float32, torch.float32]
 

@@ -130,7 +130,7 @@ def test_packed_rows_count_attention_per_sequence_not_per_row():
 
 
 class FakeAccelerator:
-    """A one-process accelerator on a 'cuda' device, for RunningLog.diagnostics."""
+    """A one-process accelerator on a 'cuda' device, for LogSums.diagnostics."""
 
     device = SimpleNamespace(type="cuda")
     num_processes = 1
@@ -141,17 +141,17 @@ class FakeAccelerator:
 
 
 def test_the_logged_mfu_of_a_packed_window_uses_each_sequences_length(monkeypatch):
-    """RunningLog on a patched GPU (bf16, peak_tflops=989.4): the window's MFU is the hand-computed FLOPs of its
+    """LogSums on a patched GPU (bf16, peak_tflops=989.4): the window's MFU is the hand-computed FLOPs of its
     tokens, attention from sum(length^2) of the packed sequences, over the peak."""
-    from stoker.loop import RunningLog
+    from stoker.step import LogSums
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GH200 480GB")
-    log = RunningLog(torch.device("cpu"))
+    log = LogSums(torch.device("cpu"))
     lengths = [[5, 3, 7, 1], [10, 2, 4]]
     batch = packed_batch(lengths, row_length=16)  # full rows: no padding
     log.count(batch, num_processes=1)
-    tokens, all_tokens = log.fold_tokens(FakeAccelerator, SimpleNamespace(num_input_tokens_seen=0), "no")
+    tokens, all_tokens, _ = log.fold_tokens(FakeAccelerator, "no")
     assert tokens == all_tokens == 32
     args = SimpleNamespace(peak_tflops=989.4, mixed_precision="bf16", dataloader_num_workers=0,
                            dataloader_pin_memory=True)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from stoker import ConfigError, Trainer, TrainingArguments
-from stoker import chunked_loss as chunked
-from stoker.chunked_loss import chunked_causal_lm_loss, output_head
 from stoker.data import PaddingCollator
+from stoker.loss import chunked
+from stoker.loss.chunked import chunked_causal_lm_loss, output_head
 from tests.helpers.gpu_stand_ins import as_on_a_gpu, fake_gpu
 from tests.helpers.tiny_jobs import llama, rows
 

@@ -122,7 +122,7 @@ class StepSyncs(TrainerCallback):
         self._hooks = []
         if markers is not None:
             from stoker.distributed.backends import Backend
-            from stoker.loop import StepCheck
+            from stoker.step import StepCheck
 
             backward, take = Backend.backward, StepCheck.take
 
@@ -414,7 +414,7 @@ def test_the_next_batch_is_collated_before_the_host_waits(tmp_path, monkeypatch)
     one without waiting where it is pinned), so the host's collation overlaps the GPU's queued work."""
     from stoker import Trainer
     from stoker.data import PaddingCollator
-    from stoker.loop import StepCheck
+    from stoker.step import StepCheck
     from tests.helpers.tiny_jobs import args
 
     collated, seen_at_wait, take = [], {}, StepCheck.take

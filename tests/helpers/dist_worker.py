@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -27,7 +28,6 @@ from safetensors.torch import save_file  # noqa: E402
 from stoker import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from stoker.checkpointer import Checkpointer  # noqa: E402
 from stoker.errors import TrainingPreempted  # noqa: E402
-from stoker.loop import LoopPosition, RunningLog  # noqa: E402
 from tests.helpers.tiny_jobs import llama, rows  # noqa: E402
 
 # 24 training rows = 3 optimizer steps of a global batch of 8; 7 and 3 held-out rows do not divide evenly
@@ -609,19 +609,19 @@ def spike(out: str) -> None:
     order): step 6's window holds a poisoned row on rank 1. Every rank rolls back to step 4 together, each names
     the same 8 rows (with the rank that trained each), and the run goes on without them; the test compares it
     with one process on the data without those rows, and resumes its checkpoint-8 on one process."""
-    from stoker.rollback import Healer
+    from stoker.rollback import SpikeRollback
     from tests.helpers.rollback_jobs import HEAL, Regressor, args
     from tests.helpers.rollback_jobs import rows as regression_rows
 
     r = Report(out, "spike")
-    named, quarantine = [], Healer.quarantine
+    named, quarantine = [], SpikeRollback.quarantine
 
     def spy(self, found):
         record = quarantine(self, found)
         named.append(record)
         return record
 
-    Healer.quarantine = spy
+    SpikeRollback.quarantine = spy
     try:
         trainer = Trainer(Regressor(), args(os.path.join(r.folder, "out"), per_device_train_batch_size=2,
                                             gradient_accumulation_steps=2, save_strategy="steps", save_steps=8,
@@ -629,7 +629,7 @@ def spike(out: str) -> None:
                           train_dataset=regression_rows(poisoned={43}))
         trainer.train()
     finally:
-        Healer.quarantine = quarantine
+        SpikeRollback.quarantine = quarantine
     r.values.update(records=[{k: v for k, v in rec.items() if k != "run_id"} for rec in named],
                     losses=losses(trainer), global_step=trainer.state.global_step)
     r.save_tensors("final", {k: v.detach().contiguous() for k, v in trainer.model.named_parameters()})
@@ -801,9 +801,9 @@ def zero_nonfinite(out: str) -> None:
                     if r.rank == 1:
                         next(iter(trainer.model_wrapped.parameters())).ds_tensor.data.fill_(float("inf"))
                     try:
-                        Checkpointer(args, trainer._backend, "refused", len(TRAIN)).save(
-                            trainer._run_objects(), LoopPosition(epoch=1, batches=0, micro_batch=2, accumulation=2),
-                            RunningLog(trainer.accelerator.device))
+                        # refused before any part of the run is read: its model is all a save looks at first
+                        Checkpointer(args, trainer._backend, "refused", len(TRAIN)).save(SimpleNamespace(
+                            model=trainer.model_wrapped, optimizer=trainer.optimizer, state=trainer.state))
                     except NonFiniteError as e:
                         outcome["save"] = str(e)
             except NonFiniteError as e:
@@ -895,7 +895,7 @@ def shared_prefix(out: str) -> None:
     """Rows that start alike with shared_prefix=True, 2 x batch 4 over 3 steps: compared by the test with one
     process x batch 8 without sharing. The prefix's forward runs outside DDP's wrapper, its backward inside."""
     from tests.helpers.tiny_jobs import PREFIX, prompt_rows
-    from tests.unit.test_prefix import EmbeddingShapes
+    from tests.unit.loss.test_prefix import EmbeddingShapes
 
     r = Report(out, "shared_prefix")
     args = training_args(os.path.join(r.folder, "out"), per_device_train_batch_size=4, max_steps=3,

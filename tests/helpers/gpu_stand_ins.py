@@ -3,7 +3,7 @@ tests): torch.cuda answering as a named card, the fused-loss choice deciding as 
 fused kernel as it treats the host. tests/conftest.py's `fake_liger` fixture installs the Liger stand-in.
 
     fake_gpu        torch.cuda answering as a named card of a given compute capability
-    as_on_a_gpu     stoker.chunked_loss.fused_kernel deciding as it would for tensors on a CUDA device
+    as_on_a_gpu     stoker.loss.chunked.fused_kernel deciding as it would for tensors on a CUDA device
     LigerStandIn    Liger's fused linear cross-entropy, with the two reads of the device it makes
 """
 
@@ -27,7 +27,7 @@ def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
 
 def as_on_a_gpu(monkeypatch):
     """fused_kernel deciding as it would for tensors on a CUDA device (these are on the CPU)."""
-    from stoker import chunked_loss as chunked
+    from stoker.loss import chunked
 
     decide = chunked.fused_kernel
     monkeypatch.setattr(chunked, "fused_kernel", lambda device_type, opted_in=False: decide("cuda", opted_in))

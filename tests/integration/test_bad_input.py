@@ -384,3 +384,26 @@ def test_data_rows_are_read_as_datasets_reads_them_and_errors_name_the_line(tmp_
             read_rows(str(tmp_path / name))
     else:
         assert read_rows(str(tmp_path / name)) == expected
+
+
+def test_every_problem_of_a_run_is_refused_in_one_error_before_any_work(tmp_path, tiny_llama, clm_rows, make_args):
+    """What shows only when train() starts (Liger's GPU kernels on the CPU, a shuffle a resume could not read again,
+    a spike rollback over a loader without an index sampler) is named in one ConfigError, all of it, before the
+    run's first work: no step taken, no output folder made."""
+    from stoker import ConfigError, Trainer
+
+    class OwnLoader(Trainer):
+        def get_train_dataloader(self):  # batches of its own making: no index sampler to skip rows with
+            return [self.data_collator(clm_rows(4)) for _ in range(4)]
+
+    out = tmp_path / "never"
+    trainer = OwnLoader(tiny_llama(), make_args(output_dir=str(out), max_steps=2, use_liger_kernel=True,
+                                                spike_rollback=True,
+                                                accelerator_config={"use_seedable_sampler": False}),
+                        train_dataset=clm_rows(16))
+    with pytest.raises(ConfigError) as refused:
+        trainer.train()
+    named = [problem.split(":")[0] for problem in refused.value.problems]
+    assert {"use_liger_kernel=True", "spike_rollback=True",
+            "accelerator_config.use_seedable_sampler=False"} <= set(named), named
+    assert trainer.state.global_step == 0 and not out.exists()

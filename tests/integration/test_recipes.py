@@ -329,7 +329,7 @@ def test_records_hold_out_people_whose_names_no_training_row_holds(seed):
     sentence; every answer is the YAML of exactly those three values."""
     import yaml
 
-    from stoker.tasks import CITIES, FIRST_NAMES, SURNAMES, record_splits
+    from stoker.synthetic_tasks import CITIES, FIRST_NAMES, SURNAMES, record_splits
 
     assert not {*FIRST_NAMES, *SURNAMES} & set(CITIES)
     train, held = record_splits(480, 100, seed)

@@ -192,13 +192,13 @@ KILLED_DURING_ROLLBACK = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from stoker import Trainer
-from stoker.rollback import Healer
+from stoker.rollback import SpikeRollback
 from tests.helpers.rollback_jobs import HEAL, Regressor, args, rows
 
 def killed(self, *a, **kw):  # the rows are recorded; the process dies before the state is put back
     os.kill(os.getpid(), signal.SIGKILL)
 
-Healer.restore = killed
+SpikeRollback.restore = killed
 Trainer(Regressor(), args({out!r}, save_strategy="steps", save_steps=5, **HEAL),
         train_dataset=rows(poisoned={{42}})).train()
 """

@@ -119,18 +119,17 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
 # whose prefixes it starts with.
 LAYERS = (
     ("entry points", ("stoker", "stoker.cli", "stoker.recipes")),
-    ("the Trainer", ("stoker.trainer", "stoker.trainer_api", "stoker.trainer_checks", "stoker.seq2seq",
+    ("the Trainer", ("stoker.trainer", "stoker.transformers_surface", "stoker.trainer_checks", "stoker.seq2seq",
                      "stoker.hp_search")),
-    ("the Trainer's services", ("stoker.checkpointer", "stoker.rollback", "stoker.report", "stoker.lora",
+    ("the Trainer's services", ("stoker.checkpointer", "stoker.rollback", "stoker.run", "stoker.report", "stoker.lora",
                                 "stoker.preflight")),
     ("callbacks", ("stoker.callbacks",)),
     ("arguments", ("stoker.arguments",)),
-    ("helpers", ("stoker.attention", "stoker.background_save", "stoker.checkpoint_format", "stoker.chunked_loss",
-                 "stoker.compilation", "stoker.data", "stoker.diagnostics", "stoker.distributed", "stoker.evaluation",
-                 "stoker.float8", "stoker.gguf", "stoker.goodput", "stoker.load_balancing", "stoker.log", "stoker.loop",
-                 "stoker.loss_computation", "stoker.loss_normalization", "stoker.memory_plan", "stoker.muon",
-                 "stoker.optim", "stoker.outputs", "stoker.packing", "stoker.prefix", "stoker.requirements",
-                 "stoker.sdpa_mask", "stoker.tasks", "stoker.tracking")),
+    ("helpers", ("stoker.attention", "stoker.background_save", "stoker.checkpoint_format", "stoker.compilation",
+                 "stoker.data", "stoker.diagnostics", "stoker.distributed", "stoker.evaluation", "stoker.float8",
+                 "stoker.gguf", "stoker.goodput", "stoker.log", "stoker.step", "stoker.loss", "stoker.memory_plan",
+                 "stoker.muon", "stoker.optim", "stoker.outputs", "stoker.packing", "stoker.requirements",
+                 "stoker.sdpa_mask", "stoker.synthetic_tasks", "stoker.tracking")),
     ("errors", ("stoker.errors",)),
 )
 

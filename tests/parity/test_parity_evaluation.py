@@ -90,6 +90,12 @@ def test_label_smoothing_with_multi_label_classification_is_refused_as_transform
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("multi_label", [False, True], ids=["causal_lm", "multi_label"])
 def test_label_smoother_is_transformers_attribute(tmp_path, smoothing, multi_label):
+    """label_smoother is there when transformers' is, with its fields, and an override of compute_loss that calls
+    it as transformers' gets transformers' loss (stoker's is its own smoother, the one its loss uses)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=generator)
+    labels = torch.randint(0, 11, (2, 5), generator=generator)
+    labels[0, :2] = -100
     seen = {}
     for name, module in FRAMEWORKS.items():
         model = multi_label_model() if multi_label else FAMILIES["llama"](0)
@@ -97,8 +103,13 @@ def test_label_smoother_is_transformers_attribute(tmp_path, smoothing, multi_lab
             warnings.simplefilter("ignore")
             trainer = module.Trainer(model, quiet_args(module, tmp_path / name, label_smoothing_factor=smoothing))
         smoother = trainer.label_smoother
-        seen[name] = None if smoother is None else (type(smoother), smoother.epsilon, smoother.ignore_index)
-    assert seen["stoker"] == seen["hf"]
+        seen[name] = None if smoother is None else (
+            smoother.epsilon, smoother.ignore_index, smoother({"logits": logits}, labels, shift_labels=True).item(),
+            smoother({"logits": logits}, labels, num_items_in_batch=torch.tensor(13)).item())
+    if seen["hf"] is not None:
+        assert seen["stoker"][:2] == seen["hf"][:2]
+        assert seen["stoker"][2:] == pytest.approx(seen["hf"][2:], rel=1e-6)
+    assert (seen["stoker"] is None) == (seen["hf"] is None)
     assert (seen["hf"] is None) == (multi_label or not smoothing)
 
 

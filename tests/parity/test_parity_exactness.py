@@ -94,9 +94,9 @@ def test_the_probes_run_on_two_rows_of_the_first_batch(tmp_path, family, monkeyp
     the verdicts are those of the whole-batch probe (the parametrized tests above)."""
     import torch
 
-    from stoker import loss_normalization
+    from stoker.loss import normalization
 
-    seen, real = [], loss_normalization._probe_forwards
+    seen, real = [], normalization._probe_forwards
 
     def recording(model, device):
         context = real(model, device)
@@ -115,7 +115,7 @@ def test_the_probes_run_on_two_rows_of_the_first_batch(tmp_path, family, monkeyp
 
         return Recorded()
 
-    monkeypatch.setattr(loss_normalization, "_probe_forwards", recording)
+    monkeypatch.setattr(normalization, "_probe_forwards", recording)
     trainer = train_family(family, str(tmp_path), 8, per_device_train_batch_size=8, max_steps=1)
     assert trainer._convention.settled and seen and set(seen) == {2}
 
@@ -125,7 +125,7 @@ def test_a_probe_falls_back_to_the_whole_batch_when_no_row_decides_alone():
     has nothing left): the probe then gets the whole batch, as before."""
     import torch
 
-    from stoker.loss_normalization import _probe_rows
+    from stoker.loss.normalization import _probe_rows
 
     labels = torch.tensor([[5, -100, -100], [-100, 7, -100], [-100, -100, 9]])
     batch = {"input_ids": torch.ones(3, 3, dtype=torch.long), "labels": labels}

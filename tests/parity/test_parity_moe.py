@@ -1,4 +1,4 @@
-"""A Mixture-of-Experts model's load-balancing loss under accumulation (moe_aux_loss_scope, stoker.load_balancing),
+"""A Mixture-of-Experts model's load-balancing loss under accumulation (moe_aux_loss_scope, stoker.loss.load_balancing),
 on tiny Qwen2-MoE and Mixtral models with output_router_logits=True. The 2-process half (2 x 4 == 1 x 8) is
 tests/distributed/test_distributed.py::test_two_processes_balance_experts_over_the_global_batch_like_one.
 
@@ -18,7 +18,7 @@ import torch
 from stoker import Trainer, TrainingArguments
 from stoker.data import PaddingCollator
 from stoker.errors import ConfigError
-from stoker.load_balancing import LoadBalancing, expert_assignments, expert_probability_sums
+from stoker.loss.load_balancing import LoadBalancing, expert_assignments, expert_probability_sums
 from tests.parity.families import MOE, moe_model, rows
 
 LR = 0.1

@@ -1,4 +1,4 @@
-"""The resume arithmetic of stoker.checkpointer and stoker.loop's Layout, without a run: which layouts keep a
+"""The resume arithmetic of stoker.checkpointer and stoker.step's Layout, without a run: which layouts keep a
 global batch, where a resumed epoch goes on, and how the logs in progress of N processes continue on M."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stoker.checkpointer import batches_to_skip, keep_global_batch, saved_layout
-from stoker.loop import Layout, RunningLog
+from stoker.step import Layout, LogSums
 
 
 def test_two_layouts_of_one_global_batch_are_the_same_batch():
@@ -57,7 +57,7 @@ def test_the_logs_in_progress_of_two_processes_continue_on_one_or_three(averaged
     pendings = [pending(3.0, [10, 12]), pending(5.0, [7, 9])]
     logged = 8.0 if averaged else 4.0
     for world in (1, 3):
-        shares = [RunningLog.regrouped(pendings, world, rank, averaged) for rank in range(world)]
+        shares = [LogSums.regrouped(pendings, world, rank, averaged) for rank in range(world)]
         total = sum(s["loss"] for s in shares)
         assert float(total if averaged else total / world) == logged
         assert sum(s["tokens"] for s in shares).tolist() == [17, 21]

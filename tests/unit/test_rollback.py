@@ -8,26 +8,26 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from stoker.loop import Layout
 from stoker.packing import pack_rows
 from stoker.rollback import QuarantineSampler, SpikeDetected, SpikeDetector, Window, install_quarantine
+from stoker.step import Layout
 
 
 def test_a_spike_is_a_loss_above_the_factor_times_the_median_once_the_window_is_full():
     detector = SpikeDetector(factor=3.0, window=3)
     for step, loss in enumerate((10.0, 1.0, 2.0), 1):  # warm-up: even 10 x the others is accepted
-        detector.judge(step, loss, True)
+        detector.check(step, loss, True)
     assert detector.median() == 2.0
-    detector.judge(4, 5.9, True)  # under 3 x 2.0
+    detector.check(4, 5.9, True)  # under 3 x 2.0
     assert list(detector.losses) == [1.0, 2.0, 5.9] and detector.median() == 2.0
     with pytest.raises(SpikeDetected) as spike:
-        detector.judge(5, 6.1, True)
+        detector.check(5, 6.1, True)
     assert (spike.value.step, spike.value.loss, spike.value.median, spike.value.reason) == (5, 6.1, 2.0, "loss spike")
     assert list(detector.losses) == [1.0, 2.0, 5.9]  # a spike never enters the median
     with pytest.raises(SpikeDetected, match="non-finite"):
-        SpikeDetector(3.0, 3).judge(1, math.nan, True)  # non-finite: a spike even in the warm-up
+        SpikeDetector(3.0, 3).check(1, math.nan, True)  # non-finite: a spike even in the warm-up
     with pytest.raises(SpikeDetected, match="non-finite"):
-        SpikeDetector(3.0, 3).judge(1, 1.0, False)  # a non-finite gradient norm on some process
+        SpikeDetector(3.0, 3).check(1, 1.0, False)  # a non-finite gradient norm on some process
 
 
 def test_the_quarantine_sampler_keeps_the_order_without_the_rows_and_records_it_per_epoch():

@@ -38,8 +38,8 @@ import logging
 import torch
 from torch import nn
 
-from .data import IGNORE_INDEX, host_target_count
-from .loss_normalization import model_family
+from ..data import IGNORE_INDEX, host_target_count
+from .normalization import model_family
 
 logger = logging.getLogger("stoker")
 

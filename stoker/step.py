@@ -1,9 +1,8 @@
-"""The training loop's own state and the pieces of one step, passed explicitly instead of living in the Trainer's
-attributes: one train() call's `Run` (built by `Trainer._start_run`, gone when train() returns), where the loop
-stands in the data (`LoopPosition`, written into every checkpoint), what it sums between two logs (`RunningLog`,
-saved with every checkpoint so that a resumed run logs what the uninterrupted one logged), what every process
-decides together after a window (`StepCheck`), the non-finite policy (`NonFinitePolicy`) and out-of-memory
-halving (`MicroBatchHalver`)."""
+"""The pieces of one optimizer step, passed explicitly instead of living in the Trainer's attributes: where the
+loop stands in the data (`LoopPosition`) and how a run splits its global batch (`Layout`), the sums the loop keeps
+between two logs (`LogSums`), what every process decides together after a window (`StepCheck`), the non-finite
+policy (`NonFinitePolicy`), out-of-memory halving (`MicroBatchHalver`) and preemption signals. The step itself is
+`Trainer._optimizer_step`; the run that owns these pieces is stoker.run.Run (docs/architecture.md, "The step")."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
@@ -22,8 +21,21 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 from . import diagnostics
 from .errors import NonFiniteError
 from .evaluation import split_batch
-from .goodput import Ledger
 from .log import logger
+
+
+class RunState(Protocol):
+    """What the checkpointer and the spike rollback see of a run (stoker.run.Run): the model and optimizer as
+    trained (a checkpoint writes them through the backend, in its layout), the TrainerState, and the one list of
+    the run's state."""
+
+    model: Any
+    optimizer: Any
+    state: Any
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def window_sizes(num_batches: int, accumulation: int) -> list[int]:
@@ -62,6 +74,13 @@ class LoopPosition:
     batches: int
     micro_batch: int
     accumulation: int
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        for name, value in saved.items():
+            setattr(self, name, value)
 
     def halve(self) -> None:
         self.micro_batch //= 2
@@ -112,14 +131,14 @@ class Layout:
         return [Layout(world_size, m, per_step // m, self.split_batches) for m in micro]
 
 
-class RunningLog:
+class LogSums:
     """What the loop sums between two logs, kept on the device so that a step needs no host sync: the window
     losses, input tokens and samples, the last gradient norm and learning rate, and non-finite step counts.
-    The run-long totals (train_loss's numerator, tokens seen) are here too. `pending()` is saved with each
-    checkpoint and `restore()` brings it back; the timing fields are never saved (a resumed run times itself).
+    The run-long totals (train_loss's numerator, tokens seen) are here too. Its `state_dict()` is part of the run's
+    (a checkpoint and a rollback keep it); the timing fields never are (a resumed run times itself).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, counts_pairs: bool = True):
         self.loss = torch.zeros((), device=device)
         self.steps, self.grad_norm, self.learning_rate = 0, None, None
         self.total_loss = 0.0  # every logged loss of the run, over every process: train_loss's numerator
@@ -129,12 +148,13 @@ class RunningLog:
         self.nonfinite_at_log = 0  # nonfinite_total when the last log was made: the window's skipped steps
         self.data_clock, self.warned_data_wait, self.flops_shape = diagnostics.Stopwatch(device), False, None
         # sum of length^2 over the sequences since the last log (diagnostics.attention_pairs): MFU's attention
-        # term; a diagnostic, so not saved with a checkpoint
+        # term, counted where MFU is reported (a GPU); a diagnostic, so not part of the run's state
+        self.counts_pairs = counts_pairs
         self.attention_pairs = torch.zeros((), dtype=torch.long, device=device)
         self.restart_clock()
 
     def restart_clock(self) -> None:
-        """Start timing a logging window; time spent evaluating and saving is `excluded` from it."""
+        """Start timing the period up to the next log; time spent evaluating and saving is `excluded` from it."""
         self.window_started, self.excluded = time.perf_counter(), 0.0
 
     def elapsed(self) -> float:
@@ -157,26 +177,27 @@ class RunningLog:
         # tensor made from a Python int would be a copy from the host that waits for the GPU
         for i, n in enumerate((non_padding, ids.numel() if ids is not None else non_padding)):
             self.tokens.select(0, i).add_(n.to(self.tokens.device) if isinstance(n, torch.Tensor) else n)
-        pairs = diagnostics.attention_pairs(batch)
-        self.attention_pairs.add_(pairs.to(self.tokens.device) if isinstance(pairs, torch.Tensor) else pairs)
+        if self.counts_pairs:
+            pairs = diagnostics.attention_pairs(batch)
+            self.attention_pairs.add_(pairs.to(self.tokens.device) if isinstance(pairs, torch.Tensor) else pairs)
         first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
         self.samples_seen += first.shape[0] * num_processes if first is not None else 0
 
-    def fold_tokens(self, accelerator, state, counting: str) -> tuple[int, int]:
-        """Input tokens since the last call (non-padding, all), summed over every process and added to the
-        run's count, and to state.num_input_tokens_seen as include_num_input_tokens_seen (`counting`) asks. A
-        host sync, so done when logging and once at the end rather than per step."""
+    def fold_tokens(self, accelerator, counting: str) -> tuple[int, int, int]:
+        """Input tokens since the last call (non-padding, all), summed over every process and added to the run's
+        count, and the tokens state.num_input_tokens_seen grows by as include_num_input_tokens_seen (`counting`)
+        asks. A host sync, so done when logging and once at the end rather than per step."""
         counts = self.tokens.clone()
         if accelerator.num_processes > 1:
             counts = accelerator.reduce(counts, reduction="sum")
         tokens, all_tokens = (int(c) for c in counts.tolist())
         self.tokens.zero_()
         self.tokens_seen += tokens
-        state.num_input_tokens_seen += tokens if counting == "non_padding" else all_tokens if counting == "all" else 0
-        return tokens, all_tokens
+        return tokens, all_tokens, tokens if counting == "non_padding" else all_tokens if counting == "all" else 0
 
-    def window_logs(self, args, accelerator, model, state, learning_rate: float) -> tuple[dict[str, float], dict]:
-        """The log of the window since the last one (a host sync), as (logs, diagnostics). `logs` has
+    def logs(self, args, accelerator, model, learning_rate: float) -> tuple[dict[str, float], dict, int]:
+        """The log of the steps since the last one (a host sync), as (logs, diagnostics, the tokens
+        num_input_tokens_seen grows by). `logs` has
         transformers' keys: the mean loss over its applied steps (NaN where every step of the window was
         non-finite and skipped: its loss is not a number, where transformers makes up 0.0), the last gradient norm
         and learning rate (`learning_rate` if no step has recorded one), and the non-finite steps skipped so far
@@ -187,7 +208,7 @@ class RunningLog:
         steps = self.steps
         logged = self.reduce_loss(accelerator, args.average_tokens_across_devices) if steps else 0.0
         self.total_loss += logged
-        tokens, all_tokens = self.fold_tokens(accelerator, state, args.include_num_input_tokens_seen)
+        tokens, all_tokens, seen = self.fold_tokens(accelerator, args.include_num_input_tokens_seen)
         elapsed, samples = self.elapsed(), self.take_samples()
         skipped, self.nonfinite_at_log = self.nonfinite_total - self.nonfinite_at_log, self.nonfinite_total
         logs = {"loss": logged / steps} if steps else {"loss": math.nan} if skipped else {}
@@ -198,7 +219,7 @@ class RunningLog:
         logs["learning_rate"] = self.learning_rate if self.learning_rate is not None else learning_rate
         extra = {"tokens_per_second": round(tokens / elapsed, 2), "samples_per_second": round(samples / elapsed, 3),
                  **self.diagnostics(args, accelerator, model, tokens, all_tokens, samples, elapsed)}
-        return logs, extra
+        return logs, extra, seen
 
     def reduce_loss(self, accelerator, averaged_across_devices: bool) -> float:
         """Sum of the window losses since the last log (over every process), then reset. A host sync."""
@@ -244,21 +265,22 @@ class RunningLog:
             out["mfu"] = round(diagnostics.mfu(tokens / elapsed, per_token, peak, accelerator.num_processes), 4)
         return out
 
-    def pending(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the log in progress."""
+    def state_dict(self) -> dict[str, Any]:
+        """The sums since the last log, and the run's totals and non-finite counts."""
         return {"loss": self.loss, "steps": self.steps, "tokens": self.tokens, "total_loss": self.total_loss,
                 "samples": self.samples_seen - self.samples_at_log, "nonfinite_total": self.nonfinite_total,
                 "nonfinite_run": self.nonfinite_run, "nonfinite_at_log": self.nonfinite_at_log}
 
-    def restore(self, pending: dict[str, Any]) -> None:
-        """Continue the log in progress that `pending()` returned when the checkpoint was written."""
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Go on with the sums `state_dict()` returned (the samples and tokens this call has seen keep counting:
+        they time this call's throughput)."""
         device = self.loss.device
-        self.loss, self.tokens = pending["loss"].to(device), pending["tokens"].to(device)
-        self.steps, self.samples_seen = pending["steps"], pending["samples"]
-        self.total_loss = pending.get("total_loss", 0.0)
-        self.nonfinite_total, self.nonfinite_run = pending["nonfinite_total"], pending["nonfinite_run"]
+        self.loss, self.tokens = saved["loss"].to(device, copy=True), saved["tokens"].to(device, copy=True)
+        self.steps, self.samples_seen = saved["steps"], self.samples_at_log + saved["samples"]
+        self.total_loss = saved.get("total_loss", 0.0)
+        self.nonfinite_total, self.nonfinite_run = saved["nonfinite_total"], saved["nonfinite_run"]
         # a checkpoint written before this count: the non-finite steps in a row up to it fall in its window
-        self.nonfinite_at_log = pending.get("nonfinite_at_log", self.nonfinite_total - self.nonfinite_run)
+        self.nonfinite_at_log = saved.get("nonfinite_at_log", self.nonfinite_total - self.nonfinite_run)
 
     @staticmethod
     def regrouped(pendings: list[dict[str, Any]], world_size: int, rank: int,
@@ -415,12 +437,12 @@ class StepCheck:
 class NonFinitePolicy:
     """nonfinite_policy / max_nonfinite_steps: a step whose loss or gradient norm is not finite is skipped with a
     warning, or stops the run with NonFiniteError ("stop", too many in a row, or a backend that has applied the
-    update already). The counts live in the RunningLog, which checkpoints keep."""
+    update already). The counts live in the LogSums, part of the run's state."""
 
     def __init__(self, args, backend):
         self.policy, self.limit, self.backend = args.nonfinite_policy, args.max_nonfinite_steps, backend
 
-    def allows(self, verdict: StepVerdict, log: RunningLog, window_loss: torch.Tensor, grad_norm, step: int,
+    def allows(self, verdict: StepVerdict, log: LogSums, window_loss: torch.Tensor, grad_norm, step: int,
                process_index: int) -> bool:
         """Whether the update of `step` is applied; raises NonFiniteError where the run must stop."""
         if verdict.finite:
@@ -451,8 +473,8 @@ class MicroBatchHalver:
     """auto_find_batch_size, in one place. An out-of-memory error in a window reruns the same samples as twice as
     many micro-batches of half the size (`retry`); one in a callback after the update (`after_update`) halves
     the windows from the next on. Either way the update is unchanged (the loss is normalised over the window's
-    target tokens, not over micro-batches), `position` and the state's train_batch_size follow, and the loop
-    rebuilds its loader at the same sample. Any other error, or any without auto_find_batch_size, is raised.
+    target tokens, not over micro-batches), `position` follows, and the loop rebuilds its loader at the same
+    sample. Any other error, or any without auto_find_batch_size, is raised.
 
     On several processes every process halves, or none: halving alone would leave one process rerunning the
     window's collectives while the others wait in the next ones (a hang). A process that runs out of memory in a
@@ -555,30 +577,6 @@ class MicroBatchHalver:
             raise RuntimeError(f"out of memory with a micro-batch of {pos.micro_batch}: auto_find_batch_size "
                                "can only halve an even micro-batch (use a power of two)") from error
         clear_device_cache(garbage_collection=True)
-        pos.halve()
-        self.state.train_batch_size = pos.micro_batch
+        pos.halve()  # the loop rebuilds its loader, and sets state.train_batch_size, at the next window
         logger.warning(f"out of memory at step {self.state.global_step + 1}; micro-batch now "
                        f"{pos.micro_batch} x accumulation {pos.accumulation} (same update)")
-
-
-@dataclasses.dataclass
-class Run:
-    """One train() call: built by Trainer._start_run before the first step, passed down through the loop, gone
-    when train() returns. The Trainer itself keeps transformers' attributes and its configuration only."""
-
-    position: LoopPosition
-    log: RunningLog
-    checkpointer: Any  # this run's stoker.checkpointer.Checkpointer
-    train_dataloader: Any  # prepared; rebuilt at the same sample when the micro-batch is halved
-    steps_per_epoch: int | None  # None for a dataset without a length
-    halver: MicroBatchHalver
-    nonfinite: NonFinitePolicy
-    check: StepCheck  # the step's one check: deferred to the next step where the update skips on the device
-    schedule_per_step: bool  # False for a schedule that steps on an evaluation metric (ReduceLROnPlateau)
-    signals: PreemptionSignals
-    resumed: bool
-    ignore_keys_for_eval: list[str] | None = None
-    rows_checked: bool = False  # the first training batch has been checked against the model (trainer_checks)
-    healer: Any = None  # spike_rollback, or rows a resumed run keeps skipping: its stoker.rollback.Healer
-    started: float = dataclasses.field(default_factory=time.time)  # wall clock, as transformers' speed metrics
-    ledger: Ledger = dataclasses.field(default_factory=Ledger)  # where the call's wall time goes (stoker.goodput)

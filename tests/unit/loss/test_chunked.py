@@ -1,4 +1,4 @@
-"""The chunked cross-entropy (stoker.chunked_loss): same loss and gradients as the full logits, never the full logits,
+"""The chunked cross-entropy (stoker.loss.chunked): same loss and gradients as the full logits, never the full logits,
 and in the Trainer (chunked_loss=True) the same update, exact accumulation, peft and evaluation."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stoker import ConfigError, Trainer, TrainerCallback
-from stoker import chunked_loss as chunked
-from stoker.chunked_loss import chunked_causal_lm_loss, chunked_cross_entropy, output_head
 from stoker.data import IGNORE_INDEX, PaddingCollator
+from stoker.loss import chunked
+from stoker.loss.chunked import chunked_causal_lm_loss, chunked_cross_entropy, output_head
 from tests.helpers.gpu_stand_ins import as_on_a_gpu
 from tests.helpers.tiny_jobs import GradRecorder, Regressor, args, llama, regression_rows, rows
 

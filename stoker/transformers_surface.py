@@ -1,5 +1,5 @@
 """transformers.Trainer's public methods around the loop: what example scripts and subclasses call besides
-train / evaluate / predict (metrics files, process checks, optimizer parts, FLOPs, model cards, model_init,
+train / evaluate / predict (metrics files, process checks, optimizer parts, model cards, model_init,
 hyperparameter search). The loop itself lives in stoker.trainer; `Trainer` inherits these.
 
 Where transformers' own helper does exactly what is needed (the metrics files, the model card) it is called,
@@ -19,9 +19,7 @@ from typing import Any
 import torch
 
 from .arguments import ConfigError, replaced
-from .distributed.deepspeed import non_embedding_parameters
 from .hp_search import run_hp_search_ray
-from .loop import plan_steps
 from .optim import (
     create_scheduler,
     decay_parameter_names,
@@ -29,9 +27,10 @@ from .optim import (
     optimizer_cls_and_kwargs,
     parameter_groups,
 )
+from .step import plan_steps
 
 
-class TrainerAPI:
+class TransformersSurface:
     """transformers.Trainer's public methods besides train / evaluate / predict, with the same names, signatures and
     results; `Trainer` inherits them and supplies what they need, declared here."""
 
@@ -45,14 +44,12 @@ class TrainerAPI:
     current_flos: float
     # ... and its own: the loss normalisation of the model (its target count for get_batch_samples), the
     # background checkpoint writer (a checkpoint in flight is committed before the Accelerator is rebuilt)
-    _convention: Any  # stoker.loss_normalization.LossConvention
+    _convention: Any  # stoker.loss.LossConvention
     _checkpoint_writer: Any  # stoker.background_save.BackgroundWriter
-    # ... and, empty at first, this mixin's own: the trial of the last train() call, a Ray trial's evaluation
-    # waiting for its step's checkpoint, and floating_point_ops' parameter count of the model it was counted for
+    # ... and, empty at first, this mixin's own: the trial of the last train() call, and a Ray trial's evaluation
+    # waiting for its step's checkpoint
     _trial: Any
     _ray_report: dict | None
-    _flops_model: Any
-    _flops_parameters: int | None
 
     def _evaluation_loader(self, dataset):
         """The prepared evaluation loader of `dataset` (get_test_dataloader's)."""
@@ -92,7 +89,7 @@ class TrainerAPI:
     def set_initial_training_values(self, args, dataloader) -> tuple[int, int, int, int, int, int | None, int]:
         """(num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples, total_train_batch_size,
         steps_in_epoch, max_steps) of a run over `dataloader`, as transformers computes them; the steps are the
-        loop's own plan (stoker.loop.plan_steps)."""
+        loop's own plan (stoker.step.plan_steps)."""
         accumulation, total = args.gradient_accumulation_steps, self.get_total_train_batch_size(args)
         max_steps, per_epoch = plan_steps(dataloader, accumulation, args)
         if per_epoch is None:  # no length: as many passes as max_steps needs
@@ -285,29 +282,6 @@ class TrainerAPI:
                 break
         return batches, (self._convention.window_items(batches, self.accelerator,
                                                         self.args.average_tokens_across_devices) if batches else None)
-
-    # ------------------------------------------------------------------------------------------
-    # FLOPs (state.total_flos, as transformers counts them: 6 x parameters x tokens)
-
-    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """6 x the main input's tokens x the non-embedding parameters (0 for a model without num_parameters);
-        override it for another estimate."""
-        model = self.model
-        main_input = getattr(model, "main_input_name", "input_ids")
-        if main_input not in inputs or not hasattr(model, "num_parameters"):
-            return 0
-        if self._flops_model is not model:  # counted once per model: it visits every parameter
-            self._flops_model, self._flops_parameters = model, non_embedding_parameters(model)
-        return 6 * inputs[main_input].numel() * self._flops_parameters
-
-    def store_flos(self) -> None:
-        """Add the FLOPs counted since the last call, summed over every process, to state.total_flos and restart
-        the count. Every process must call it (a collective when there are several)."""
-        flos = torch.tensor(float(self.current_flos), device=self.accelerator.device, dtype=torch.float64)
-        if self.accelerator.num_processes > 1:
-            flos = self.accelerator.reduce(flos, reduction="sum")
-        self.state.total_flos += flos.item()
-        self.current_flos = 0
 
     # ------------------------------------------------------------------------------------------
     # hyperparameter search

@@ -27,7 +27,7 @@ import inspect
 
 import torch
 
-from .sdpa_mask import unpadded_attention
+from ..sdpa_mask import unpadded_attention
 
 MICRO_BATCH, GLOBAL_BATCH = "micro_batch", "global_batch"
 SCOPES = (MICRO_BATCH, GLOBAL_BATCH)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .data import IGNORE_INDEX, RowCounts, forward_columns, host_counts, keep_host_counts
-from .loss_normalization import model_family
+from ..data import IGNORE_INDEX, RowCounts, forward_columns, host_counts, keep_host_counts
+from .normalization import model_family
 
 # a prefix that saves fewer tokens than this over the micro-batch is not worth a second forward call
 MIN_SAVED_TOKENS = 32

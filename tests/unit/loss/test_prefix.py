@@ -1,4 +1,4 @@
-"""Shared prompt prefixes (shared_prefix=True, stoker.prefix): the prefix is run once per micro-batch, and the
+"""Shared prompt prefixes (shared_prefix=True, stoker.loss.prefix): the prefix is run once per micro-batch, and the
 update is the one without sharing, for every causal-LM family, with LoRA, the chunked loss, accumulation and
 autocast; a micro-batch whose rows share nothing worth sharing is left alone; what cannot share is refused."""
 
@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM,
 
 from stoker import ConfigError, Trainer, TrainerCallback
 from stoker.data import IGNORE_INDEX
-from stoker.prefix import shared_prefix_length
+from stoker.loss.prefix import shared_prefix_length
 from tests.helpers.tiny_jobs import PREFIX, GradRecorder, Regressor, args, llama, prompt_rows, regression_rows
 
 
@@ -162,11 +162,11 @@ def test_the_length_counted_on_the_host_is_the_one_read_from_the_device(monkeypa
     counts without a read: the same length as the device's, for random rows (shared starts, padding on either
     side, targets anywhere), for the halves of out-of-memory halving, and read from the device again once a
     tensor is written in place."""
-    from stoker import prefix
     from stoker.data import host_counts
     from stoker.evaluation import split_batch
+    from stoker.loss import prefix
     from tests.gpu_paths.test_syncs import HostSyncCounter
-    from tests.unit.test_chunked_loss import counted
+    from tests.unit.loss.test_chunked import counted
 
     monkeypatch.setattr(prefix, "MIN_SAVED_TOKENS", 0)  # every length, not only those worth sharing
     rng = random.Random(0)
