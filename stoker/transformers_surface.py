@@ -78,7 +78,7 @@ class TransformersSurface:
     def get_total_train_batch_size(self, args=None) -> int:
         """Samples per optimizer step over every process."""
         args = args or self.args
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.data_parallel_size
 
     def create_accelerator_and_postprocess(self) -> None:
         """Build the Accelerator anew from the arguments (after changing them, say), with the backend and the

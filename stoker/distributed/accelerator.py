@@ -31,16 +31,19 @@ from .launch import (
     leave_process_group_at_exit,
     wants_cpu,
 )
+from .parallelism import clip_across_meshes, parallelism_problems, run_parallelism, spans_meshes
 
 
 def argument_problems(args) -> list[str]:
-    """Problems of fsdp / fsdp_config / deepspeed visible from the arguments alone (TrainingArguments)."""
+    """Problems of fsdp / fsdp_config / deepspeed / parallelism_config visible from the arguments alone
+    (TrainingArguments)."""
     p = []
     fsdp_on = fsdp_enabled(args.fsdp)
     if fsdp_on and args.deepspeed not in (None, "", {}):
         p.append(f"fsdp={args.fsdp!r} and deepspeed={args.deepspeed!r}: both shard the model; choose one")
     p += fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing,
                             mixed_precision=args.mixed_precision)[1]
+    p += parallelism_problems(args, launcher_world_size(), accelerator_available() and not args.use_cpu)
     launched = launcher_precision(args.deepspeed)
     if launched is not None and launched[0] not in LAUNCHER_PRECISIONS:  # stoker would replace it without a word
         p.append(f"{launched[1]}: stoker takes {', '.join(map(repr, LAUNCHER_PRECISIONS))} from the launcher; "
@@ -172,6 +175,30 @@ class ShareReadingAccelerator(Accelerator):
     which fails on rows of different lengths (README's differences table); map-style datasets are read so either
     way. An explicit True or False is Accelerate's."""
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that read different rows: every process, but the ranks of one tensor-parallel group share
+        their rows (Accelerate's data loader follows the device mesh). Tokens are counted and the loss normalised
+        over these."""
+        config = self.parallelism_config
+        return config.data_parallel_size if config is not None else self.num_processes
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """Processes that read the same rows (a tensor-parallel group; 1 under DDP and FSDP): a sum over every
+        process counts each batch this many times."""
+        return self.num_processes // self.data_parallel_size
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Accelerate's, and over gradients that live on several meshes (a tensor-parallel model's DTensors beside
+        its replicated norm weights), whose norm torch's clip_grad_norm_ cannot stack: the whole norm, each mesh's
+        made whole over its ranks (distributed.parallelism.clip_across_meshes)."""
+        parameters = list(parameters)
+        if self.parallelism_config is None or not spans_meshes(parameters):
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self.unscale_gradients()
+        return clip_across_meshes(parameters, max_norm, norm_type)
+
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Accelerate's, with dispatch_batches=None prepared as False (the configuration keeps its None)."""
         config = self.dataloader_config
@@ -230,6 +257,8 @@ def build_accelerator(args, model, optimizers=(None, None)):
                                                 timeout=timedelta(seconds=a.ddp_timeout))],
         dynamo_plugin=dynamo_plugin(a, model, sharded=bool(distributed.plugins)),
         step_scheduler_with_optimizer=False,
+        # tensor parallelism / FSDP2 by the model's plans: the arguments', or a model's sharded at load
+        parallelism_config=run_parallelism(a, model, launcher_world_size()),
         **distributed.plugins,
     )
     if getattr(accelerator.state, "fsdp_plugin", None) is not None and "fsdp_plugin" not in distributed.plugins:
