@@ -85,7 +85,7 @@ def backend_for(accelerator, args) -> Backend:
     did not set up FSDP, which would otherwise train unsharded, and async_save with a backend that cannot save in
     the background (DeepSpeed, also when accelerate launch's configuration asks for it)."""
     check_sharding_active(args, accelerator.distributed_type)
-    if is_layout_sharded(accelerator.parallelism_config):  # refused with fsdp and deepspeed (parallelism_problems)
+    if is_layout_sharded(getattr(accelerator, "parallelism_config", None)):  # refused with fsdp and deepspeed
         backend = PlanShardedBackend(accelerator, args)
     elif is_deepspeed(accelerator):
         backend = DeepSpeedBackend(accelerator, args)

@@ -25,6 +25,8 @@ from collections import defaultdict
 
 import torch
 
+from ..errors import ConfigError, suggest
+
 # the sizes of a ParallelismConfig, as Accelerate names them, and its other settings
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 SETTINGS = SIZES + ("cp_backend", "sp_backend", "tp_handler", "cp_handler", "sp_handler")
@@ -59,9 +61,8 @@ class _ProcessesAsDevices:
 
 
 def describe(config) -> str:
-    """`parallelism_config(tp_size=2)`: the sizes that are not 1 (all of them 1: `parallelism_config()`)."""
-    sizes = ", ".join(f"{n}={getattr(config, n)}" for n in SIZES if getattr(config, n) != 1)
-    return f"parallelism_config({sizes})"
+    """`parallelism_config={'tp_size': 2}`: the sizes that are not 1, as messages name the value."""
+    return f"parallelism_config={ {n: getattr(config, n) for n in SIZES if getattr(config, n) != 1}!r}"
 
 
 def parallelism_sizes(config) -> dict:
@@ -79,8 +80,6 @@ def read_parallelism_config(value):
     accepted = "accepted: Accelerate's ParallelismConfig, a dict or a JSON object string of its fields"
     if not isinstance(value, dict):
         return None, [f"parallelism_config={value!r}: {accepted}"]
-    from ..errors import suggest
-
     unknown = [k for k in value if k not in SETTINGS]
     if unknown:
         return None, [f"parallelism_config[{k!r}]: unknown field{suggest(k, SETTINGS)}; {accepted} "
@@ -120,7 +119,7 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
                  "run DDP)")
     if config.tp_size > 1 and config.dp_shard_size > 1:
         p.append(f"{name}: tensor parallelism within FSDP2 (2-D) is not yet run by stoker; {runs}")
-    if config.total_size != world_size and config.total_size > 1:
+    if not p and config.total_size != world_size and config.total_size > 1:
         p.append(f"{name}: its sizes multiply to {config.total_size} processes and this run has {world_size} (the "
                  f"launcher's WORLD_SIZE); accepted: sizes whose product is {world_size}")
     for other in ("fsdp", "deepspeed"):
@@ -156,8 +155,6 @@ def run_parallelism(args, model, world_size: int):
     arguments', else the layout of a model transformers sharded at load. Raises ConfigError, before any work, for a
     sharded model that does not fit: one sharded by hand (no DistributedConfig to read its layout from) without a
     parallelism_config, one whose layout differs from parallelism_config's, or a model without the plan a size needs."""
-    from ..errors import ConfigError
-
     config, _ = read_parallelism_config(args.parallelism_config)  # validated already
     sharded = model is not None and is_sharded_model(model)
     layout = loaded_layout(model) if sharded else None
