@@ -104,8 +104,9 @@ class TransformersSurface:
         return epochs, per_epoch, examples, samples, total, len(dataloader), max_steps
 
     def get_tp_size(self) -> int:
-        """Tensor-parallel degree: always 1, as stoker runs no tensor parallelism (parallelism_config is refused)."""
-        return 1
+        """Tensor-parallel degree: parallelism_config's tp_size (or that of a model sharded at load), else 1."""
+        config = self.accelerator.parallelism_config
+        return config.tp_size if config is not None else 1
 
     def get_cp_size(self) -> int:
         """Context-parallel degree: always 1, as stoker runs no context parallelism."""
