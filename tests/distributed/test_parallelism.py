@@ -27,6 +27,7 @@ from stoker.errors import ConfigError
 from tests.integration.test_trainer import rows
 
 TRAIN = rows(40, seed=11)  # 5 steps of a global batch of 8 rows of 3 to 17 tokens
+EVAL = rows(8, seed=12)
 GLOBAL_BATCH, STEPS = 8, 5
 # layout -> (how the model reaches the Trainer, parallelism_config, optimizer, micro-batch per rank, accumulation)
 LAYOUTS = {
@@ -83,11 +84,15 @@ def run_layouts(out: str) -> None:
                           train_dataset=TRAIN)
         trainer.train()
         params = {n: whole(p) for n, p in trainer.model.named_parameters()}  # a collective per DTensor
+        evaluated = {}
+        if name == "tp_sgd":  # evaluation and save_model under tensor parallelism, every rank taking part
+            evaluated = trainer.evaluate(EVAL)
+            trainer.save_model(os.path.join(out, name, "final"))
         if trainer.accelerator.is_main_process:
             save_file(params, os.path.join(out, name, "params.safetensors"))
             logs = [e for e in trainer.state.log_history if "loss" in e]
             (Path(out) / name / "run.json").write_text(json.dumps({
-                "logs": logs, "tokens": trainer.state.num_input_tokens_seen,
+                "logs": logs, "tokens": trainer.state.num_input_tokens_seen, "evaluated": evaluated,
                 "global_batch": trainer.get_total_train_batch_size(),
                 "dtensors": sum(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
                 "ddp": type(trainer.model_wrapped).__name__}))
@@ -107,12 +112,13 @@ def two_processes(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    """One process, batch 8, for each optimizer."""
+    """One process, batch 8, for each optimizer (and the SGD run's evaluation)."""
     out, runs = tmp_path_factory.mktemp("one_process"), {}
     for optim in TOLERANCE:
         trainer = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1), train_dataset=TRAIN)
         trainer.train()
         runs[optim] = trainer
+    runs["evaluated"] = runs["sgd"].evaluate(EVAL)
     return runs
 
 
@@ -148,6 +154,22 @@ def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes
         torch.testing.assert_close(torch.tensor([e[key] for e in run["logs"]]),
                                    torch.tensor([e[key] for e in expected]), rtol=1e-4, atol=1e-5)
     assert max(e["grad_norm"] for e in expected) > 1.0  # clipping took part
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_evaluation_and_save_model_are_one_processs(two_processes, one_process):
+    """Under tp_size=2 evaluate() gives one process's eval_loss (the ranks of the group read the same rows and
+    count them once), and save_model writes an ordinary folder that from_pretrained loads in one process, with
+    the trained weights (gathered once, written by the main process, no distributed_config left in it)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    run = json.loads((two_processes / "tp_sgd" / "run.json").read_text())
+    assert run["evaluated"]["eval_loss"] == pytest.approx(one_process["evaluated"]["eval_loss"], abs=1e-6)
+    loaded = LlamaForCausalLM.from_pretrained(two_processes / "tp_sgd" / "final")
+    assert getattr(loaded.config, "distributed_config", None) is None
+    trained = load_file(two_processes / "tp_sgd" / "params.safetensors")
+    assert max_difference({n: p.detach() for n, p in loaded.named_parameters()}, trained) == 0
 
 
 # --- refusals, before any work -----------------------------------------------------------------------
