@@ -60,10 +60,11 @@ def sharded_at_load(model, size: str):
     return type(model).maybe_distribute_model(model, config, mesh)
 
 
-def training_args(out: str, optim: str, micro: int, accumulation: int, parallelism=None) -> TrainingArguments:
+def training_args(out: str, optim: str, micro: int, accumulation: int, parallelism=None,
+                  save_strategy: str = "no") -> TrainingArguments:
     return TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim=optim,
                              learning_rate=0.05 if optim == "sgd" else 1e-2, lr_scheduler_type="linear",
-                             max_grad_norm=1.0, seed=7, save_strategy="no", max_steps=STEPS,
+                             max_grad_norm=1.0, seed=7, save_strategy=save_strategy, save_steps=3, max_steps=STEPS,
                              per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
                              include_num_input_tokens_seen="non_padding", parallelism_config=parallelism)
 
@@ -80,8 +81,10 @@ def run_layouts(out: str) -> None:
         model = tiny_llama()
         if model_from != "plain":
             model = sharded_at_load(model, model_from)
-        trainer = Trainer(model, training_args(os.path.join(out, name), optim, micro, accumulation, parallelism),
-                          train_dataset=TRAIN)
+        # tp_adamw also checkpoints at step 3, which a fresh Trainer resumes (below)
+        save = "steps" if name == "tp_adamw" else "no"
+        trainer = Trainer(model, training_args(os.path.join(out, name), optim, micro, accumulation, parallelism,
+                                               save), train_dataset=TRAIN)
         trainer.train()
         params = {n: whole(p) for n, p in trainer.model.named_parameters()}  # a collective per DTensor
         evaluated = {}
@@ -96,6 +99,12 @@ def run_layouts(out: str) -> None:
                 "global_batch": trainer.get_total_train_batch_size(),
                 "dtensors": sum(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
                 "ddp": type(trainer.model_wrapped).__name__}))
+    resumed = Trainer(tiny_llama(), training_args(os.path.join(out, "tp_adamw"), "adamw_torch", 8, 1, {"tp_size": 2},
+                                                  "steps"), train_dataset=TRAIN)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "tp_adamw", "checkpoint-3"))
+    params = {n: whole(p) for n, p in resumed.model.named_parameters()}
+    if resumed.accelerator.is_main_process:
+        save_file(params, os.path.join(out, "tp_adamw", "resumed.safetensors"))
 
 
 # --- the test side ----------------------------------------------------------------------------------
@@ -170,6 +179,25 @@ def test_tensor_parallel_evaluation_and_save_model_are_one_processs(two_processe
     assert getattr(loaded.config, "distributed_config", None) is None
     trained = load_file(two_processes / "tp_sgd" / "params.safetensors")
     assert max_difference({n: p.detach() for n, p in loaded.named_parameters()}, trained) == 0
+
+
+@pytest.mark.distributed
+def test_a_tensor_parallel_checkpoint_is_written_by_every_rank_and_resumes_bit_equal(two_processes):
+    """Under tp_size=2 with AdamW, the checkpoint at step 3 holds every rank's own shards of the model and the
+    optimizer state (nothing gathered on one rank), only safetensors and JSON; a fresh Trainer resumed from it
+    ends with the uninterrupted run's parameters, bit for bit (transformers.Trainer refuses such a checkpoint)."""
+    from safetensors.torch import load_file
+
+    folder = two_processes / "tp_adamw" / "checkpoint-3"
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    assert files and all(f.suffix in (".json", ".safetensors") for f in files), files
+    for shards in ("model_shards", "optimizer_shards"):
+        assert len(list((folder / shards).glob("*.safetensors"))) == 2
+    assert not (folder / "model.safetensors").exists()
+    uninterrupted = load_file(two_processes / "tp_adamw" / "params.safetensors")
+    resumed = load_file(two_processes / "tp_adamw" / "resumed.safetensors")
+    assert uninterrupted.keys() == resumed.keys()
+    assert all(torch.equal(uninterrupted[n], resumed[n]) for n in resumed)
 
 
 # --- refusals, before any work -----------------------------------------------------------------------
