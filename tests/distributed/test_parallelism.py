@@ -24,7 +24,7 @@ import torch
 
 from stoker import Trainer, TrainingArguments
 from stoker.errors import ConfigError
-from tests.integration.test_trainer import rows
+from tests.helpers.tiny_jobs import rows
 
 TRAIN = rows(40, seed=11)  # 5 steps of a global batch of 8 rows of 3 to 17 tokens
 EVAL = rows(8, seed=12)
