@@ -26,6 +26,7 @@ from collections import defaultdict
 import torch
 
 from ..errors import ConfigError, suggest
+from .fsdp import fsdp_enabled
 
 # the sizes of a ParallelismConfig, as Accelerate names them, and its other settings
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
@@ -159,7 +160,8 @@ def run_parallelism(args, model, world_size: int):
     sharded = model is not None and is_sharded_model(model)
     layout = loaded_layout(model) if sharded else None
     problems = []
-    if sharded and config is None and layout is None:
+    # (a model FSDP sharded in an earlier run of this Trainer is the fsdp setting's to prepare again)
+    if sharded and config is None and layout is None and not fsdp_enabled(args.fsdp):
         problems.append("the model has DTensor parameters but no DistributedConfig (it was not sharded by "
                         "transformers' from_pretrained), so its layout is unknown: set parallelism_config to it "
                         "(tp_size for tensor parallelism, dp_shard_size for FSDP2)")
