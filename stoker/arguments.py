@@ -24,6 +24,7 @@ from typing import Any
 from .compilation import COMPILE_SCOPES
 from .distributed.accelerator import argument_problems
 from .distributed.launch import LAUNCHER_PRECISIONS, launcher_precision, launcher_world_size, wants_cpu
+from .distributed.parallelism import parallelism_sizes
 from .errors import ConfigError, suggest
 from .float8 import float8_problems
 from .muon import muon_problems
@@ -526,8 +527,8 @@ class TrainingArguments:
     ddp_static_graph: bool | None = field(default=None, metadata=_help(
         "DDP static_graph (the set of used parameters is the same every step; default: torch's)."))
     parallelism_config: dict | str | None = field(default=None, metadata=_help(
-        "Accelerate's ParallelismConfig (tensor / context parallelism), which stoker does not run: must stay unset; "
-        "use fsdp or deepspeed."))
+        "Accelerate's ParallelismConfig, a dict or a JSON string of its sizes: tp_size (the model's tp_plan) or "
+        "dp_shard_size (FSDP2 by its fsdp_plan) over every process; cp_size, sp_size and combinations are refused."))
     local_rank: int = field(default=-1, metadata=_help(
         "Set by launchers; stoker reads the process's rank from the environment (LOCAL_RANK) instead."))
 
@@ -871,9 +872,6 @@ class TrainingArguments:
         if self.push_to_hub:
             bad("push_to_hub", "stoker does not push to the Hugging Face Hub (it never uses the network); "
                                "set it to False and upload output_dir yourself, e.g. with `hf upload`")
-        if self.parallelism_config is not None:
-            bad("parallelism_config", "tensor and context parallelism are not run by stoker; leave it unset and "
-                                      "shard with fsdp or deepspeed")
         if not self.use_liger_kernel and self.liger_kernel_config is not None:
             bad("liger_kernel_config", "needs use_liger_kernel=True")
         return p
@@ -979,6 +977,8 @@ class TrainingArguments:
         out = {f.name: _named_dtypes(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if isinstance(self.accelerator_config, AcceleratorConfig):
             out["accelerator_config"] = self.accelerator_config.to_dict()
+        if self.parallelism_config is not None and not isinstance(self.parallelism_config, (dict, str)):
+            out["parallelism_config"] = parallelism_sizes(self.parallelism_config)  # Accelerate's, as plain JSON
         for name in out:
             if name.endswith("_token") and out[name] is not None:
                 out[name] = f"<{name.upper()}>"

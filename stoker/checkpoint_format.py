@@ -364,9 +364,18 @@ def save_weights(model: torch.nn.Module, folder: str, state_dict: dict | None = 
 
         shown = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint is noise
+        # a model transformers sharded (tensor parallelism, FSDP2) gathers its weights in save_pretrained, a
+        # collective of every rank; given them gathered, the one process writing saves them as a plain model's,
+        # which from_pretrained loads without a launcher
+        config = getattr(model, "config", None)
+        distributed = getattr(config, "distributed_config", None) if state_dict is not None else None
+        if distributed is not None:
+            config.distributed_config = None
         try:
             model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         finally:
+            if distributed is not None:
+                config.distributed_config = distributed
             if shown:
                 hf_logging.enable_progress_bar()
         return

@@ -189,7 +189,7 @@ class LogSums:
         asks. A host sync, so done when logging and once at the end rather than per step."""
         counts = self.tokens.clone()
         if accelerator.num_processes > 1:
-            counts = accelerator.reduce(counts, reduction="sum")
+            counts = accelerator.reduce(counts, reduction="sum") // accelerator.ranks_per_batch  # a batch counted once
         tokens, all_tokens = (int(c) for c in counts.tolist())
         self.tokens.zero_()
         self.tokens_seen += tokens
@@ -226,8 +226,8 @@ class LogSums:
         total = self.loss.clone()
         if accelerator.num_processes > 1:
             total = accelerator.reduce(total, reduction="sum")
-            if not averaged_across_devices:  # each process's loss is a mean of its own
-                total /= accelerator.num_processes
+            # each process's loss is a mean of its own, or a share of the batch its tensor-parallel group reads
+            total /= accelerator.num_processes if not averaged_across_devices else accelerator.ranks_per_batch
         self.loss.zero_()
         self.steps = 0
         return total.item()

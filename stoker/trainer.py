@@ -834,7 +834,7 @@ class Trainer(TransformersSurface):
         # accumulate: forward and backward of every micro-batch; out of memory reruns the same samples halved
         window, window_loss = self._accumulate(model, window, run)
         for batch in window:
-            run.log.count(batch, acc.num_processes)
+            run.log.count(batch, acc.data_parallel_size)
             self.current_flos += float(self.floating_point_ops(batch))
         if run.rollback is not None:  # the window's rows, named if its verdict is a spike
             run.rollback.window(s.global_step + 1, pos, len(window), run.checkpointer.layout(pos))
@@ -1084,7 +1084,7 @@ class Trainer(TransformersSurface):
         # item count, so scale back up to get the sum over the global window
         # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)
         fused = {"learning_rate": self._learning_rate()} if hasattr(inner, "fused_backward") else {}
-        self._backend.backward(loss * (self.accelerator.num_processes if self.args.average_tokens_across_devices
+        self._backend.backward(loss * (self.accelerator.data_parallel_size if self.args.average_tokens_across_devices
                                        else 1), **fused)
         if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
             clear_device_cache()

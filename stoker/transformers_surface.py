@@ -78,7 +78,7 @@ class TransformersSurface:
     def get_total_train_batch_size(self, args=None) -> int:
         """Samples per optimizer step over every process."""
         args = args or self.args
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.data_parallel_size
 
     def create_accelerator_and_postprocess(self) -> None:
         """Build the Accelerator anew from the arguments (after changing them, say), with the backend and the
@@ -104,8 +104,9 @@ class TransformersSurface:
         return epochs, per_epoch, examples, samples, total, len(dataloader), max_steps
 
     def get_tp_size(self) -> int:
-        """Tensor-parallel degree: always 1, as stoker runs no tensor parallelism (parallelism_config is refused)."""
-        return 1
+        """Tensor-parallel degree: parallelism_config's tp_size (or that of a model sharded at load), else 1."""
+        config = self.accelerator.parallelism_config
+        return config.tp_size if config is not None else 1
 
     def get_cp_size(self) -> int:
         """Context-parallel degree: always 1, as stoker runs no context parallelism."""

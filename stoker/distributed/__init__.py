@@ -9,8 +9,10 @@ silently run as something else, and keeps sharded and partitioned state in stoke
                 `consolidate`
     deepspeed   `deepspeed` config loading, "auto" filling, validation; ZeRO partition I/O, ZeRO-3 gathers
     accelerator the arguments' problems, what this machine cannot run, the Accelerator options for a run
-    backends    one object per backend (plain/DDP, FSDP1, FSDP2, DeepSpeed) that the Trainer calls: prepare, the
-                state dict for saving, its checkpoint parts, its refusals
+    parallelism parallelism_config and models transformers sharded at load (tensor parallelism, FSDP2 by the
+                model's own plans): refusals, the sharding, clipping over several meshes
+    backends    one object per backend (plain/DDP, FSDP1, FSDP2, plan-sharded, DeepSpeed) that the Trainer calls:
+                prepare, the state dict for saving, its checkpoint parts, its refusals
 
 Import from the submodules; the package itself re-exports nothing, so importing one submodule loads no other.
 

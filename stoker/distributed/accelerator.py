@@ -31,16 +31,25 @@ from .launch import (
     leave_process_group_at_exit,
     wants_cpu,
 )
+from .parallelism import (
+    clip_across_meshes,
+    is_layout_sharded,
+    parallelism_problems,
+    run_parallelism,
+    spans_meshes,
+)
 
 
 def argument_problems(args) -> list[str]:
-    """Problems of fsdp / fsdp_config / deepspeed visible from the arguments alone (TrainingArguments)."""
+    """Problems of fsdp / fsdp_config / deepspeed / parallelism_config visible from the arguments alone
+    (TrainingArguments)."""
     p = []
     fsdp_on = fsdp_enabled(args.fsdp)
     if fsdp_on and args.deepspeed not in (None, "", {}):
         p.append(f"fsdp={args.fsdp!r} and deepspeed={args.deepspeed!r}: both shard the model; choose one")
     p += fsdp_plugin_kwargs(args.fsdp, args.fsdp_config, args.gradient_checkpointing,
                             mixed_precision=args.mixed_precision)[1]
+    p += parallelism_problems(args, launcher_world_size(), accelerator_available() and not args.use_cpu)
     launched = launcher_precision(args.deepspeed)
     if launched is not None and launched[0] not in LAUNCHER_PRECISIONS:  # stoker would replace it without a word
         p.append(f"{launched[1]}: stoker takes {', '.join(map(repr, LAUNCHER_PRECISIONS))} from the launcher; "
@@ -170,7 +179,19 @@ class ShareReadingAccelerator(Accelerator):
     with False: every process reads an IterableDataset itself and keeps its share of each global batch.
     Accelerate's None would have the main process read every batch and concatenate whole batches for the others,
     which fails on rows of different lengths (README's differences table); map-style datasets are read so either
-    way. An explicit True or False is Accelerate's."""
+    way. An explicit True or False is Accelerate's. Also the run's data-parallel size (data_parallel_size,
+    ranks_per_batch), which differs from the number of processes under tensor parallelism."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # attributes, not properties: read in every step, where a call would be one more function in it.
+        # data_parallel_size: the processes that read different rows (every process, but the ranks of one
+        # tensor-parallel group share theirs: Accelerate's data loader follows the device mesh), over which tokens
+        # are counted and the loss normalised; ranks_per_batch: the processes that read the same rows, so that a
+        # sum over every process counts each batch this many times (1 under DDP and FSDP)
+        config = self.parallelism_config
+        self.data_parallel_size = config.data_parallel_size if config is not None else self.num_processes
+        self.ranks_per_batch = self.num_processes // self.data_parallel_size
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Accelerate's, with dispatch_batches=None prepared as False (the configuration keeps its None)."""
@@ -182,6 +203,21 @@ class ShareReadingAccelerator(Accelerator):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         finally:
             config.dispatch_batches = None
+
+
+class MeshClippingAccelerator(ShareReadingAccelerator):
+    """The Accelerator of a model sharded by its plans (tensor parallelism, FSDP2), whose gradients may live on
+    several meshes (a tensor-parallel model's DTensors beside its replicated norm weights): torch's
+    clip_grad_norm_ cannot stack their norms."""
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Accelerate's where the gradients share one mesh; else the whole norm, each mesh's made whole over its
+        ranks (distributed.parallelism.clip_across_meshes)."""
+        parameters = list(parameters)
+        if not spans_meshes(parameters):
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self.unscale_gradients()
+        return clip_across_meshes(parameters, max_norm, norm_type)
 
 
 def build_accelerator(args, model, optimizers=(None, None)):
@@ -219,7 +255,10 @@ def build_accelerator(args, model, optimizers=(None, None)):
     config["non_blocking"] = config["non_blocking"] or pins_memory(a)
     # no plugin (DDP or one process), an FSDP or a DeepSpeed plugin; refuses what cannot run here
     distributed = accelerator_options(a, model, optimizers)
-    accelerator = ShareReadingAccelerator(
+    # tensor parallelism / FSDP2 by the model's plans: the arguments', or a model's sharded at load
+    parallelism = run_parallelism(a, model, launcher_world_size())
+    accelerator_class = MeshClippingAccelerator if is_layout_sharded(parallelism) else ShareReadingAccelerator
+    accelerator = accelerator_class(
         mixed_precision=a.mixed_precision,
         cpu=distributed.cpu,
         # accumulation is done by the loop (token-exact), so Accelerate must not rescale the loss
@@ -230,6 +269,7 @@ def build_accelerator(args, model, optimizers=(None, None)):
                                                 timeout=timedelta(seconds=a.ddp_timeout))],
         dynamo_plugin=dynamo_plugin(a, model, sharded=bool(distributed.plugins)),
         step_scheduler_with_optimizer=False,
+        parallelism_config=parallelism,
         **distributed.plugins,
     )
     if getattr(accelerator.state, "fsdp_plugin", None) is not None and "fsdp_plugin" not in distributed.plugins:

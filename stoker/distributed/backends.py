@@ -56,6 +56,7 @@ from .fsdp import (
     model_class_name,
     plan_shards,
 )
+from .parallelism import is_layout_sharded, shard_with_plans
 
 # how checkpoint messages name each kind of run
 PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"
@@ -84,7 +85,9 @@ def backend_for(accelerator, args) -> Backend:
     did not set up FSDP, which would otherwise train unsharded, and async_save with a backend that cannot save in
     the background (DeepSpeed, also when accelerate launch's configuration asks for it)."""
     check_sharding_active(args, accelerator.distributed_type)
-    if is_deepspeed(accelerator):
+    if is_layout_sharded(getattr(accelerator, "parallelism_config", None)):  # refused with fsdp and deepspeed
+        backend = PlanShardedBackend(accelerator, args)
+    elif is_deepspeed(accelerator):
         backend = DeepSpeedBackend(accelerator, args)
     elif is_sharded(accelerator):
         # the plugin's version, read without AcceleratorState.is_fsdp2, which fails where the process-wide state
@@ -411,6 +414,28 @@ class FSDPBackend(Backend):
 class FSDP2Backend(FSDPBackend):
     """FSDP2 (fully_shard): the parameters become DTensor shards in place, and Accelerate moves the optimizer
     onto the shards (the plain backend's prepare); the model stays usable by another train() call."""
+
+
+class PlanShardedBackend(FSDPBackend):
+    """Tensor parallelism and FSDP2 by the model's own plans (transformers' tp_plan and fsdp_plan): the model is
+    sharded by transformers as from_pretrained(..., distributed_config=...) shards it, or taken as it is where it was
+    sharded at load, and never wrapped in DDP: its DTensors reduce their own gradients (FSDP2 averaging them over
+    its data-parallel ranks, as DDP does). Accelerate only patches its forward (mixed precision) and prepares the
+    optimizer; its data loader hands the ranks of one tensor-parallel group the same rows. Every rank writes and
+    reads its own shards (torch.distributed.checkpoint, as FSDP's)."""
+
+    def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
+        """The model sharded (in place, so that another train() takes it as it is), then the optimizer built on
+        its DTensor parameters."""
+        acc = self.accelerator
+        model = shard_with_plans(model, acc.parallelism_config, acc.device)
+        model = acc.prepare_model(model, device_placement=False, evaluation_mode=True)
+        optimizer, scheduler = source.build(model, max_steps)
+        return Prepared(model, acc.prepare(optimizer), scheduler)
+
+    def writes_full_model(self, model) -> bool:
+        """Shards only: no FSDP plugin to ask for a full state dict, and no rank gathers the whole model."""
+        return False
 
 
 class FSDP1Backend(FSDPBackend):

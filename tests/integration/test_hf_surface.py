@@ -19,7 +19,8 @@ import torch
 REFUSED_VALUES = [
     ("push_to_hub", True, "stoker never uses the network; upload output_dir yourself"),
     ("optim_target_modules", ["attn"], "read by GaLore / APOLLO optimizers only, not by the default AdamW"),
-    ("parallelism_config", {"tp_size": 2}, "tensor / context parallelism are not run; use fsdp or deepspeed"),
+    ("parallelism_config", {"cp_size": 2}, "context parallelism: torch's ring attention is CUDA-only, and the loop "
+                                           "does not enter torch's context_parallel yet"),
     ("debug", "tpu_metrics_debug", "needs a TPU"),
     ("train_sampling_strategy", "batch_rebalance", "not offered"),
     ("optim", "galore_adafactor_layerwise", "transformers builds it with Adafactor's relative_step and a learning "

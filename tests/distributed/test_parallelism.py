@@ -1,0 +1,273 @@
+"""Tensor parallelism and FSDP2 by the model's own plans (`parallelism_config`, or a model transformers sharded at
+load) on 2 CPU processes (torchrun, gloo, float32), against one process on the same global batch and data order,
+5 steps. This file is also the ranks' script: one torchrun launch runs every layout in sequence (each launch costs
+seconds), rank 0 writing the whole parameters (DTensors made whole) and the logs of each under OUT/<layout>.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed/test_parallelism.py OUT
+
+Also the refusals of parallelism_config that need no processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # a rank under torchrun: the repository's stoker and tests
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytest
+import torch
+
+from stoker import Trainer, TrainingArguments
+from stoker.errors import ConfigError
+from tests.helpers.tiny_jobs import rows
+
+TRAIN = rows(40, seed=11)  # 5 steps of a global batch of 8 rows of 3 to 17 tokens
+EVAL = rows(8, seed=12)
+GLOBAL_BATCH, STEPS = 8, 5
+# layout -> (how the model reaches the Trainer, parallelism_config, optimizer, micro-batch per rank, accumulation)
+LAYOUTS = {
+    "tp_sgd": ("plain", {"tp_size": 2}, "sgd", 8, 1),
+    "tp_adamw": ("plain", {"tp_size": 2}, "adamw_torch", 8, 1),
+    "tp_accumulation": ("plain", {"tp_size": 2}, "sgd", 4, 2),
+    "tp_at_load": ("tp_size", None, "sgd", 8, 1),
+    "fsdp2_at_load": ("fsdp_size", None, "sgd", 4, 1),
+    "dp_shard": ("plain", {"dp_shard_size": 2}, "sgd", 4, 1),
+    "dp_shard_adamw": ("plain", {"dp_shard_size": 2}, "adamw_torch", 4, 1),
+}
+TOLERANCE = {"sgd": 1e-6, "adamw_torch": 5e-4}
+
+
+def tiny_llama():
+    """The issue's tiny Llama: hidden 64, 2 layers, 4 heads, 2 KV heads (each splits over 2 ranks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def sharded_at_load(model, size: str):
+    """`model` sharded by transformers as from_pretrained(..., distributed_config=DistributedConfig(size=2))
+    shards it (which needs a download; the same plans, applied to the model built from its config)."""
+    from transformers.distributed import DistributedConfig
+
+    config, _, mesh = type(model).prepare_distribute_model(DistributedConfig(**{size: 2}))
+    return type(model).maybe_distribute_model(model, config, mesh)
+
+
+def training_args(out: str, optim: str, micro: int, accumulation: int, parallelism=None,
+                  save_strategy: str = "no") -> TrainingArguments:
+    return TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim=optim,
+                             learning_rate=0.05 if optim == "sgd" else 1e-2, lr_scheduler_type="linear",
+                             max_grad_norm=1.0, seed=7, save_strategy=save_strategy, save_steps=3, max_steps=STEPS,
+                             per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                             include_num_input_tokens_seen="non_padding", parallelism_config=parallelism)
+
+
+def whole(tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def run_layouts(out: str) -> None:
+    """One rank: every layout in turn."""
+    from safetensors.torch import save_file
+
+    for name, (model_from, parallelism, optim, micro, accumulation) in LAYOUTS.items():
+        model = tiny_llama()
+        if model_from != "plain":
+            model = sharded_at_load(model, model_from)
+        # tp_adamw also checkpoints at step 3, which a fresh Trainer resumes (below)
+        save = "steps" if name == "tp_adamw" else "no"
+        trainer = Trainer(model, training_args(os.path.join(out, name), optim, micro, accumulation, parallelism,
+                                               save), train_dataset=TRAIN)
+        trainer.train()
+        params = {n: whole(p) for n, p in trainer.model.named_parameters()}  # a collective per DTensor
+        evaluated = {}
+        if name == "tp_sgd":  # evaluation and save_model under tensor parallelism, every rank taking part
+            evaluated = trainer.evaluate(EVAL)
+            trainer.save_model(os.path.join(out, name, "final"))
+        if trainer.accelerator.is_main_process:
+            save_file(params, os.path.join(out, name, "params.safetensors"))
+            logs = [e for e in trainer.state.log_history if "loss" in e]
+            (Path(out) / name / "run.json").write_text(json.dumps({
+                "logs": logs, "tokens": trainer.state.num_input_tokens_seen, "evaluated": evaluated,
+                "global_batch": trainer.get_total_train_batch_size(),
+                "dtensors": sum(hasattr(p, "full_tensor") for p in trainer.model.parameters()),
+                "ddp": type(trainer.model_wrapped).__name__}))
+    resumed = Trainer(tiny_llama(), training_args(os.path.join(out, "tp_adamw"), "adamw_torch", 8, 1, {"tp_size": 2},
+                                                  "steps"), train_dataset=TRAIN)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "tp_adamw", "checkpoint-3"))
+    params = {n: whole(p) for n, p in resumed.model.named_parameters()}
+    if resumed.accelerator.is_main_process:
+        save_file(params, os.path.join(out, "tp_adamw", "resumed.safetensors"))
+
+
+# --- the test side ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("parallelism")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """One process, batch 8, for each optimizer (and the SGD run's evaluation)."""
+    out, runs = tmp_path_factory.mktemp("one_process"), {}
+    for optim in TOLERANCE:
+        trainer = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1), train_dataset=TRAIN)
+        trainer.train()
+        runs[optim] = trainer
+    runs["evaluated"] = runs["sgd"].evaluate(EVAL)
+    return runs
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes, one_process, layout):
+    """Tensor parallelism by the model's tp_plan (also with accumulation 4 x 2, and a model sharded at load), FSDP2
+    by its fsdp_plan (parallelism_config dp_shard_size=2, or a model sharded at load): the parameters after 5 steps,
+    the logged losses and gradient norms (clipping at 1.0 sees the whole gradient), the tokens seen and the global
+    batch equal one process's on 8 rows a step, within float summation order. Tokens are counted and the loss
+    normalised over the data-parallel ranks only: the two ranks of a tensor-parallel group read the same rows."""
+    from safetensors.torch import load_file
+
+    model_from, parallelism, optim, micro, accumulation = LAYOUTS[layout]
+    run = json.loads((two_processes / layout / "run.json").read_text())
+    reference = one_process[optim]
+    ours = load_file(two_processes / layout / "params.safetensors")
+    theirs = {n: p.detach() for n, p in reference.model.named_parameters()}
+    difference = max_difference(ours, theirs)
+    print(f"{layout}: max |parameter difference| = {difference:.2e}")
+    assert difference <= TOLERANCE[optim], difference
+    assert max_difference(ours, {n: p.detach() for n, p in tiny_llama().named_parameters()}) > 10 * TOLERANCE[optim]
+    assert run["ddp"] != "DistributedDataParallel" and run["dtensors"] >= 16
+    assert run["global_batch"] == GLOBAL_BATCH and run["tokens"] == reference.state.num_input_tokens_seen
+    expected = [e for e in reference.state.log_history if "loss" in e]
+    assert [e["step"] for e in run["logs"]] == [e["step"] for e in expected] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([e[key] for e in run["logs"]]),
+                                   torch.tensor([e[key] for e in expected]), rtol=1e-4, atol=1e-5)
+    assert max(e["grad_norm"] for e in expected) > 1.0  # clipping took part
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_evaluation_and_save_model_are_one_processs(two_processes, one_process):
+    """Under tp_size=2 evaluate() gives one process's eval_loss (the ranks of the group read the same rows and
+    count them once), and save_model writes an ordinary folder that from_pretrained loads in one process, with
+    the trained weights (gathered once, written by the main process, no distributed_config left in it)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    run = json.loads((two_processes / "tp_sgd" / "run.json").read_text())
+    assert run["evaluated"]["eval_loss"] == pytest.approx(one_process["evaluated"]["eval_loss"], abs=1e-6)
+    loaded = LlamaForCausalLM.from_pretrained(two_processes / "tp_sgd" / "final")
+    assert getattr(loaded.config, "distributed_config", None) is None
+    trained = load_file(two_processes / "tp_sgd" / "params.safetensors")
+    assert max_difference({n: p.detach() for n, p in loaded.named_parameters()}, trained) == 0
+
+
+@pytest.mark.distributed
+def test_a_tensor_parallel_checkpoint_is_written_by_every_rank_and_resumes_bit_equal(two_processes):
+    """Under tp_size=2 with AdamW, the checkpoint at step 3 holds every rank's own shards of the model and the
+    optimizer state (nothing gathered on one rank), only safetensors and JSON; a fresh Trainer resumed from it
+    ends with the uninterrupted run's parameters, bit for bit (transformers.Trainer refuses such a checkpoint)."""
+    from safetensors.torch import load_file
+
+    folder = two_processes / "tp_adamw" / "checkpoint-3"
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    assert files and all(f.suffix in (".json", ".safetensors") for f in files), files
+    for shards in ("model_shards", "optimizer_shards"):
+        assert len(list((folder / shards).glob("*.safetensors"))) == 2
+    assert not (folder / "model.safetensors").exists()
+    uninterrupted = load_file(two_processes / "tp_adamw" / "params.safetensors")
+    resumed = load_file(two_processes / "tp_adamw" / "resumed.safetensors")
+    assert uninterrupted.keys() == resumed.keys()
+    assert all(torch.equal(uninterrupted[n], resumed[n]) for n in resumed)
+
+
+# --- refusals, before any work -----------------------------------------------------------------------
+
+
+def refusal(tmp_path, **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        TrainingArguments(output_dir=str(tmp_path), report_to="none", **kw)
+    return str(e.value)
+
+
+def test_parallelism_config_is_read_from_accelerate_a_dict_or_json(tmp_path):
+    from accelerate import ParallelismConfig
+
+    from stoker.distributed.parallelism import read_parallelism_config
+
+    for given in (ParallelismConfig(tp_size=2), {"tp_size": 2}):
+        config, problems = read_parallelism_config(given)
+        assert problems == [] and (config.tp_size, config.dp_shard_size, config.total_size) == (2, 1, 2)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", parallelism_config='{"tp_size": 1}')
+    assert args.parallelism_config == {"tp_size": 1}
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", parallelism_config=ParallelismConfig())
+    assert json.loads(args.to_json_string())["parallelism_config"]["tp_size"] == 1
+
+
+def test_the_cli_parses_parallelism_config_as_json(tmp_path):
+    from stoker.arguments import parse_config
+
+    (args,) = parse_config((TrainingArguments,), ["--output_dir", str(tmp_path), "--report_to", "none",
+                                                  "--parallelism_config", '{"dp_shard_size": 1}'])
+    assert args.parallelism_config == {"dp_shard_size": 1}
+
+
+@pytest.mark.parametrize("given, words", [
+    ({"tp_sise": 2}, ["parallelism_config['tp_sise']: unknown field (did you mean 'tp_size'?)", "tp_size"]),
+    ({"tp_size": 0}, ["parallelism_config['tp_size']=0: must be a whole number >= 1"]),
+    ([2], ["parallelism_config=[2]", "accepted: Accelerate's ParallelismConfig, a dict or a JSON"]),
+    ({"tp_size": 2}, ["parallelism_config={'tp_size': 2}: its sizes multiply to 2 processes and this run has 1",
+                      "accepted: sizes whose product is 1"]),
+    ({"cp_size": 1, "sp_size": 2}, ["parallelism_config={'sp_size': 2}: sequence parallelism", "not yet run",
+                                    "accepted: tp_size or dp_shard_size"]),
+    ({"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "cp_size": 2},
+     ["parallelism_config={'cp_size': 2}: context parallelism (cp_size=2) needs CUDA: torch registers its ring "
+      "attention only for the CUDA sdpa kernels"]),
+])
+def test_what_stoker_does_not_run_is_refused_naming_the_size_the_reason_and_what_is_accepted(tmp_path, given, words):
+    message = refusal(tmp_path, parallelism_config=given, use_cpu=True)
+    for w in words:
+        assert w in message, message
+
+
+def test_tensor_parallelism_with_fsdp_or_a_rollback_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = refusal(tmp_path, parallelism_config={"tp_size": 2}, spike_rollback=True, use_cpu=True)
+    assert "parallelism_config={'tp_size': 2} and spike_rollback=True" in message
+    message = refusal(tmp_path, parallelism_config={"tp_size": 2, "dp_shard_size": 2}, use_cpu=True)
+    assert "tensor parallelism within FSDP2 (2-D) is not yet run" in message
+    message = refusal(tmp_path, parallelism_config={"dp_shard_size": 4}, use_cpu=True)
+    assert "parallelism_config={'dp_shard_size': 4}: its sizes multiply to 4 processes and this run has 2" in message
+
+
+def test_a_model_without_a_tp_plan_is_refused_before_any_work(tmp_path, monkeypatch):
+    from stoker.distributed.parallelism import run_parallelism
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                             parallelism_config={"tp_size": 1})
+    args.parallelism_config = {"tp_size": 2}  # as on 2 processes
+    with pytest.raises(ConfigError, match=r"the model \(Linear\) is not a transformers PreTrainedModel"):
+        run_parallelism(args, torch.nn.Linear(2, 2), 2)
+
+
+if __name__ == "__main__":
+    run_layouts(sys.argv[1])
