@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from .callbacks import TrainerControl, TrainerState, callback_states, restore_callback_states
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, rng_state, set_rng_state
 from .goodput import Ledger
 from .rollback import SpikeRollback
 from .step import LogSums, LoopPosition, MicroBatchHalver, NonFinitePolicy, PreemptionSignals, StepCheck
@@ -145,23 +143,11 @@ class CallbackStates:
 
 
 class RandomStreams:
-    """This process's random number generators: Python's, numpy's, torch's CPU and CUDA ones."""
+    """This process's random number generators: Python's, numpy's, torch's CPU and CUDA ones (the checkpointer's
+    own reading and setting of them)."""
 
-    @staticmethod
-    def state_dict() -> dict[str, Any]:
-        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    @staticmethod
-    def load_state_dict(state: dict[str, Any]) -> None:
-        version, internal, gauss = state["python"]  # JSON gives lists where Python had tuples
-        random.setstate((version, tuple(internal), gauss))
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+    state_dict = staticmethod(rng_state)
+    load_state_dict = staticmethod(set_rng_state)
 
 
 @dataclasses.dataclass
