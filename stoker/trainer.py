@@ -441,6 +441,8 @@ class Trainer(TransformersSurface):
         collator = self.data_collator
         if self.args.chunked_loss or self.args.shared_prefix or self._answers_mask:
             collator = HostCounting(collator, self.label_names[0])
+        # under sequence parallelism, this rank's slice of each row (the ranks of a group read the same rows)
+        collator = self.accelerator.training_collator(collator, self.label_names[0])
         loader = build_dataloader(self.train_dataset, self.args, self._train_batch_size, collator, train=True)
         return self.accelerator.prepare(loader)
 

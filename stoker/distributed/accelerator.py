@@ -32,11 +32,14 @@ from .launch import (
     wants_cpu,
 )
 from .parallelism import (
+    SequenceShards,
     clip_across_meshes,
     is_layout_sharded,
     parallelism_problems,
+    read_parallelism_config,
     run_parallelism,
     spans_meshes,
+    splits_sequences,
 )
 
 
@@ -56,7 +59,7 @@ def argument_problems(args) -> list[str]:
                  "float8 is its fp8 field (fp8='tensorwise' or 'rowwise', with bf16): launch with --mixed_precision "
                  "bf16 and set fp8")
     if args.deepspeed not in (None, "", {}):
-        p += deepspeed_config(args)[1]
+        p += deepspeed_config(args, data_parallel_processes(args))[1]
         if args.async_save:
             p.append(async_save_refusal(f"deepspeed={args.deepspeed!r}"))
         if args.spike_rollback:
@@ -65,6 +68,13 @@ def argument_problems(args) -> list[str]:
                      "copies) out of reach; accepted with DeepSpeed: spike_rollback=False (spike_rollback runs with "
                      "one process, DDP and FSDP)")
     return p
+
+
+def data_parallel_processes(args) -> int:
+    """The launcher's processes that read different rows: all of them, but the ranks of a sequence-parallel group
+    share theirs (DeepSpeed's global batch counts them once)."""
+    config, _ = read_parallelism_config(args.parallelism_config)
+    return launcher_world_size() // (config.sp_size if splits_sequences(config) else 1)
 
 
 def async_save_refusal(what: str) -> str:
@@ -121,7 +131,7 @@ def accelerator_options(args, model, optimizers=(None, None)) -> AcceleratorOpti
     plugins = {}
     if args.deepspeed not in (None, "", {}):
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        config, more = deepspeed_config(args, hidden_size=hidden)
+        config, more = deepspeed_config(args, data_parallel_processes(args), hidden_size=hidden)
         problems += more + (deepspeed_trainer_problems(config, args, optimizers) if config else [])
         if not problems:
             plugins["deepspeed_plugin"] = deepspeed_plugin(config)
@@ -191,10 +201,21 @@ class ShareReadingAccelerator(Accelerator):
         # sum over every process counts each batch this many times (1 under DDP and FSDP)
         config = self.parallelism_config
         self.data_parallel_size = config.data_parallel_size if config is not None else self.num_processes
-        self.ranks_per_batch = self.num_processes // self.data_parallel_size
+        # the ranks of a sequence-parallel group read the same rows too, but each counts only its slice of them
+        # (SequenceShards), so a sum over every process counts each batch once
+        self.sequence_parallel_size = config.sp_size if splits_sequences(config) else 1
+        self.ranks_per_batch = self.num_processes // self.data_parallel_size // self.sequence_parallel_size
+
+    def training_collator(self, collator, label_name: str):
+        """The collator of the training loader: `collator`, or under sequence parallelism this rank's slice of
+        the sequence of its batches (SequenceShards; DeepSpeed's groups are consecutive ranks)."""
+        size = self.sequence_parallel_size
+        return collator if size == 1 else SequenceShards(collator, self.process_index % size, size, label_name)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Accelerate's, with dispatch_batches=None prepared as False (the configuration keeps its None)."""
+        if isinstance(data_loader.collate_fn, SequenceShards):
+            return self._prepare_for_groups(data_loader, device_placement)
         config = self.dataloader_config
         if config.dispatch_batches is not None:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
@@ -203,6 +224,24 @@ class ShareReadingAccelerator(Accelerator):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         finally:
             config.dispatch_batches = None
+
+
+    def _prepare_for_groups(self, data_loader, device_placement=None):
+        """A loader of sequence slices, sharded over the data-parallel groups rather than the processes: the
+        ranks of a sequence-parallel group (consecutive ranks) read the same rows, each taking its slice, so step j
+        trains the rows one process would. Accelerate shards over every process where no device mesh tells it
+        otherwise, which DeepSpeed's sequence parallelism does not build."""
+        from accelerate.data_loader import prepare_data_loader
+
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=self.data_parallel_size,
+            process_index=self.process_index // self.sequence_parallel_size, split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(), dispatch_batches=False, even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler, data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return prepared
 
 
 class MeshClippingAccelerator(ShareReadingAccelerator):

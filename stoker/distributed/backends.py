@@ -37,6 +37,7 @@ from ..errors import CheckpointError, ConfigError
 from ..optim import create_scheduler, parameter_groups
 from .accelerator import async_save_refusal, check_sharding_active
 from .deepspeed import (
+    averages_sequence_groups,
     finish_deepspeed_config,
     gather_trainable_zero3,
     is_deepspeed,
@@ -56,7 +57,7 @@ from .fsdp import (
     model_class_name,
     plan_shards,
 )
-from .parallelism import is_layout_sharded, shard_with_plans
+from .parallelism import fresh_sequence_parallelism, is_layout_sharded, shard_with_plans, splits_sequences
 
 # how checkpoint messages name each kind of run
 PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"
@@ -463,6 +464,8 @@ class DeepSpeedBackend(Backend):
     wraps_in_place = True
     agrees_on_out_of_memory = False  # auto_find_batch_size is refused with DeepSpeed (it fixes the micro-batch)
     skips_updates_on_device = False  # the engine steps inside backward
+    _loss_scale = 1  # what backward multiplies the loss by: the sequence-parallel group's size where DeepSpeed
+    # averages the group's gradients (ZeRO-3 before deepspeed 0.20.2), whose shares of the loss must add up
 
     def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """Fill the config's "auto" values known only now (the schedule's steps), then one engine of the model,
@@ -473,6 +476,10 @@ class DeepSpeedBackend(Backend):
 
         acc = self.accelerator
         finish_deepspeed_config(acc, self.args, max_steps)
+        if splits_sequences(acc.parallelism_config):  # Accelerate registers the Ulysses attention in prepare
+            fresh_sequence_parallelism(acc.parallelism_config.sp_handler.sp_attn_implementation)
+            # where DeepSpeed averages a group's gradients, each rank's share of the loss is scaled back to a sum
+            self._loss_scale = acc.parallelism_config.sp_size if averages_sequence_groups(zero_stage(acc)) else 1
         a, config = self.args, acc.state.deepspeed_plugin.deepspeed_config
         optimizer = source.given_optimizer
         if optimizer is None:
@@ -508,7 +515,7 @@ class DeepSpeedBackend(Backend):
         before, self._before_sync = self._before_sync, None
         if before is not None:  # the window's last micro-batch, before DeepSpeed's gradient reduction
             before()
-        self.accelerator.backward(loss, scale_wrt_gas=False)
+        self.accelerator.backward(loss * self._loss_scale if self._loss_scale != 1 else loss, scale_wrt_gas=False)
 
     def scaler_handles_inf(self) -> bool:
         """DeepSpeed's own fp16 loss scaler (with args.fp16), or Accelerate's."""

@@ -14,6 +14,7 @@ import re
 from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError, ConfigError
 from .launch import launcher_world_size
+from .parallelism import describe, read_parallelism_config, splits_sequences
 from .parsing import load_json_config
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,18 +176,45 @@ def deepspeed_trainer_problems(config: dict, args, optimizers=(None, None)) -> l
         if args.chunked_loss:
             p.append("chunked_loss=True with ZeRO-3: the chunked loss reads the output layer's weight outside the "
                      "forward pass, where ZeRO-3 holds only this process's partition of it; turn one off")
+    p += _sequence_parallel_zero3_problems(zero, args)
     if args.auto_find_batch_size:
         p.append("auto_find_batch_size=True with deepspeed: DeepSpeed fixes the micro-batch "
                  "(train_micro_batch_size_per_gpu) when it starts; set per_device_train_batch_size instead")
     return p
 
 
+def averages_sequence_groups(stage: int) -> bool:
+    """Whether DeepSpeed averages the gradients of a sequence-parallel group rather than summing them: ZeRO-3's
+    reduce-scatter before deepspeed 0.20.2 divides by every rank of the group (stages 1 and 2 divide by the
+    data-parallel ranks only, as 0.20.2's ZeRO-3 does)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return stage == 3 and Version(version("deepspeed")) < Version("0.20.2")
+
+
+def _sequence_parallel_zero3_problems(zero: dict, args) -> list[str]:
+    """ZeRO-3 with sequence parallelism before deepspeed 0.20.2: with reduce_scatter false and contiguous_gradients,
+    the parameters of one bucket are summed over the group and those of a larger one averaged, which no single
+    scale of the loss makes right (transformers refuses it too)."""
+    sequence, _ = read_parallelism_config(args.parallelism_config)
+    if not (splits_sequences(sequence) and averages_sequence_groups(zero.get("stage", 0))):
+        return []
+    if zero.get("reduce_scatter", True) is False and zero.get("contiguous_gradients", True) is not False:
+        return [f"deepspeed['zero_optimization.reduce_scatter']=False with contiguous_gradients and "
+                f"{describe(sequence)}: DeepSpeed before 0.20.2 sums some gradients of the sequence-parallel group "
+                "and averages others; accepted: reduce_scatter true (the default), or deepspeed>=0.20.2"]
+    return []
+
+
 def finish_deepspeed_config(accelerator, args, num_training_steps: int) -> None:
     """Fill the "auto" values known only when training starts (the schedule's steps) into the DeepSpeed
     config of the Accelerator's plugin, before the model is prepared."""
     plugin = accelerator.state.deepspeed_plugin
-    filled, problems = fill_deepspeed_config(plugin.deepspeed_config, args, accelerator.num_processes,
-                                             num_training_steps)
+    # the processes that read different rows (the ranks of a sequence-parallel group share theirs)
+    processes = getattr(accelerator, "data_parallel_size", accelerator.num_processes)
+    filled, problems = fill_deepspeed_config(plugin.deepspeed_config, args, processes, num_training_steps)
     if problems:
         raise ConfigError(problems, "distributed configuration")
     plugin.deepspeed_config.clear()

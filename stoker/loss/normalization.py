@@ -63,17 +63,20 @@ def probed(model, batch: dict, accelerator, label_name: str, forward_kwargs: dic
         return False if votes[1] > 0 else True if votes[0] > 0 else None
 
     device = accelerator.device
+    # under sequence parallelism a forward is a collective over the group's slices of a fixed number of rows, so
+    # every rank probes its whole batch
+    whole = getattr(accelerator, "sequence_parallel_size", 1) > 1
     labels = batch.get(label_name)
     one_per_token = isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_floating_point()
     if causal is None:
         ids = batch.get("input_ids")
         if one_per_token and isinstance(ids, torch.Tensor) and labels.shape == ids.shape:
-            probe = _probe_rows(batch, labels, first_is_target=True)
+            probe = _probe_rows(batch, labels, first_is_target=True, whole=whole)
             causal = shared(_probe_shift(model, probe, label_name, forward_kwargs, device))
         else:
             causal = False  # not one integer label per input token: nothing to shift
     if honours_num_items is None and own_loss:
-        probe = _probe_rows(batch, labels, first_is_target=False)
+        probe = _probe_rows(batch, labels, first_is_target=False, whole=whole)
         honours_num_items = shared(_probe_num_items(model, {**probe, **forward_kwargs}, device))
     if reduction is None and honours_num_items is not None:
         if honours_num_items or not one_per_token:
@@ -174,11 +177,13 @@ def _probe_sum(model, sum_probe, device) -> bool | None:
     return bool(abs(f_aaaa.double()) > 1.5 * abs(f_aa))
 
 
-def _probe_rows(batch: dict, labels, first_is_target: bool) -> dict:
+def _probe_rows(batch: dict, labels, first_is_target: bool, whole: bool = False) -> dict:
     """Two rows of the batch that can decide a probe, which then costs a fraction of one forward: from the first
     row with a target after the first position (which a causal LM never scores), and with `first_is_target` a
     target at the first position too. Two rows, since a model with batch norm cannot train on one; the whole
-    batch when no row qualifies (it may still decide together)."""
+    batch when no row qualifies (it may still decide together), or with `whole`."""
+    if whole:
+        return batch
     rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
     first = 0
     if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():

@@ -61,12 +61,12 @@ def sharded_at_load(model, size: str):
 
 
 def training_args(out: str, optim: str, micro: int, accumulation: int, parallelism=None,
-                  save_strategy: str = "no") -> TrainingArguments:
+                  save_strategy: str = "no", **more) -> TrainingArguments:
     return TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim=optim,
                              learning_rate=0.05 if optim == "sgd" else 1e-2, lr_scheduler_type="linear",
                              max_grad_norm=1.0, seed=7, save_strategy=save_strategy, save_steps=3, max_steps=STEPS,
                              per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-                             include_num_input_tokens_seen="non_padding", parallelism_config=parallelism)
+                             include_num_input_tokens_seen="non_padding", parallelism_config=parallelism, **more)
 
 
 def whole(tensor) -> torch.Tensor:
@@ -237,8 +237,8 @@ def test_the_cli_parses_parallelism_config_as_json(tmp_path):
     ([2], ["parallelism_config=[2]", "accepted: Accelerate's ParallelismConfig, a dict or a JSON"]),
     ({"tp_size": 2}, ["parallelism_config={'tp_size': 2}: its sizes multiply to 2 processes and this run has 1",
                       "accepted: sizes whose product is 1"]),
-    ({"cp_size": 1, "sp_size": 2}, ["parallelism_config={'sp_size': 2}: sequence parallelism", "not yet run",
-                                    "accepted: tp_size or dp_shard_size"]),
+    ({"cp_size": 1, "sp_size": 2}, ["parallelism_config={'sp_size': 2}: sequence parallelism", "runs inside "
+                                    "DeepSpeed's engine", "accepted: deepspeed set to a ZeRO config"]),
     ({"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "cp_size": 2},
      ["parallelism_config={'cp_size': 2}: context parallelism (cp_size=2) needs CUDA: torch registers its ring "
       "attention only for the CUDA sdpa kernels"]),
