@@ -121,8 +121,12 @@ def two_processes(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
+    return one_process_runs(tmp_path_factory.mktemp("one_process"))
+
+
+def one_process_runs(out: Path) -> dict:
     """One process, batch 8, for each optimizer (and the SGD run's evaluation)."""
-    out, runs = tmp_path_factory.mktemp("one_process"), {}
+    runs = {}
     for optim in TOLERANCE:
         trainer = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1), train_dataset=TRAIN)
         trainer.train()

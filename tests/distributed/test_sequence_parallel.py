@@ -33,10 +33,10 @@ from tests.distributed.test_parallelism import (
     TOLERANCE,
     TRAIN,
     max_difference,
+    one_process_runs,
     tiny_llama,
     training_args,
 )
-from tests.distributed.test_parallelism import one_process as one_process_fixture  # noqa: F401 (the 1-process runs)
 
 SEQUENCE = {"sp_size": 2, "sp_backend": "deepspeed"}
 # scenario -> (ZeRO stage, optimizer, micro-batch, accumulation): the group of 2 ranks reads a micro-batch's rows
@@ -91,6 +91,12 @@ def run_scenarios(out: str, names: list[str]) -> None:
 
 
 # --- the test side ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """test_parallelism.py's runs on one process (batch 8, SGD and AdamW, and the SGD run's evaluation)."""
+    return one_process_runs(tmp_path_factory.mktemp("one_process"))
 
 
 @pytest.fixture(scope="module")
