@@ -165,7 +165,10 @@ def deepspeed_trainer_problems(config: dict, args, optimizers=(None, None)) -> l
             p.append(f"deepspeed[{section!r}]={config[section]!r} and the {section} given to the Trainer "
                      f"({type(given).__name__}): DeepSpeed builds the config's; remove one of the two")
     stage = zero.get("stage", 0)
-    if stage == 0:
+    if stage == 0 and splits_sequences(read_parallelism_config(args.parallelism_config)[0]):
+        p.append("deepspeed['zero_optimization.stage']=0 with sequence parallelism is not yet run by stoker; "
+                 "accepted: stage 1, 2 or 3")
+    elif stage == 0:
         p.append("deepspeed['zero_optimization.stage']=0: that is plain data parallelism, which stoker does without "
                  "DeepSpeed; leave deepspeed unset, or use stage 1, 2 or 3")
     if stage == 3:

@@ -190,6 +190,33 @@ def test_sequence_parallelism_with_another_size_is_refused(tmp_path, monkeypatch
                           parallelism_config={**SEQUENCE, "tp_size": 2}, per_device_train_batch_size=1)
 
 
+@pytest.mark.parametrize("zero, expected", [
+    ({"stage": 0}, "deepspeed['zero_optimization.stage']=0 with sequence parallelism is not yet run by stoker; "
+                   "accepted: stage 1, 2 or 3"),
+    ({"stage": 3, "reduce_scatter": False}, "deepspeed['zero_optimization.reduce_scatter']=False with "
+     "contiguous_gradients and parallelism_config={'sp_size': 2}: DeepSpeed before 0.20.2 sums some gradients of the "
+     "sequence-parallel group and averages others; accepted: reduce_scatter true (the default), or deepspeed>=0.20.2"),
+])
+def test_a_deepspeed_config_sequence_parallelism_cannot_run_is_refused_before_any_work(tmp_path, monkeypatch, zero,
+                                                                                     expected):
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    from stoker import TrainingArguments
+
+    if zero.get("reduce_scatter") is False and Version(version("deepspeed")) >= Version("0.20.2"):
+        pytest.skip("deepspeed>=0.20.2 sums a sequence-parallel group's gradients on every ZeRO-3 path")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", parallelism_config=SEQUENCE,
+                             deepspeed={**deepspeed_config(2), "zero_optimization": zero},
+                             per_device_train_batch_size=1)
+    with pytest.raises(ConfigError) as e:
+        Trainer(tiny_llama(), args, train_dataset=TRAIN)
+    assert expected in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_the_ulysses_attention_cannot_split_is_refused_before_any_work(tmp_path):
     from stoker import TrainingArguments
     from stoker.distributed.parallelism import run_parallelism
