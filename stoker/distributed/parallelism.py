@@ -237,7 +237,11 @@ class SequenceShards:
 
     def __call__(self, features):
         batch = dict(self.collator(features))
-        ids = batch["input_ids"]
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError("sequence parallelism needs right-padded rows: DeepSpeed's Ulysses attention drops the "
+                             "attention mask and attends causally, so a row's real tokens would see its left "
+                             "padding; accepted: a collator (tokenizer) padding on the right (padding_side='right')")
         rows, length = ids.shape
         padded = -(-length // self.size) * self.size
         if "position_ids" not in batch:

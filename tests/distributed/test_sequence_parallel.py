@@ -240,7 +240,8 @@ def test_a_model_the_ulysses_attention_cannot_split_is_refused_before_any_work(t
 
 def test_a_slice_of_each_row_keeps_the_labels_shifted_before_the_cut():
     """SequenceShards: rows padded to a multiple of the group (labels -100, mask 0, positions going on), the
-    labels shifted over the whole row, then each rank's half; the halves put together are the padded row."""
+    labels shifted over the whole row, then each rank's half; the halves put together are the padded row. A
+    left-padded batch is refused (the Ulysses attention drops the mask): the first batch's check reports it."""
     from stoker.data import PaddingCollator
     from stoker.distributed.parallelism import SequenceShards
 
@@ -253,6 +254,9 @@ def test_a_slice_of_each_row_keeps_the_labels_shifted_before_the_cut():
     assert whole["shift_labels"] == [[6, 7, -100, -100], [9, -100, -100, -100]]
     assert whole["labels"] == [[5, 6, 7, -100], [-100, 9, -100, -100]]
     assert halves[1]["shift_labels"].tolist() == [[-100, -100], [-100, -100]]
+    left_padded = {"input_ids": [0, 8], "attention_mask": [0, 1], "labels": [-100, 8]}
+    with pytest.raises(ValueError, match="sequence parallelism needs right-padded rows"):
+        SequenceShards(PaddingCollator(), 0, 2)([left_padded, left_padded])
 
 
 if __name__ == "__main__":
