@@ -61,12 +61,12 @@ def sharded_at_load(model, size: str):
 
 
 def training_args(out: str, optim: str, micro: int, accumulation: int, parallelism=None,
-                  save_strategy: str = "no", **more) -> TrainingArguments:
+                  save_strategy: str = "no") -> TrainingArguments:
     return TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim=optim,
                              learning_rate=0.05 if optim == "sgd" else 1e-2, lr_scheduler_type="linear",
                              max_grad_norm=1.0, seed=7, save_strategy=save_strategy, save_steps=3, max_steps=STEPS,
                              per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-                             include_num_input_tokens_seen="non_padding", parallelism_config=parallelism, **more)
+                             include_num_input_tokens_seen="non_padding", parallelism_config=parallelism)
 
 
 def whole(tensor) -> torch.Tensor:
@@ -121,12 +121,8 @@ def two_processes(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    return one_process_runs(tmp_path_factory.mktemp("one_process"))
-
-
-def one_process_runs(out: Path) -> dict:
     """One process, batch 8, for each optimizer (and the SGD run's evaluation)."""
-    runs = {}
+    out, runs = tmp_path_factory.mktemp("one_process"), {}
     for optim in TOLERANCE:
         trainer = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1), train_dataset=TRAIN)
         trainer.train()

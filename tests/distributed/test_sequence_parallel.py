@@ -11,6 +11,7 @@ Also the refusals of sequence parallelism that need no processes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -33,7 +34,6 @@ from tests.distributed.test_parallelism import (
     TOLERANCE,
     TRAIN,
     max_difference,
-    one_process_runs,
     tiny_llama,
     training_args,
 )
@@ -54,10 +54,12 @@ def deepspeed_config(stage: int) -> dict:
 
 
 def sequence_args(out: str, stage: int, optim: str, micro: int, accumulation: int):
-    # the last batch of an epoch must hold the micro-batch's rows (40 rows make whole batches: none is dropped);
-    # evaluation reads whole rows, 4 on each process
-    return training_args(out, optim, micro, accumulation, SEQUENCE, deepspeed=deepspeed_config(stage),
-                         dataloader_drop_last=True, per_device_eval_batch_size=4)
+    """test_parallelism.py's arguments, with sequence parallelism under DeepSpeed. The last batch of an epoch must
+    hold the micro-batch's rows (40 rows make whole batches: none is dropped); evaluation reads whole rows, 4 on
+    each process."""
+    return dataclasses.replace(training_args(out, optim, micro, accumulation), parallelism_config=SEQUENCE,
+                               deepspeed=deepspeed_config(stage), dataloader_drop_last=True,
+                               per_device_eval_batch_size=4)
 
 
 def run_scenarios(out: str, names: list[str]) -> None:
@@ -95,8 +97,15 @@ def run_scenarios(out: str, names: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    """test_parallelism.py's runs on one process (batch 8, SGD and AdamW, and the SGD run's evaluation)."""
-    return one_process_runs(tmp_path_factory.mktemp("one_process"))
+    """One process, batch 8, with test_parallelism.py's arguments, for each optimizer (and the SGD run's
+    evaluation)."""
+    out, runs = tmp_path_factory.mktemp("one_process"), {}
+    for optim in TOLERANCE:
+        runs[optim] = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1),
+                              train_dataset=TRAIN)
+        runs[optim].train()
+    runs["evaluated"] = runs["sgd"].evaluate(EVAL)
+    return runs
 
 
 @pytest.fixture(scope="module")
