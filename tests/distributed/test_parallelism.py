@@ -238,7 +238,7 @@ def test_the_cli_parses_parallelism_config_as_json(tmp_path):
     ({"tp_size": 2}, ["parallelism_config={'tp_size': 2}: its sizes multiply to 2 processes and this run has 1",
                       "accepted: sizes whose product is 1"]),
     ({"cp_size": 1, "sp_size": 2}, ["parallelism_config={'sp_size': 2}: sequence parallelism", "not yet run",
-                                    "accepted: tp_size or dp_shard_size"]),
+                                    "accepted: sizes multiplying to the number of processes"]),
     ({"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "cp_size": 2},
      ["parallelism_config={'cp_size': 2}: context parallelism (cp_size=2) needs CUDA: torch registers its ring "
       "attention only for the CUDA sdpa kernels"]),
@@ -253,8 +253,6 @@ def test_tensor_parallelism_with_fsdp_or_a_rollback_is_refused(tmp_path, monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     message = refusal(tmp_path, parallelism_config={"tp_size": 2}, spike_rollback=True, use_cpu=True)
     assert "parallelism_config={'tp_size': 2} and spike_rollback=True" in message
-    message = refusal(tmp_path, parallelism_config={"tp_size": 2, "dp_shard_size": 2}, use_cpu=True)
-    assert "tensor parallelism within FSDP2 (2-D) is not yet run" in message
     message = refusal(tmp_path, parallelism_config={"dp_shard_size": 4}, use_cpu=True)
     assert "parallelism_config={'dp_shard_size': 4}: its sizes multiply to 4 processes and this run has 2" in message
 
