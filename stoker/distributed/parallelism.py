@@ -119,7 +119,7 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
                  f"sequence and its loss is averaged over the group outside stoker's token-exact normalisation; {runs}")
     if config.dp_replicate_size > 1 and config.dp_shard_size > 1 and config.tp_size > 1:
         p.append(f"{name}: dp_replicate_size, dp_shard_size and tp_size all above 1 (3-D: HSDP of a "
-                 f"tensor-parallel model) is not yet checked by stoker; {runs}")
+                 f"tensor-parallel model) is not yet checked by stoker's tests, which would need 8 processes; {runs}")
     if not p and config.total_size != world_size and config.total_size > 1:
         p.append(f"{name}: its sizes multiply to {config.total_size} processes and this run has {world_size} (the "
                  f"launcher's WORLD_SIZE); accepted: sizes whose product is {world_size}")
