@@ -42,9 +42,10 @@ TP_FSDP = {"tp_size": 2, "dp_shard_size": 2}
 REPLICATED_TP = {"dp_replicate_size": 2, "tp_size": 2}
 # layout -> (parallelism_config, optimizer, micro-batch per rank: the global batch over the data-parallel ranks)
 LAYOUTS = {
-    "hsdp_sgd": (HSDP, "sgd", 2),
     "hsdp_adamw": (HSDP, "adamw_torch", 2),
-    "hsdp_at_load": (None, "sgd", 2),  # a model transformers sharded at load with HSDP, parallelism_config unset
+    # HSDP with SGD: a model transformers sharded at load with HSDP, parallelism_config unset (past the shard, the
+    # same run as parallelism_config's: the same sizes, asserted below; one 4-process run less in the budget)
+    "hsdp_at_load": (None, "sgd", 2),
     "tp_fsdp_sgd": (TP_FSDP, "sgd", 4),
     "tp_fsdp_adamw": (TP_FSDP, "adamw_torch", 4),
     # (AdamW on tensor-parallel DTensors is tp_fsdp_adamw's: a 4-process run costs about 2 s of the budget)
