@@ -206,6 +206,30 @@ def test_a_tensor_parallel_checkpoint_is_written_by_every_rank_and_resumes_bit_e
     assert all(torch.equal(uninterrupted[n], resumed[n]) for n in resumed)
 
 
+@pytest.mark.distributed
+def test_a_recipe_takes_parallelism_config_on_the_command_line(tmp_path):
+    """The clm recipe under torchrun with --parallelism_config '{"tp_size": 2}' (its model's head tied to the
+    embedding): it trains, writes every rank's shards in its checkpoint, and its saved model loads in one process
+    as an ordinary one."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "clm"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+         "stoker.recipes.clm", "--output_dir", str(out), "--hidden_size", "64", "--intermediate_size", "128",
+         "--num_hidden_layers", "1", "--num_train_examples", "128", "--num_eval_examples", "16",
+         "--num_train_epochs", "1", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
+         "--learning_rate", "3e-3", "--disable_tqdm", "true", "--eval_steps", "8", "--save_steps", "4",
+         "--parallelism_config", '{"tp_size": 2}'],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["after"]["eval_loss"] < results["before"]["eval_loss"] - 0.3
+    assert len(list((out / "checkpoint-8" / "model_shards").glob("*.safetensors"))) == 2
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.tie_word_embeddings and getattr(model.config, "distributed_config", None) is None
+
+
 # --- refusals, before any work -----------------------------------------------------------------------
 
 
