@@ -231,7 +231,26 @@ def shard_with_plans(model, config, device):
     wanted = DistributedConfig(tp_size=config.tp_size, fsdp_size=config.dp_shard_size,
                                dp_replicate_size=config.dp_replicate_size)
     wanted, _, mesh = type(model).prepare_distribute_model(wanted)
-    return type(model).maybe_distribute_model(model, wanted, mesh)
+    # from_pretrained distributes a model built untied (its plans name the head's weight and the embedding's
+    # apart) and ties them afterwards; a model built tied is untied the same way first, its head keeping the
+    # embedding's storage
+    tied = _untie(model)
+    model = type(model).maybe_distribute_model(model, wanted, mesh)
+    if tied:
+        model.tie_weights(recompute_mapping=False)
+    return model
+
+
+def _untie(model) -> bool:
+    """Give each tied weight of `model` (transformers' all_tied_weights_keys: the head tied to the embedding) a
+    parameter of its own over the same storage; whether any was tied."""
+    tied = [(target, source) for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items()
+            if model.get_parameter(target) is model.get_parameter(source)]
+    for target, _ in tied:
+        module, _, name = target.rpartition(".")
+        owner = model.get_submodule(module)
+        setattr(owner, name, torch.nn.Parameter(getattr(owner, name).data))
+    return bool(tied)
 
 
 def spans_meshes(parameters) -> bool:

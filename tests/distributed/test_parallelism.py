@@ -34,6 +34,7 @@ LAYOUTS = {
     "tp_sgd": ("plain", {"tp_size": 2}, "sgd", 8, 1),
     "tp_adamw": ("plain", {"tp_size": 2}, "adamw_torch", 8, 1),
     "tp_accumulation": ("plain", {"tp_size": 2}, "sgd", 4, 2),
+    "tp_tied": ("tied", {"tp_size": 2}, "sgd", 8, 1),
     "tp_at_load": ("tp_size", None, "sgd", 8, 1),
     "fsdp2_at_load": ("fsdp_size", None, "sgd", 4, 1),
     "dp_shard": ("plain", {"dp_shard_size": 2}, "sgd", 4, 1),
@@ -42,13 +43,15 @@ LAYOUTS = {
 TOLERANCE = {"sgd": 1e-6, "adamw_torch": 5e-4}
 
 
-def tiny_llama():
-    """The issue's tiny Llama: hidden 64, 2 layers, 4 heads, 2 KV heads (each splits over 2 ranks)."""
+def tiny_llama(tied: bool = False):
+    """A tiny Llama: hidden 64, 2 layers, 4 heads, 2 KV heads (each splits over 2 ranks); `tied`: its head is the
+    embedding (as the recipes' models and SmolLM2's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=tied))
 
 
 def sharded_at_load(model, size: str):
@@ -78,8 +81,8 @@ def run_layouts(out: str) -> None:
     from safetensors.torch import save_file
 
     for name, (model_from, parallelism, optim, micro, accumulation) in LAYOUTS.items():
-        model = tiny_llama()
-        if model_from != "plain":
+        model = tiny_llama(tied=model_from == "tied")
+        if model_from not in ("plain", "tied"):
             model = sharded_at_load(model, model_from)
         # tp_adamw also checkpoints at step 3, which a fresh Trainer resumes (below)
         save = "steps" if name == "tp_adamw" else "no"
@@ -121,12 +124,13 @@ def two_processes(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    """One process, batch 8, for each optimizer (and the SGD run's evaluation)."""
+    """One process, batch 8, for each optimizer and the tied model with SGD (and the SGD run's evaluation)."""
     out, runs = tmp_path_factory.mktemp("one_process"), {}
-    for optim in TOLERANCE:
-        trainer = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1), train_dataset=TRAIN)
+    for name, optim, tied in (("sgd", "sgd", False), ("adamw_torch", "adamw_torch", False), ("tied", "sgd", True)):
+        trainer = Trainer(tiny_llama(tied), training_args(str(out / name), optim, GLOBAL_BATCH, 1),
+                          train_dataset=TRAIN)
         trainer.train()
-        runs[optim] = trainer
+        runs[name] = trainer
     runs["evaluated"] = runs["sgd"].evaluate(EVAL)
     return runs
 
@@ -139,23 +143,25 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes, one_process, layout):
-    """Tensor parallelism by the model's tp_plan (also with accumulation 4 x 2, and a model sharded at load), FSDP2
-    by its fsdp_plan (parallelism_config dp_shard_size=2, or a model sharded at load): the parameters after 5 steps,
-    the logged losses and gradient norms (clipping at 1.0 sees the whole gradient), the tokens seen and the global
-    batch equal one process's on 8 rows a step, within float summation order. Tokens are counted and the loss
-    normalised over the data-parallel ranks only: the two ranks of a tensor-parallel group read the same rows."""
+    """Tensor parallelism by the model's tp_plan (also with accumulation 4 x 2, a head tied to the embedding, and a
+    model sharded at load), FSDP2 by its fsdp_plan (parallelism_config dp_shard_size=2, or a model sharded at load):
+    the parameters after 5 steps, the logged losses and gradient norms (clipping at 1.0 sees the whole gradient),
+    the tokens seen and the global batch equal one process's on 8 rows a step, within float summation order. Tokens
+    are counted and the loss normalised over the data-parallel ranks only: the two ranks of a tensor-parallel group
+    read the same rows."""
     from safetensors.torch import load_file
 
     model_from, parallelism, optim, micro, accumulation = LAYOUTS[layout]
     run = json.loads((two_processes / layout / "run.json").read_text())
-    reference = one_process[optim]
+    reference = one_process["tied" if model_from == "tied" else optim]
     ours = load_file(two_processes / layout / "params.safetensors")
     theirs = {n: p.detach() for n, p in reference.model.named_parameters()}
     difference = max_difference(ours, theirs)
     print(f"{layout}: max |parameter difference| = {difference:.2e}")
     assert difference <= TOLERANCE[optim], difference
-    assert max_difference(ours, {n: p.detach() for n, p in tiny_llama().named_parameters()}) > 10 * TOLERANCE[optim]
-    assert run["ddp"] != "DistributedDataParallel" and run["dtensors"] >= 16
+    initial = {n: p.detach() for n, p in tiny_llama(model_from == "tied").named_parameters()}
+    assert max_difference(ours, initial) > 10 * TOLERANCE[optim]
+    assert run["ddp"] != "DistributedDataParallel" and run["dtensors"] >= 15
     assert run["global_batch"] == GLOBAL_BATCH and run["tokens"] == reference.state.num_input_tokens_seen
     expected = [e for e in reference.state.log_history if "loss" in e]
     assert [e["step"] for e in run["logs"]] == [e["step"] for e in expected] == list(range(1, STEPS + 1))
@@ -198,6 +204,30 @@ def test_a_tensor_parallel_checkpoint_is_written_by_every_rank_and_resumes_bit_e
     resumed = load_file(two_processes / "tp_adamw" / "resumed.safetensors")
     assert uninterrupted.keys() == resumed.keys()
     assert all(torch.equal(uninterrupted[n], resumed[n]) for n in resumed)
+
+
+@pytest.mark.distributed
+def test_a_recipe_takes_parallelism_config_on_the_command_line(tmp_path):
+    """The clm recipe under torchrun with --parallelism_config '{"tp_size": 2}' (its model's head tied to the
+    embedding): it trains, writes every rank's shards in its checkpoint, and its saved model loads in one process
+    as an ordinary one."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "clm"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+         "stoker.recipes.clm", "--output_dir", str(out), "--hidden_size", "64", "--intermediate_size", "128",
+         "--num_hidden_layers", "1", "--num_train_examples", "128", "--num_eval_examples", "16",
+         "--num_train_epochs", "1", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
+         "--learning_rate", "3e-3", "--disable_tqdm", "true", "--eval_steps", "8", "--save_steps", "4",
+         "--parallelism_config", '{"tp_size": 2}'],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["after"]["eval_loss"] < results["before"]["eval_loss"] - 0.3
+    assert len(list((out / "checkpoint-8" / "model_shards").glob("*.safetensors"))) == 2
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.tie_word_embeddings and getattr(model.config, "distributed_config", None) is None
 
 
 # --- refusals, before any work -----------------------------------------------------------------------
