@@ -30,7 +30,6 @@ from tests.distributed.test_parallelism import (
     TOLERANCE,
     TRAIN,
     max_difference,
-    one_process,  # noqa: F401 (the fixture: one process, batch 8, per optimizer)
     tiny_llama,
     training_args,
     whole,
@@ -138,10 +137,21 @@ def four_processes(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory) -> dict:
+    """One process, batch 8, for each optimizer the layouts use."""
+    out, runs = tmp_path_factory.mktemp("one_process"), {}
+    for optim in TOLERANCE:
+        runs[optim] = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1),
+                              train_dataset=TRAIN)
+        runs[optim].train()
+    return runs
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_two_dimensional_layout_trains_like_one_process_on_the_same_global_batch(
-        four_processes, one_process, layout):  # noqa: F811 (one_process: the fixture imported above)
+def test_a_two_dimensional_layout_trains_like_one_process_on_the_same_global_batch(four_processes, one_process_runs,
+                                                                                  layout):
     """HSDP (FSDP2 sharded within each pair of ranks, replicated across the pairs, gradients averaged over all 4
     data-parallel ranks, 2 rows each), tensor parallelism inside FSDP2 and a replicated tensor-parallel model (2
     data-parallel ranks of 4 rows, the two ranks of each tensor-parallel group reading the same rows): the
@@ -152,7 +162,7 @@ def test_a_two_dimensional_layout_trains_like_one_process_on_the_same_global_bat
 
     parallelism, optim, micro = LAYOUTS[layout]
     run = json.loads((four_processes / layout / "run.json").read_text())
-    reference = one_process[optim]
+    reference = one_process_runs[optim]
     ours = load_file(four_processes / layout / "params.safetensors")
     difference = max_difference(ours, {n: p.detach() for n, p in reference.model.named_parameters()})
     print(f"{layout}: max |parameter difference| = {difference:.2e}")
