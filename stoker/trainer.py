@@ -1386,10 +1386,14 @@ class Trainer(TransformersSurface):
             batch = dict(batch)  # a transformers collator's BatchEncoding
             with agreeing_on_out_of_memory(acc, agree), torch.no_grad():  # also around a subclass's prediction_step
                 loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
-                scored, genuine = batch, genuine_rows(batch, acc)
-                if loss is not None and genuine:  # score only this process's real rows: one extra forward, once
-                    scored = split_batch(batch, genuine)[0]  # per pass at most
-                    loss = self.prediction_step(model, scored, True, ignore_keys)[0]
+                scored, (genuine, rescore) = batch, genuine_rows(batch, acc)
+                if loss is not None and rescore:  # each process scores its real rows once more, once per pass at
+                    # most, all together (a sharded model's forward is a collective); a batch without fillers or
+                    # without real rows is scored whole and that loss not kept
+                    part = split_batch(batch, genuine)[0] if genuine else batch
+                    again = self.prediction_step(model, part, True, ignore_keys)[0]
+                    if genuine:
+                        scored, loss = part, again
             rows = count_targets(batch, None, False)
             rows_seen += rows
             if loss is not None and (genuine is None or genuine > 0):
@@ -1423,7 +1427,7 @@ class Trainer(TransformersSurface):
         try:
             num_samples = self.num_examples(dataloader)
         except TypeError:  # a stream has no length (also inside Accelerate's shard of it): count what came
-            num_samples = rows_seen * acc.num_processes
+            num_samples = rows_seen * acc.data_parallel_size
         return EvalLoopOutput(predictions=joined["predictions"], label_ids=joined["label_ids"], metrics=metrics,
                               num_samples=num_samples)
 
