@@ -643,14 +643,15 @@ class Trainer(TransformersSurface):
         if not s.is_world_process_zero:
             return
         if a.spike_rollback:
-            level, line = rollback_line(self.model, a, acc.num_processes)  # refused before now where it cannot fit
+            level, line = rollback_line(self.model, a, acc.num_processes, parallelism=acc.parallelism_config)
             getattr(logger, level)(line)
         logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                     f"({100 * trainable / max(total, 1):.2f}%)")
         if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
-            logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
+            logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes,
+                                               acc.parallelism_config))
         if a.async_save:
-            logger.info(async_save_line(self.model, a, acc.num_processes))
+            logger.info(async_save_line(self.model, a, acc.num_processes, acc.parallelism_config))
 
     def _train_loader(self, micro_batch: int, rollback: SpikeRollback | None):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by

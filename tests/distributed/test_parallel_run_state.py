@@ -73,7 +73,7 @@ def snapshot_bytes(trainer, snapshot) -> dict:
 
 
 def run_spike(out: str, layout: str) -> None:
-    """One rank: the spike run, the rollback's snapshots spied on (bytes copied at the first one), with the goodput
+    """One rank: the spike run, the rollback's snapshots spied on (bytes copied at the last one), with the goodput
     ledger and the run report on; rank 0 writes the whole parameters and what the run logged."""
     from safetensors.torch import save_file
 
@@ -81,10 +81,9 @@ def run_spike(out: str, layout: str) -> None:
     folder = os.path.join(out, layout, "spike")
     seen, real = [], SpikeRollback.snapshot
 
-    def spy(self, run, ledger_mark=None):
+    def spy(self, run, ledger_mark=None):  # the last snapshot's (AdamW's state is there from the first step on)
         real(self, run, ledger_mark)
-        if not seen:
-            seen.append(snapshot_bytes(trainer, self.saved))
+        seen[:] = [snapshot_bytes(trainer, self.saved)]
 
     SpikeRollback.snapshot = spy
     try:
@@ -187,8 +186,8 @@ def test_a_spike_is_rolled_back_per_shard_and_the_run_ends_as_one_process_withou
         copied = json.loads((folder / f"snapshot_{rank}.json").read_text())
         print(f"{layout} rank {rank}: snapshot of model and optimizer {copied['host']} bytes, its shards "
               f"{copied['local']}, the whole tensors {copied['whole']}")
-        assert copied["tensors"] == copied["live_tensors"] and copied["dtensors"] >= 16
-        assert copied["host"] == copied["local"] < 0.75 * copied["whole"]
+        assert copied["tensors"] == copied["live_tensors"] and copied["dtensors"] >= 3 * 16  # weights, 2 moments
+        assert copied["host"] == copied["local"] < 0.55 * copied["whole"]
     run = json.loads((folder / "run.json").read_text())
     difference = max_difference(load_file(folder / "params.safetensors"), parameters(without_the_rows))
     print(f"{layout}: max |parameter difference| after the rollback = {difference:.2e}")
