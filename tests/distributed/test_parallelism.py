@@ -300,10 +300,8 @@ def test_what_stoker_does_not_run_is_refused_naming_the_size_the_reason_and_what
         assert w in message, message
 
 
-def test_tensor_parallelism_with_fsdp_or_a_rollback_is_refused(tmp_path, monkeypatch):
+def test_tensor_parallelism_within_fsdp2_or_over_other_processes_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    message = refusal(tmp_path, parallelism_config={"tp_size": 2}, spike_rollback=True, use_cpu=True)
-    assert "parallelism_config={'tp_size': 2} and spike_rollback=True" in message
     message = refusal(tmp_path, parallelism_config={"tp_size": 2, "dp_shard_size": 2}, use_cpu=True)
     assert "tensor parallelism within FSDP2 (2-D) is not yet run" in message
     message = refusal(tmp_path, parallelism_config={"dp_shard_size": 4}, use_cpu=True)
