@@ -127,11 +127,6 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
         if getattr(args, other) not in (None, "", {}, []) and config.total_size > 1:
             p.append(f"{name} and {other}={getattr(args, other)!r}: parallelism_config shards the model by its own "
                      f"plans (transformers' tp_plan and fsdp_plan); leave {other} unset")
-    if config.total_size > 1 and config.total_size != config.dp_replicate_size:
-        for field, reason in (("spike_rollback", "the rollback's snapshot is not yet taken per shard"),
-                              ("async_save", "a background write of DTensor shards is not yet checked")):
-            if getattr(args, field):
-                p.append(f"{name} and {field}=True: {reason}; accepted with parallelism_config: {field}=False")
     return p
 
 

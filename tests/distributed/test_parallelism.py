@@ -27,7 +27,7 @@ from stoker.errors import ConfigError
 from tests.helpers.tiny_jobs import rows
 
 TRAIN = rows(40, seed=11)  # 5 steps of a global batch of 8 rows of 3 to 17 tokens
-EVAL = rows(8, seed=12)
+EVAL = rows(7, seed=12)  # in batches of 2: under FSDP2 one process's last batch is half real, half filler
 GLOBAL_BATCH, STEPS = 8, 5
 # layout -> (how the model reaches the Trainer, parallelism_config, optimizer, micro-batch per rank, accumulation)
 LAYOUTS = {
@@ -68,8 +68,16 @@ def training_args(out: str, optim: str, micro: int, accumulation: int, paralleli
     return TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim=optim,
                              learning_rate=0.05 if optim == "sgd" else 1e-2, lr_scheduler_type="linear",
                              max_grad_norm=1.0, seed=7, save_strategy=save_strategy, save_steps=3, max_steps=STEPS,
-                             per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                             per_device_train_batch_size=micro, per_device_eval_batch_size=2,
+                             gradient_accumulation_steps=accumulation,
                              include_num_input_tokens_seen="non_padding", parallelism_config=parallelism)
+
+
+def label_metrics(prediction) -> dict:
+    """What evaluation gathered: its rows, and a fingerprint of their labels and predicted tokens (each row once)."""
+    labels, predicted = torch.as_tensor(prediction.label_ids), torch.as_tensor(prediction.predictions).argmax(-1)
+    return {"rows": len(labels), "label_sum": int(labels.clamp(min=0).sum()),
+            "predicted_sum": int(predicted[labels >= 0].sum())}
 
 
 def whole(tensor) -> torch.Tensor:
@@ -87,12 +95,13 @@ def run_layouts(out: str) -> None:
         # tp_adamw also checkpoints at step 3, which a fresh Trainer resumes (below)
         save = "steps" if name == "tp_adamw" else "no"
         trainer = Trainer(model, training_args(os.path.join(out, name), optim, micro, accumulation, parallelism,
-                                               save), train_dataset=TRAIN)
+                                               save), train_dataset=TRAIN, compute_metrics=label_metrics)
         trainer.train()
         params = {n: whole(p) for n, p in trainer.model.named_parameters()}  # a collective per DTensor
         evaluated = {}
-        if name == "tp_sgd":  # evaluation and save_model under tensor parallelism, every rank taking part
+        if name in ("tp_sgd", "dp_shard"):  # evaluation (and save_model), every rank taking part
             evaluated = trainer.evaluate(EVAL)
+        if name == "tp_sgd":
             trainer.save_model(os.path.join(out, name, "final"))
         if trainer.accelerator.is_main_process:
             save_file(params, os.path.join(out, name, "params.safetensors"))
@@ -128,7 +137,7 @@ def one_process(tmp_path_factory) -> dict:
     out, runs = tmp_path_factory.mktemp("one_process"), {}
     for name, optim, tied in (("sgd", "sgd", False), ("adamw_torch", "adamw_torch", False), ("tied", "sgd", True)):
         trainer = Trainer(tiny_llama(tied), training_args(str(out / name), optim, GLOBAL_BATCH, 1),
-                          train_dataset=TRAIN)
+                          train_dataset=TRAIN, compute_metrics=label_metrics)
         trainer.train()
         runs[name] = trainer
     runs["evaluated"] = runs["sgd"].evaluate(EVAL)
@@ -172,15 +181,27 @@ def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_evaluation_and_save_model_are_one_processs(two_processes, one_process):
-    """Under tp_size=2 evaluate() gives one process's eval_loss (the ranks of the group read the same rows and
-    count them once), and save_model writes an ordinary folder that from_pretrained loads in one process, with
-    the trained weights (gathered once, written by the main process, no distributed_config left in it)."""
+@pytest.mark.parametrize("layout", ["tp_sgd", "dp_shard"])
+def test_evaluation_under_tensor_parallelism_and_fsdp2_is_one_processs(two_processes, one_process, layout):
+    """evaluate() of 7 rows in batches of 2 after training gives one process's eval_loss and metrics, each row once:
+    under tp_size=2 the ranks of the group read the same rows (gathered from one of them); under FSDP2 the second
+    process's last batch is one real row and one filler, which every process scores once more together (the
+    sharded forward is a collective: one process alone would wait)."""
+    run = json.loads((two_processes / layout / "run.json").read_text())
+    expected = one_process["evaluated"]
+    assert run["evaluated"]["eval_loss"] == pytest.approx(expected["eval_loss"], abs=1e-6)
+    assert run["evaluated"]["eval_rows"] == expected["eval_rows"] == len(EVAL)
+    for key in ("eval_label_sum", "eval_predicted_sum"):
+        assert run["evaluated"][key] == expected[key]
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_save_model_writes_an_ordinary_folder(two_processes):
+    """Under tp_size=2 save_model writes an ordinary folder that from_pretrained loads in one process, with the
+    trained weights (gathered once, written by the main process, no distributed_config left in it)."""
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    run = json.loads((two_processes / "tp_sgd" / "run.json").read_text())
-    assert run["evaluated"]["eval_loss"] == pytest.approx(one_process["evaluated"]["eval_loss"], abs=1e-6)
     loaded = LlamaForCausalLM.from_pretrained(two_processes / "tp_sgd" / "final")
     assert getattr(loaded.config, "distributed_config", None) is None
     trained = load_file(two_processes / "tp_sgd" / "params.safetensors")
@@ -279,10 +300,8 @@ def test_what_stoker_does_not_run_is_refused_naming_the_size_the_reason_and_what
         assert w in message, message
 
 
-def test_tensor_parallelism_with_fsdp_or_a_rollback_is_refused(tmp_path, monkeypatch):
+def test_sizes_over_other_processes_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    message = refusal(tmp_path, parallelism_config={"tp_size": 2}, spike_rollback=True, use_cpu=True)
-    assert "parallelism_config={'tp_size': 2} and spike_rollback=True" in message
     message = refusal(tmp_path, parallelism_config={"dp_shard_size": 4}, use_cpu=True)
     assert "parallelism_config={'dp_shard_size': 4}: its sizes multiply to 4 processes and this run has 2" in message
 
