@@ -5,7 +5,7 @@ lengths with --lengths varied), stoker.Trainer with its plain settings. Prints, 
 compiles), the median of the steps after the warm-up, and what compiling cost over eager in seconds.
 
     python benchmarks/compile.py                       # tiny sizes, a few minutes on a CPU
-    python benchmarks/compile.py --hidden 1024 --layers 24 --seq 2048 --batch 8 --bf16   # the GPU job of issue 45
+    python benchmarks/compile.py --hidden 1024 --layers 24 --seq 2048 --batch 8 --bf16   # the GPU job
 
 Never pass/fail. On a CPU the figures are CPU evidence only: inductor's CPU code, no flash kernel.
 """

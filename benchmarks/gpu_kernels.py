@@ -24,7 +24,7 @@ Ways (each a forward, backward and optimizer step, timed after warm-up steps, me
                 skipped, saying so, elsewhere)
 
 It prints a table (and --json writes one record per way); it is a measurement, not a test, and exits 0 unless
-a way fails. Goals of issue 46 on one H200: packed >= 2.5x padded; the chunked loss at <= 0.6x the plain loss's
+a way fails. Goals on one H200: packed >= 2.5x padded; the chunked loss at <= 0.6x the plain loss's
 peak and >= 1.0x its speed at 128k; float8 >= 1.2x bf16 on the ~1B model.
 """
 

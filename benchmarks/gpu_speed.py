@@ -6,7 +6,7 @@ script's settings and stoker with its fast settings; tokens/s, MFU and peak memo
     python benchmarks/gpu_speed.py --rehearse      # tiny sizes on a CPU, a few steps each (the test suite)
 
 Jobs (a Llama built from a config, nothing downloaded; sdpa attention, bf16 autocast, fused AdamW, lr 1e-4,
-gradient clipping at 1.0, as the issue's table):
+gradient clipping at 1.0, as docs/speed.md reports it):
 
     full     full fine-tune of a 374M Llama (hidden 1024, 24 layers, vocab 32000, untied head), rows of 2048
              tokens, batch 8
@@ -56,7 +56,7 @@ import gpu_check  # noqa: E402  (this folder: its Budget, which gpu_all.sh's two
 import torch  # noqa: E402
 
 WARMUP_STEPS = 3
-JOBS = ("full", "lora", "padded", "packed")  # in this order within the budget: the table first
+JOBS = ("full", "lora", "padded", "packed")  # in this order within the budget: the headline table first
 WAYS = ("hand", "transformers", "stoker", "stoker_fast")
 MODEL_374M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
                   num_key_value_heads=16, vocab_size=32000, tie_word_embeddings=False)  # 374M parameters
