@@ -226,8 +226,9 @@ class LogSums:
         total = self.loss.clone()
         if accelerator.num_processes > 1:
             total = accelerator.reduce(total, reduction="sum")
-            # each process's loss is a mean of its own, or a share of the batch its tensor-parallel group reads
-            total /= accelerator.num_processes if not averaged_across_devices else accelerator.ranks_per_batch
+            # each process's loss is a mean of its own, or a share of the batch its tensor-parallel group reads (a
+            # context-parallel group's ranks each hold the share of their slice)
+            total /= accelerator.num_processes if not averaged_across_devices else accelerator.ranks_per_loss
         self.loss.zero_()
         self.steps = 0
         return total.item()

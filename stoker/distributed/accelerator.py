@@ -192,6 +192,13 @@ class ShareReadingAccelerator(Accelerator):
         config = self.parallelism_config
         self.data_parallel_size = config.data_parallel_size if config is not None else self.num_processes
         self.ranks_per_batch = self.num_processes // self.data_parallel_size
+        # context parallelism: the ranks of a group each hold a slice of the batch's sequence, so each has its own
+        # share of the loss (ranks_per_loss: the processes that compute the very same loss), and FSDP2 averages
+        # the gradients over the data-parallel and the context-parallel ranks (averaged_ranks), which the loss,
+        # normalised over the window's tokens, is multiplied back by
+        cp_size = config.cp_size if config is not None else 1
+        self.ranks_per_loss = self.ranks_per_batch // cp_size
+        self.averaged_ranks = self.data_parallel_size * cp_size
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Accelerate's, with dispatch_batches=None prepared as False (the configuration keeps its None)."""

@@ -26,6 +26,7 @@ from collections import defaultdict
 import torch
 
 from ..errors import ConfigError, suggest
+from .context_parallel import context_parallel_problems
 from .fsdp import fsdp_enabled
 
 # the sizes of a ParallelismConfig, as Accelerate names them, and its other settings
@@ -104,12 +105,10 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
         return p
     name = describe(config)
     runs = "accepted: tp_size or dp_shard_size equal to the number of processes, the other sizes 1"
-    if config.cp_size > 1:
-        p.append(f"{name}: context parallelism (cp_size={config.cp_size}) "
-                 + ("is not yet run by stoker: the loop does not enter torch's context_parallel around each micro-"
-                    "batch" if on_cuda else "needs CUDA: torch registers its ring attention only for the CUDA sdpa "
-                    "kernels, so on this machine the sequence would not be split")
-                 + f"; {runs}")
+    if config.cp_size > 1:  # on a CPU, that refusal alone (stoker.distributed.context_parallel)
+        p += context_parallel_problems(args, config, on_cuda, name)
+        if not on_cuda:
+            return p
     if config.sp_size > 1:
         p.append(f"{name}: sequence parallelism (sp_size={config.sp_size}, sp_backend={config.sp_backend!r}, "
                  "DeepSpeed's Ulysses) is not yet run by stoker: its data loader adapter splits each batch by "
@@ -124,6 +123,8 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
         p.append(f"{name}: its sizes multiply to {config.total_size} processes and this run has {world_size} (the "
                  f"launcher's WORLD_SIZE); accepted: sizes whose product is {world_size}")
     for other in ("fsdp", "deepspeed"):
+        if other == "fsdp" and config.cp_size > 1:  # context parallelism runs with FSDP2 (asked for above)
+            continue
         if getattr(args, other) not in (None, "", {}, []) and config.total_size > 1:
             p.append(f"{name} and {other}={getattr(args, other)!r}: parallelism_config shards the model by its own "
                      f"plans (transformers' tp_plan and fsdp_plan); leave {other} unset")
@@ -169,7 +170,8 @@ def run_parallelism(args, model, world_size: int):
         problems.append(f"{describe(config)}: the model was sharded at load with "
                         f"{', '.join(f'{k}={v}' for k, v in layout.items())}; accepted: the same sizes, or "
                         "parallelism_config unset")
-    if config is not None and not sharded and config.total_size > 1:
+    # (under context parallelism the fsdp setting's FSDP2 shards the model, not its plans)
+    if config is not None and not sharded and config.total_size > 1 and config.cp_size == 1:
         problems += _plan_problems(model, config)
     if problems:
         raise ConfigError(problems, "distributed configuration")
@@ -201,8 +203,9 @@ def _plan_problems(model, config) -> list[str]:
 
 
 def is_layout_sharded(config) -> bool:
-    """Whether a run's ParallelismConfig shards the model (tensor parallelism or FSDP2), rather than replicate it."""
-    return config is not None and (config.tp_size > 1 or config.dp_shard_size > 1)
+    """Whether a run's ParallelismConfig shards the model by its plans (tensor parallelism or FSDP2), rather than
+    replicate it; not under context parallelism, whose model the fsdp setting's FSDP2 shards."""
+    return config is not None and config.cp_size == 1 and (config.tp_size > 1 or config.dp_shard_size > 1)
 
 
 def shard_with_plans(model, config, device):
