@@ -9,6 +9,9 @@ load (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fs
     shard_with_plans          a model not yet sharded, sharded by its tp_plan / fsdp_plan as from_pretrained would
     clip_across_meshes        gradient clipping over parameters whose gradients live on different meshes
 
+Context parallelism (cp_size > 1, with the fsdp setting's FSDP2) is stoker.distributed.context_parallel's: refused
+here on a CPU, and its refusals gathered here with the others.
+
 What the layouts share: the ranks of one tensor-parallel group read the same rows (Accelerate's data loader follows
 the device mesh), so tokens are counted and the loss normalised over the data-parallel ranks only
 (`data_parallel_size`); a sharded model is never wrapped in DDP (its DTensors carry their own collectives).

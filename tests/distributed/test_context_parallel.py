@@ -19,6 +19,7 @@ Also the buffers handed to Accelerate's maybe_context_parallel (a mocked Acceler
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -116,6 +117,12 @@ def context_parallel_trainer(out: str, optim: str, micro: int, accumulation: int
     return trainer
 
 
+def record_length(seen: list, module, args, output) -> None:
+    """A forward hook of the embedding: the sequence length of each training forward."""
+    if module.training:
+        seen.append(args[0].shape[1])
+
+
 class RecordingSplit(SequenceSplit):
     """The run's SequenceSplit, recording the length of every micro-batch it splits."""
 
@@ -143,8 +150,7 @@ def run_layouts(out: str) -> None:
             trainer = context_parallel_trainer(os.path.join(out, name), optim, micro, accumulation)
             # the sequence length of each training forward on this rank, and of each micro-batch split
             seen = []
-            hook = trainer.model.model.embed_tokens.register_forward_hook(
-                lambda module, args, output: seen.append(args[0].shape[1]) if module.training else None)
+            hook = trainer.model.model.embed_tokens.register_forward_hook(functools.partial(record_length, seen))
             trainer._sequence_split = RecordingSplit(trainer.accelerator)
             trainer.train()
             hook.remove()
@@ -156,8 +162,8 @@ def run_layouts(out: str) -> None:
                 (Path(out) / name / "run.json").write_text(json.dumps({
                     "logs": [e for e in trainer.state.log_history if "loss" in e], "evaluated": evaluated,
                     "tokens": trainer.state.num_input_tokens_seen, "global_batch": trainer.get_total_train_batch_size(),
-                    "cp_size": trainer.get_cp_size(), "seen": seen, "lengths": lengths, "mesh": trainer.accelerator.torch_device_mesh[
-                        "dp_shard_cp"].size(),
+                    "cp_size": trainer.get_cp_size(), "seen": seen, "lengths": lengths,
+                    "mesh": trainer.accelerator.torch_device_mesh["dp_shard_cp"].size(),
                     "dtensors": sum(hasattr(p, "full_tensor") for p in trainer.model.parameters())}))
         refused = context_parallel_trainer(os.path.join(out, "refused"), "sgd", 4, 1)
         refused.data_collator = PaddingCollator()  # pads to the longest row, not to a multiple of 4
