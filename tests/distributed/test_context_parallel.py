@@ -300,6 +300,27 @@ def test_the_buffers_and_sequence_dims_handed_to_maybe_context_parallel():
         assert torch.equal(batch[k], whole[k]) and all(batch[k] is not b for b in buffers)
 
 
+def test_the_split_reads_the_device_only_for_the_first_batchs_padding():
+    """On a GPU a read of the device makes the host wait: the split reads the attention mask once, for the run's
+    first batch (its padding side), and every micro-batch after it reads nothing and copies nothing from the host
+    (counted on the CPU by tests/gpu_paths' HostSyncCounter)."""
+    from tests.gpu_paths.test_syncs import HostSyncCounter
+
+    def batch():
+        return {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
+                "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+
+    split = SequenceSplit(RecordingAccelerator())
+    with HostSyncCounter() as first:
+        assert split.batch_problems(batch()) == []
+    with HostSyncCounter() as later:
+        for _ in range(3):
+            context, _inputs = split(batch())
+            with context:
+                pass
+    assert [e[0] for e in first.events] == ["read"] and later.events == [], (first.events, later.events)
+
+
 def test_a_batch_the_split_cannot_run_is_named():
     split = SequenceSplit(RecordingAccelerator())
     odd = {"input_ids": torch.zeros(2, 6, dtype=torch.long)}
