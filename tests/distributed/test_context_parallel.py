@@ -71,10 +71,11 @@ def attention_per_token():
         mapping["sdpa"] = real
 
 
-def training_args(out: str, optim: str, micro: int, accumulation: int, parallelism=None, **kw) -> TrainingArguments:
+def training_args(out: str, optim: str, micro: int, accumulation: int, parallelism=None, save_strategy: str = "no",
+                  **kw) -> TrainingArguments:
     return TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim=optim,
                              learning_rate=0.05 if optim == "sgd" else 1e-2, lr_scheduler_type="linear",
-                             max_grad_norm=1.0, seed=7, save_strategy="no", max_steps=STEPS,
+                             max_grad_norm=1.0, seed=7, max_steps=STEPS, save_strategy=save_strategy,
                              per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
                              per_device_eval_batch_size=2, include_num_input_tokens_seen="non_padding",
                              parallelism_config=parallelism, **kw)
@@ -147,7 +148,9 @@ def run_layouts(out: str) -> None:
 
     with attention_per_token():
         for name, (optim, micro, accumulation) in LAYOUTS.items():
-            trainer = context_parallel_trainer(os.path.join(out, name), optim, micro, accumulation)
+            # cp_adamw checkpoints at step 2 (every rank its FSDP2 shards), which a fresh Trainer resumes (below)
+            saves = {"save_strategy": "steps", "save_steps": 2} if name == "cp_adamw" else {}
+            trainer = context_parallel_trainer(os.path.join(out, name), optim, micro, accumulation, **saves)
             # the sequence length of each training forward on this rank, and of each micro-batch split
             seen = []
             hook = trainer.model.model.embed_tokens.register_forward_hook(functools.partial(record_length, seen))
@@ -165,6 +168,13 @@ def run_layouts(out: str) -> None:
                     "cp_size": trainer.get_cp_size(), "seen": seen, "lengths": lengths,
                     "mesh": trainer.accelerator.torch_device_mesh["dp_shard_cp"].size(),
                     "dtensors": sum(hasattr(p, "full_tensor") for p in trainer.model.parameters())}))
+        resumed = context_parallel_trainer(os.path.join(out, "cp_adamw", "resumed"), "adamw_torch", 4, 1)
+        resumed.train(resume_from_checkpoint=os.path.join(out, "cp_adamw", "checkpoint-2"))
+        params = {n: whole(p) for n, p in resumed.model.named_parameters()}
+        if resumed.accelerator.is_main_process:
+            save_file(params, os.path.join(out, "cp_adamw", "resumed.safetensors"))
+            (Path(out) / "cp_adamw" / "resumed.json").write_text(json.dumps(
+                [e["loss"] for e in resumed.state.log_history if "loss" in e]))
         refused = context_parallel_trainer(os.path.join(out, "refused"), "sgd", 4, 1)
         refused.data_collator = PaddingCollator()  # pads to the longest row, not to a multiple of 4
         before = {n: whole(p) for n, p in refused.model.named_parameters()}
@@ -240,6 +250,24 @@ def test_context_parallel_trains_like_one_process_on_the_same_global_batch(two_p
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor([e[key] for e in run["logs"]]),
                                    torch.tensor([e[key] for e in expected]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_context_parallel_checkpoint_is_written_by_every_rank_and_resumes_bit_equal(two_processes):
+    """The cp_size=2 AdamW run's checkpoint-2 holds each rank's FSDP2 shards of the model and the optimizer state
+    (safetensors and JSON only); a fresh cp_size=2 Trainer resumed from it ends with the uninterrupted run's
+    parameters, bit for bit, and the same losses."""
+    from safetensors.torch import load_file
+
+    folder = two_processes / "cp_adamw" / "checkpoint-2"
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    assert files and all(f.suffix in (".json", ".safetensors") for f in files), files
+    assert len(list((folder / "optimizer_shards").glob("*.safetensors"))) == 2
+    uninterrupted = load_file(two_processes / "cp_adamw" / "params.safetensors")
+    resumed = load_file(two_processes / "cp_adamw" / "resumed.safetensors")
+    assert uninterrupted.keys() == resumed.keys() and all(torch.equal(uninterrupted[n], resumed[n]) for n in resumed)
+    logged = [e["loss"] for e in json.loads((two_processes / "cp_adamw" / "run.json").read_text())["logs"]]
+    assert json.loads((two_processes / "cp_adamw" / "resumed.json").read_text()) == logged  # (its first two read back)
 
 
 @pytest.mark.distributed
