@@ -31,6 +31,9 @@ Checks, each a short stoker training run of a Llama built from a config (nothing
     ddp_2proc         DDP under torchrun, both ranks' losses equal: two ranks over NCCL with 2 GPUs or more; with
                       one GPU one rank (ddp_1proc: the launcher's path, NCCL, the wrapped model) and the two-rank
                       agreement "not run" (DDP takes a device per rank); two gloo ranks in the rehearsal
+    parallelism       parallelism_config's tensor parallelism under torchrun: tp_size=2 over NCCL with 2 GPUs or
+                      more; with one GPU tp_size=1 and tensor, sequence and context parallelism over 2 ranks
+                      "not run"; tp_size=2 over two gloo ranks in the rehearsal
 
 Throughput is measured over the steps after the first few (compilation and warm-up excluded), at a fixed
 sequence length without padding. It is a check, not a test: it prints a table; the exit code is 1 if a
@@ -171,7 +174,7 @@ def train(model, out: str, steps: int, batch: int, seq_len: int, warmup: int, **
     free_memory()
     trainer = Trainer(model, args, train_dataset=data, callbacks=callbacks, peft_config=peft_config)
     output = trainer.train(resume_from_checkpoint=resume)
-    world = trainer.accelerator.num_processes
+    world = trainer.accelerator.data_parallel_size  # the ranks of a tensor-parallel group share their rows
     timed = timer.ends[warmup:]
     tokens_per_s = (len(timed) - 1) * batch * seq_len * world / (timed[-1] - timed[0]) if len(timed) > 1 else 0.0
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
@@ -630,6 +633,48 @@ def check_ddp_2proc(sizes: dict, steps: int, batch: int, seq_len: int, rehearse:
              "losses": [loss for loss, _ in gathered], "devices": [d for _, d in gathered]}] if rank == 0 else []
 
 
+PARALLEL_NOT_RUN_ON_ONE_GPU = {
+    "tp_2gpu": "one GPU here: tensor parallelism over 2 ranks takes a device per rank; on CPU processes it is "
+               "exact against one process (tests/distributed/test_parallelism.py)",
+    "sp_2gpu": "one GPU here: Ulysses sequence parallelism (sp_size=2) takes a device per rank",
+    "cp_2gpu": "one GPU here: context parallelism (cp_size=2, ring attention in torch's CUDA sdpa kernels) takes a "
+               "device per rank; not measured",
+}
+
+
+def check_parallelism(sizes: dict, steps: int, batch: int, seq_len: int, rehearse: bool = False) -> list[dict]:
+    """parallelism_config under torchrun, tp_size = the number of ranks (the model's tp_plan): with one GPU
+    tp_size=1 (the launcher, parallelism_config on CUDA, nothing split) and what needs 2 GPUs reported as not run;
+    with two GPUs or more tp_size=2 over NCCL; in the rehearsal tp_size=2 over two gloo ranks. The ranks of a
+    tensor-parallel group read the same rows, so their losses must be equal."""
+    if os.environ.get("LOCAL_RANK") is None:
+        processes = 2 if rehearse or torch.cuda.device_count() >= 2 else 1
+        (r,) = torchrun_child("parallelism", processes, rehearse)
+        if r["world"] != processes or len(set(r["losses"])) != 1 or not all(map(math.isfinite, r["losses"])):
+            raise RuntimeError(f"{r['world']} processes, losses {r['losses']}: not {processes} ranks that agree")
+        row = {"name": f"tp_{processes}{'proc' if rehearse else 'gpu'}", "tokens_per_s": r["tokens_per_s"],
+               "peak_gb": r["peak_gb"], "note": f"tp_size={processes} on {' and '.join(r['devices'])}, "
+               f"{r['backend']}: {r['dtensors']} DTensor parameters; loss {r['losses'][0]:.4f} on every rank"}
+        if processes == 1:
+            return [row, *({"name": n, "not_run": why} for n, why in PARALLEL_NOT_RUN_ON_ONE_GPU.items())]
+        return [row]
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    with tempfile.TemporaryDirectory() as out:
+        r = train(llama(sizes, seq_len), out, steps, batch, seq_len, warmup=1, parallelism_config={"tp_size": world},
+                  ddp_backend=None if torch.cuda.is_available() else "gloo")
+        trainer = r.pop("trainer")
+        device = str(trainer.accelerator.device)
+        dtensors = sum(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+        del trainer
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (r["loss"], device))
+    return [{"name": "parallelism", **r, "world": world, "backend": dist.get_backend(), "dtensors": dtensors,
+             "losses": [loss for loss, _ in gathered], "devices": [d for _, d in gathered]}] \
+        if dist.get_rank() == 0 else []
+
+
 def checks(rehearse: bool) -> dict:
     """name -> zero-argument callable. Rehearsal: tiny sizes, only what runs on a CPU."""
     if rehearse:
@@ -642,7 +687,8 @@ def checks(rehearse: bool) -> dict:
                 "chunked_loss": lambda: check_chunked_loss(**s),
                 "packing": lambda: check_packing(**s),
                 "shared_prefix": lambda: check_shared_prefix(**long),
-                "ddp_2proc": lambda: check_ddp_2proc(**dict(s, steps=3), rehearse=True)}
+                "ddp_2proc": lambda: check_ddp_2proc(**dict(s, steps=3), rehearse=True),
+                "parallelism": lambda: check_parallelism(**dict(s, steps=3), rehearse=True)}
     s = dict(sizes=SMALL, steps=30, batch=8, seq_len=512)
     short = dict(s, steps=10)
     return {
@@ -662,6 +708,7 @@ def checks(rehearse: bool) -> dict:
         "packing": lambda: check_packing(M100, steps=15, batch=8, seq_len=1024, bf16=True),
         "shared_prefix": lambda: check_shared_prefix(**short),
         "ddp_2proc": lambda: check_ddp_2proc(**short),
+        "parallelism": lambda: check_parallelism(**short),
     }
 
 

@@ -34,7 +34,7 @@ from .distributed.launch import launcher_world_size
 from .errors import ConfigError, report
 from .gguf import gguf_file, local_model, packaged_model
 from .lora import merge_adapter
-from .memory_plan import GIB, ModelShape, Setup, describe, estimate, largest_micro_batch, propose
+from .memory_plan import GIB, ModelShape, Setup, describe, estimate, largest_micro_batch, plan_sizes, propose
 from .preflight import adapter_folder_problem, model_source_problem, writable_folder_problem
 from .recipes import INPUT_CHECKS, RECIPES, build_causal_lm, parse_recipe_args, recipe_of
 from .report import report_from_files
@@ -238,7 +238,8 @@ def setup_from_arguments(model_args, data_args, args, world_size: int) -> Setup:
         quantization=4 if getattr(model_args, "load_in_4bit", False) else 8 if getattr(
             model_args, "load_in_8bit", False) else None,
         fsdp=args.fsdp if args.fsdp not in (None, "", False) else None, async_save=args.async_save,
-        spike_rollback=args.spike_rollback)
+        spike_rollback=args.spike_rollback, **dict(zip(("tp_size", "dp_shard_size"),
+                                                      plan_sizes(args.parallelism_config), strict=True)))
 
 
 def load_model_config(name_or_path: str):

@@ -74,20 +74,40 @@ def split_batch(batch: dict, rows: int) -> list[dict]:
     return [{k: part(v, i) for k, v in batch.items()} for i in range(0, n, rows)]
 
 
-def genuine_rows(batch: dict, accelerator) -> int | None:
-    """How many rows of this process's evaluation batch are real samples; None if all of them are.
+def genuine_rows(batch: dict, accelerator) -> tuple[int | None, bool]:
+    """How many rows of this process's evaluation batch are real samples (None if all of them are), and whether
+    some process's batch holds real rows and fillers both (all then score their real rows once more together).
 
-    With several processes Accelerate fills every process's last batch up to the same size with samples from
-    the start of the dataset (even_batches), and gather_for_metrics cuts those from the gathered predictions:
-    the first `remainder` gathered rows, in process order, are real. The loss makes the same cut, so that every
-    sample counts exactly once and eval_loss equals the single-process value.
-    """
+    With several data-parallel readers Accelerate fills every reader's last batch up to the same size with samples
+    from the start of the dataset (even_batches), and gather_for_metrics cuts those from the gathered predictions:
+    the first `remainder` gathered rows, in reader order, are real. The loss makes the same cut, so that every
+    sample counts exactly once and eval_loss equals the single-process value. The ranks of a tensor-parallel group
+    are one reader (they read the same rows)."""
     state = accelerator.gradient_state
-    if accelerator.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
-        return None
+    if accelerator.data_parallel_size == 1 or not state.end_of_dataloader or state.remainder <= 0:
+        return None, False
     rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-    genuine = min(max(state.remainder - accelerator.process_index * rows, 0), rows)
-    return None if genuine == rows else genuine
+    reader = accelerator.process_index // accelerator.ranks_per_batch
+    genuine = min(max(state.remainder - reader * rows, 0), rows)
+    return (None if genuine == rows else genuine), state.remainder % rows != 0
+
+
+def gather_once_per_batch(accelerator, tensor: torch.Tensor, use_gather_object: bool):
+    """Accelerate's gather_for_metrics of `tensor` from every process, where the ranks of a tensor-parallel group
+    hold the same rows (ranks_per_batch > 1): each group's rows are kept once (from its first rank), then the fill of
+    the last batch is cut as gather_for_metrics cuts it."""
+    acc, k = accelerator, accelerator.ranks_per_batch
+    if k == 1:
+        return acc.gather_for_metrics(tensor, use_gather_object=use_gather_object)
+    if use_gather_object:
+        from accelerate.utils import gather_object
+
+        data = torch.cat(gather_object([tensor])[::k])
+    else:
+        data = acc.gather(tensor)
+        data = data.view(acc.num_processes, -1, *data.shape[1:])[::k].flatten(0, 1)
+    state = acc.gradient_state
+    return data[:state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
 
 
 def labels_of(batch: dict, label_names: list[str]):
@@ -147,8 +167,8 @@ class Collected:
         acc = self.accelerator
 
         def gather(t):  # sequence lengths differ between processes: pad to a common length first
-            return acc.gather_for_metrics(acc.pad_across_processes(t, dim=1, pad_index=-100),
-                                          use_gather_object=self.use_gather_object)
+            return gather_once_per_batch(acc, acc.pad_across_processes(t, dim=1, pad_index=-100),
+                                         self.use_gather_object)
 
         step = {k: _nested(gather, v) for k, v in values.items() if v is not None}
         if keep:

@@ -28,6 +28,13 @@ MLP kind, attention implementation, dropout, rotary or learned positions, tied h
     FSDP           shards weights, gradients and optimizer state over the world size (plus the gathered layer
                    being computed); CPU offload, with one process too, moves parameters, gradients and
                    optimizer state to the host
+    parallelism_config  tp_size divides what tensor parallelism shards (`tp_sharded`: the decoder layers' Linear
+                   weights, the embedding and the output layer; norms stay whole on every rank): their weights,
+                   gradients and optimizer state, and the activations of the sharded projections (q, k, v, the
+                   attention output and probabilities: the rank's heads; the MLP's intermediate values); the
+                   logits are gathered whole on every rank. dp_shard_size shards everything as FSDP2 over its
+                   ranks (plus the gathered layer being computed); its gradients are reduce-scattered after every
+                   micro-batch (stoker's loop has no no_sync for it). Neither is wrapped in DDP: no buckets
     CUDA context   about 0.5 GiB per process on a GPU that no tensor accounts for
     host           in host memory, not on the device: async_save's checkpoint in flight, and spike_rollback's
                    snapshot (pinned copies of the trainable parameters and the optimizer state, 12 bytes per
@@ -196,13 +203,21 @@ class Setup:
     lora_dropout: float = 0.0
     quantization: int | None = None     # 4 or 8 (QLoRA), None
     fsdp: str | None = None             # None, 'full_shard', 'shard_grad_op' (+ ' offload')
+    tp_size: int = 1                    # parallelism_config's tensor parallelism (the model's tp_plan)
+    dp_shard_size: int = 1              # parallelism_config's FSDP2 by the model's fsdp_plan
     async_save: bool = False            # a checkpoint in flight holds a copy of the saved state in host memory
     spike_rollback: bool = False        # a pinned host snapshot of the trained state on every process
     device: str = "cuda"                # 'cuda' or 'cpu': which attention kernels run (see keeps_attention_...)
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.accumulation * self.world_size
+        """The ranks of a tensor-parallel group read the same rows: the batch is dealt over world_size / tp_size."""
+        return self.micro_batch * self.accumulation * (self.world_size // self.tp_size)
+
+    @property
+    def plan_sharded(self) -> bool:
+        """Whether parallelism_config shards the model (tensor parallelism or FSDP2), never wrapped in DDP."""
+        return self.tp_size > 1 or self.dp_shard_size > 1
 
 
 @dataclass
@@ -281,6 +296,19 @@ def _lora_params(shape: ModelShape, setup: Setup) -> int:
     return setup.lora_r * sum(o + i for o, i in shapes) * shape.layers
 
 
+def tp_sharded(shape: ModelShape) -> int:
+    """The parameters tensor parallelism shards (transformers' tp_plans: every decoder Linear, colwise or rowwise,
+    the embedding by rows of its vocabulary and the output layer by columns); the norms are whole on every rank."""
+    return shape.linear_params + shape.embedding_params + (0 if shape.tied else shape.vocab * shape.hidden)
+
+
+def held_share(shape: ModelShape, tp_size: int = 1, dp_shard_size: int = 1) -> float:
+    """The share of the model's parameters (and of their gradients and optimizer state) one process holds under
+    parallelism_config: tensor parallelism's shards and the whole norms, then FSDP2's shard of those."""
+    sharded = min(tp_sharded(shape), shape.params)
+    return (sharded / tp_size + shape.params - sharded) / max(shape.params, 1) / dp_shard_size
+
+
 def keeps_attention_probabilities(shape: ModelShape, setup: Setup) -> bool:
     """Whether attention keeps its [heads, seq, seq] probabilities for backward: eager attention always; sdpa
     with attention dropout on the CPU, where torch's fused kernels take no dropout and its math kernel runs."""
@@ -298,7 +326,10 @@ def _activation_values_per_token(shape: ModelShape, setup: Setup) -> tuple[float
     if keeps_attention_probabilities(shape, setup):  # the probabilities, and their dropped copy and mask
         attention += shape.heads * setup.seq_len * (2.25 if shape.attention_dropout > 0 else 1)
     residual_dropout = 2 * 0.25 * h if shape.hidden_dropout > 0 else 0.0
-    layer = 2 * norm + attention + MLP_VALUES.get(shape.mlp, 2) * i + residual_dropout
+    # tensor parallelism: the projections' outputs are the rank's heads and intermediate units; the norms'
+    # inputs and outputs (the residual stream) are whole on every rank
+    sharded = (attention + MLP_VALUES.get(shape.mlp, 2) * i) / setup.tp_size
+    layer = 2 * norm + sharded + residual_dropout
     if setup.lora_r and setup.lora_dropout > 0:  # each adapter keeps its own dropped copy of its input
         inputs = sum(i for _, i in shape.linear_shapes) or 6 * h + i
         layer += (inputs if setup.lora_all_linear else 2 * h) * 1.25  # + the dropout mask
@@ -323,6 +354,9 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     grad_bytes = 4 if setup.lora_r else wbytes
     gradients = trainable * grad_bytes
     optimizer = _optimizer_bytes(shape, setup, trainable)
+    # parallelism_config: each process holds its share of every parameter, its gradient and its optimizer state
+    share = held_share(shape, setup.tp_size, setup.dp_shard_size)
+    weights, gradients, optimizer = weights * share, gradients * share, optimizer * share
 
     tokens = setup.micro_batch * setup.seq_len
     act_bytes = 4 if setup.mixed_precision == "no" and setup.weights_dtype == "float32" else 2.5
@@ -339,13 +373,19 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     else:
         logits = 3 * tokens * shape.vocab * 4 + (tokens * shape.vocab * 2 if act_bytes < 4 else 0)
     # transient buffers of backward: gradients of the largest activations of one layer
-    workspace = 2 * tokens * max(shape.hidden, shape.intermediate) * act_bytes
+    workspace = 2 * tokens * max(shape.hidden, shape.intermediate / setup.tp_size) * act_bytes
 
     host = 0.0
     buckets = 0.0
     unsharded = gradients  # every trainable parameter's gradient, on each process, before any sharding
-    if setup.world_size > 1 and not setup.fsdp:
+    if setup.world_size > 1 and not setup.fsdp and not setup.plan_sharded:
         buckets = gradients  # DDP all-reduces from buckets that hold a second copy of every gradient
+    if setup.dp_shard_size > 1:  # FSDP2 gathers a layer at a time (the one computed and the one prefetched),
+        # its tensor-parallel shards under tp_size
+        layers = max(shape.layers, 1)
+        layer_params = (shape.params - shape.embedding_params * (1 if shape.tied else 2)) / layers
+        layer_linear = shape.linear_params / layers
+        weights += 2 * (layer_linear / setup.tp_size + layer_params - layer_linear) * wbytes
     if setup.fsdp:  # with one process too: FSDP then shards nothing, but offload still moves state to the host
         # shard_grad_op (ZeRO-2) shards gradients and optimizer state; full_shard (ZeRO-3) the weights too,
         # gathering a layer at a time (the one computed and the one prefetched)
@@ -362,7 +402,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     # backward (the loss's buffers and every kept activation), the backward of a recomputed layer (the
     # loss's buffers are gone, gradients have been arriving), and the optimizer step (every gradient and
     # the step's temporaries, the size of the largest parameter)
-    grad_head = (shape.vocab * shape.hidden * grad_bytes) if not setup.lora_r else 0
+    grad_head = (shape.vocab * shape.hidden * grad_bytes) / setup.tp_size if not setup.lora_r else 0
     # accumulated over the previous micro-batches; under FSDP unsharded (no_sync keeps full gradients until the
     # last micro-batch reduce-scatters them), with CPU offload too: they are accumulated on the device
     earlier = (unsharded if setup.fsdp else gradients) if setup.accumulation > 1 else 0
@@ -371,9 +411,10 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     backward_recompute = arriving + kept + recomputed + workspace if recomputed else 0
     # the step's temporaries: the for-loop implementation's, the size of the largest parameter; the foreach
     # one's (a GPU's default for these optimizers), a copy of every trainable parameter (of this shard)
-    per_parameter = 2 * max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden) * grad_bytes
+    per_parameter = 2 * max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden) * grad_bytes / (
+        setup.tp_size * setup.dp_shard_size)
     on_device = not (setup.fsdp and "offload" in setup.fsdp)  # offloaded, the step runs on the host
-    copy = (trainable * grad_bytes / (setup.world_size if setup.fsdp else 1)
+    copy = (trainable * grad_bytes * share / (setup.world_size if setup.fsdp else 1)
             if setup.device == "cuda" and setup.optim in FOREACH_COPY and on_device else 0.0)
     optimizer_step = gradients + max(per_parameter, copy)
     live = max(backward_start, backward_recompute, optimizer_step)
@@ -381,10 +422,11 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     tensors = weights + optimizer + buckets + live
     allocator = ALLOCATOR_HEADROOM * tensors if setup.device == "cuda" else 0.0
     nccl = NCCL_BUFFERS if setup.device == "cuda" and setup.world_size > 1 else 0.0
-    snapshot = async_snapshot(4 * lora if setup.lora_r else shape.params * wbytes, trainable, setup.optim,
-                              setup.world_size if setup.fsdp else 1) if setup.async_save else 0.0
-    rollback = rollback_snapshot(trainable * (4 if setup.lora_r else wbytes), trainable, setup.optim,
-                                 setup.world_size if setup.fsdp else 1) if setup.spike_rollback else 0.0
+    shards = setup.world_size if setup.fsdp else 1
+    snapshot = async_snapshot((4 * lora if setup.lora_r else shape.params * wbytes) * share, trainable * share,
+                              setup.optim, shards) if setup.async_save else 0.0
+    rollback = rollback_snapshot(trainable * (4 if setup.lora_r else wbytes) * share, trainable * share, setup.optim,
+                                 shards) if setup.spike_rollback else 0.0
     return Estimate(weights=weights, gradients=gradients, optimizer=optimizer, activations=kept + recomputed,
                     logits=logits, peak=tensors + context + allocator + nccl, host=host, buckets=buckets,
                     context=context, unsharded_gradients=earlier if setup.fsdp and setup.world_size > 1 else 0.0,
@@ -408,7 +450,7 @@ def propose(shape: ModelShape, setup: Setup, budget_bytes: float) -> tuple[Setup
     per_device = setup.micro_batch * setup.accumulation  # what each process must cover per optimizer step
     micros = [m for m in range(1, per_device + 1) if per_device % m == 0]
     shardings = [setup.fsdp]
-    if setup.world_size > 1:
+    if setup.world_size > 1 and not setup.plan_sharded:  # parallelism_config shards by the model's own plans
         shardings += [s for s in ("shard_grad_op", "full_shard", "full_shard offload") if s != setup.fsdp]
     fitting = []
     for sharding in shardings:
@@ -450,9 +492,24 @@ def largest_micro_batch(shape: ModelShape, setup: Setup, budget_bytes: float, li
 # what the Trainer and `stoker plan` (stoker.cli) print
 
 
-def start_of_training_line(model, args, dataset, world_size: int) -> str:
+def plan_sizes(parallelism) -> tuple[int, int]:
+    """(tp_size, dp_shard_size) of a parallelism_config: Accelerate's ParallelismConfig, a dict of its fields, or
+    None (1, 1)."""
+    if isinstance(parallelism, Mapping):
+        return int(parallelism.get("tp_size") or 1), int(parallelism.get("dp_shard_size") or 1)
+    return int(getattr(parallelism, "tp_size", 1) or 1), int(getattr(parallelism, "dp_shard_size", 1) or 1)
+
+
+def _model_share(model, parallelism) -> float:
+    """The share of `model`'s parameters one process holds under `parallelism` (held_share; 1 without it)."""
+    tp, dp_shard = plan_sizes(parallelism)
+    return 1.0 if tp == dp_shard == 1 else held_share(ModelShape.from_model(model), tp, dp_shard)
+
+
+def start_of_training_line(model, args, dataset, world_size: int, parallelism=None) -> str:
     """The one-line plan the Trainer prints when a causal LM starts training: the estimated peak per device,
-    for rows as long as the longest of the dataset's first 64."""
+    for rows as long as the longest of the dataset's first 64. `parallelism`: the run's ParallelismConfig (the
+    arguments' parallelism_config when None)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     lengths = []
     if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
@@ -461,6 +518,7 @@ def start_of_training_line(model, args, dataset, world_size: int) -> str:
         lengths = [len(r["input_ids"]) for r in rows if isinstance(r, Mapping) and "input_ids" in r]
     peft_config = next(iter(getattr(model, "peft_config", {}).values()), None)
     dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
+    tp, dp_shard = plan_sizes(parallelism if parallelism is not None else args.parallelism_config)
     setup = Setup(micro_batch=args.per_device_train_batch_size, seq_len=max(lengths, default=512),
                   accumulation=args.gradient_accumulation_steps, world_size=world_size,
                   gradient_checkpointing=args.gradient_checkpointing, chunked_loss=args.chunked_loss,
@@ -469,7 +527,7 @@ def start_of_training_line(model, args, dataset, world_size: int) -> str:
                   lora_dropout=getattr(peft_config, "lora_dropout", 0.0) or 0.0,
                   quantization=4 if getattr(base, "is_loaded_in_4bit", False) else 8 if getattr(
                       base, "is_loaded_in_8bit", False) else None,
-                  fsdp=args.fsdp if args.fsdp not in (None, "", False) else None,
+                  fsdp=args.fsdp if args.fsdp not in (None, "", False) else None, tp_size=tp, dp_shard_size=dp_shard,
                   device="cpu" if next(base.parameters()).device.type == "cpu" else "cuda")
     e = estimate(ModelShape.from_model(model), setup)
     return (f"memory plan: about {_size(e.peak)} per device at the peak (weights {_size(e.weights)}, gradients "
@@ -477,31 +535,37 @@ def start_of_training_line(model, args, dataset, world_size: int) -> str:
             f"{_size(e.logits)}) for rows of {setup.seq_len} tokens; `stoker plan` proposes settings for a budget")
 
 
-def async_save_line(model, args, world_size: int) -> str:
+def async_save_line(model, args, world_size: int, parallelism=None) -> str:
     """The line the Trainer logs when a run with async_save starts: the host memory of one checkpoint in flight
-    (async_snapshot, from the model's own parameters)."""
+    (async_snapshot, from the model's own parameters; this process's share under `parallelism`, the run's
+    ParallelismConfig, or the arguments' parallelism_config when None)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     adapter = hasattr(model, "peft_config")  # a peft model's checkpoint holds its adapter only
     saved = (trainable if adapter else params) + ([] if adapter else list(model.buffers()))
     shards = world_size if args.fsdp not in (None, "", False) else 1
-    n = async_snapshot(sum(t.numel() * t.element_size() for t in saved), sum(p.numel() for p in trainable),
-                       None if args.save_only_model else args.optim, shards)
+    share = _model_share(model, parallelism if parallelism is not None else args.parallelism_config)
+    n = async_snapshot(share * sum(t.numel() * t.element_size() for t in saved),
+                       share * sum(p.numel() for p in trainable), None if args.save_only_model else args.optim, shards)
     return f"async_save: up to {_size(n)} of host memory for one checkpoint in flight"
 
 
-def rollback_line(model, args, world_size: int, memory: tuple[float, float] | None = None) -> tuple[str, str]:
+def rollback_line(model, args, world_size: int, memory: tuple[float, float] | None = None,
+                  parallelism=None) -> tuple[str, str]:
     """What spike_rollback's snapshot takes of the node's host memory, as (level, line) for the Trainer, before any
     work: "error" (refused) where the node's processes together would pin more than its physical memory,
     "warning" where more than half of what is available now, else "info". Every process pins its own snapshot
     (rollback_snapshot, from the model's own tensors); a node runs LOCAL_WORLD_SIZE processes (all of them
-    without a launcher that says). `memory`: (total, available) bytes, read from this machine when None."""
+    without a launcher that says). `memory`: (total, available) bytes, read from this machine when None.
+    `parallelism`: the run's ParallelismConfig (the arguments' parallelism_config when None), whose shards each
+    process snapshots alone."""
     import os
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     trained = sum(t.numel() * t.element_size() for t in [*trainable, *model.buffers()])
     shards = world_size if args.fsdp not in (None, "", False) else 1
-    per_process = rollback_snapshot(trained, sum(p.numel() for p in trainable), args.optim, shards)
+    share = _model_share(model, parallelism if parallelism is not None else args.parallelism_config)
+    per_process = rollback_snapshot(share * trained, share * sum(p.numel() for p in trainable), args.optim, shards)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     total, available = memory or host_memory()
     need = per_process * local
@@ -548,4 +612,7 @@ def describe(setup: Setup) -> str:
         parts.append(f"LoRA r={setup.lora_r}" + (f" on a {setup.quantization}-bit base" if setup.quantization else ""))
     if setup.fsdp:
         parts.append(f"fsdp={setup.fsdp!r}")
+    if setup.plan_sharded:  # the ranks of a tensor-parallel group read the same rows
+        parts.append(f"parallelism_config tp_size={setup.tp_size}, dp_shard_size={setup.dp_shard_size} "
+                     f"({setup.world_size // setup.tp_size} data-parallel rank(s))")
     return "; ".join(parts)

@@ -226,8 +226,13 @@ class SpikeRollback:
         """The training loader (built anew after an out-of-memory halving) skips the quarantined rows."""
         self.sampler = install_quarantine(loader, self.quarantined)
 
-    def window(self, step: int, pos: LoopPosition, micro_batches: int, layout: Layout) -> None:
-        """Step `step` trains `micro_batches` micro-batches from micro-batch pos.batches of epoch pos.epoch."""
+    def window(self, step: int, pos: LoopPosition, micro_batches: int) -> None:
+        """Step `step` trains `micro_batches` micro-batches from micro-batch pos.batches of epoch pos.epoch. The rows
+        are dealt over the data-parallel ranks: the ranks of one tensor-parallel group read the same rows, so they
+        count once (and are named by their group's data-parallel rank)."""
+        acc = self.accelerator
+        layout = Layout(acc.data_parallel_size, pos.micro_batch, pos.accumulation,
+                        self.args.accelerator_config.split_batches)
         rows = layout.rows_per_micro_step
         self.windows.append(Window(step, pos.epoch, pos.batches * rows, (pos.batches + micro_batches) * rows, layout))
 

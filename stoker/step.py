@@ -386,8 +386,11 @@ class StepCheck:
     def __init__(self, accelerator, deferred: bool, check_grad_norm: bool, reads_loss: bool = False,
                  averaged_across_devices: bool = True):
         self.accelerator, self.deferred, self.check_grad_norm = accelerator, deferred, check_grad_norm
-        # each process's loss is a mean of its own where the losses are not averaged over the processes' tokens
-        self._loss_share = (1.0 if averaged_across_devices else 1.0 / accelerator.num_processes) if reads_loss else None
+        # each process's loss is a mean of its own where the losses are not averaged over the processes' tokens,
+        # else its share of the global batch, which the ranks of a tensor-parallel group hold alike (those of a
+        # context-parallel group each the share of their slice: ranks_per_loss)
+        sharing = accelerator.ranks_per_loss if averaged_across_devices else accelerator.num_processes
+        self._loss_share = 1.0 / sharing if reads_loss else None
         on_gpu = accelerator.device.type == "cuda"
         self._host = torch.zeros(4, pin_memory=on_gpu)  # bad anywhere, signalled anywhere, loss, bad here
         self._values = self._host.numpy()

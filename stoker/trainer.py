@@ -650,14 +650,15 @@ class Trainer(TransformersSurface):
         if not s.is_world_process_zero:
             return
         if a.spike_rollback:
-            level, line = rollback_line(self.model, a, acc.num_processes)  # refused before now where it cannot fit
+            level, line = rollback_line(self.model, a, acc.num_processes, parallelism=acc.parallelism_config)
             getattr(logger, level)(line)
         logger.info(f"{type(self.model).__name__}: {trainable:,} trainable parameters of {total:,} "
                     f"({100 * trainable / max(total, 1):.2f}%)")
         if self._convention.causal:  # what memory this run should take (stoker.memory_plan), before it takes it
-            logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes))
+            logger.info(start_of_training_line(self.model, a, self.train_dataset, acc.num_processes,
+                                               acc.parallelism_config))
         if a.async_save:
-            logger.info(async_save_line(self.model, a, acc.num_processes))
+            logger.info(async_save_line(self.model, a, acc.num_processes, acc.parallelism_config))
 
     def _train_loader(self, micro_batch: int, rollback: SpikeRollback | None):
         """The prepared training loader of `micro_batch` rows per process (get_train_dataloader batches by
@@ -844,7 +845,7 @@ class Trainer(TransformersSurface):
             run.log.count(batch, acc.data_parallel_size)
             self.current_flos += float(self.floating_point_ops(batch))
         if run.rollback is not None:  # the window's rows, named if its verdict is a spike
-            run.rollback.window(s.global_step + 1, pos, len(window), run.checkpointer.layout(pos))
+            run.rollback.window(s.global_step + 1, pos, len(window))
         pos.batches += len(window)
         # clip: with max_grad_norm=0 this only measures the norm (the check needs it); a DTensor's is made whole
         grad_norm = acc.clip_grad_norm_(model.parameters(), a.max_grad_norm or math.inf)
@@ -1121,10 +1122,11 @@ class Trainer(TransformersSurface):
 
     def store_flos(self) -> None:
         """Add the FLOPs counted since the last call, summed over every process, to state.total_flos and restart
-        the count. Every process must call it (a collective when there are several)."""
+        the count. Every process must call it (a collective when there are several). The ranks of a tensor-parallel
+        group each count their group's whole batch with the whole model's parameters, so a batch counts once."""
         flos = torch.tensor(float(self.current_flos), device=self.accelerator.device, dtype=torch.float64)
         if self.accelerator.num_processes > 1:
-            flos = self.accelerator.reduce(flos, reduction="sum")
+            flos = self.accelerator.reduce(flos, reduction="sum") / self.accelerator.ranks_per_batch
         self.state.total_flos += flos.item()
         self.current_flos = 0
 
@@ -1401,10 +1403,14 @@ class Trainer(TransformersSurface):
             batch = dict(batch)  # a transformers collator's BatchEncoding
             with agreeing_on_out_of_memory(acc, agree), torch.no_grad():  # also around a subclass's prediction_step
                 loss, logits, label = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
-                scored, genuine = batch, genuine_rows(batch, acc)
-                if loss is not None and genuine:  # score only this process's real rows: one extra forward, once
-                    scored = split_batch(batch, genuine)[0]  # per pass at most
-                    loss = self.prediction_step(model, scored, True, ignore_keys)[0]
+                scored, (genuine, rescore) = batch, genuine_rows(batch, acc)
+                if loss is not None and rescore:  # each process scores its real rows once more, once per pass at
+                    # most, all together (a sharded model's forward is a collective); a batch without fillers or
+                    # without real rows is scored whole and that loss not kept
+                    part = split_batch(batch, genuine)[0] if genuine else batch
+                    again = self.prediction_step(model, part, True, ignore_keys)[0]
+                    if genuine:
+                        scored, loss = part, again
             rows = count_targets(batch, None, False)
             rows_seen += rows
             if loss is not None and (genuine is None or genuine > 0):
@@ -1438,7 +1444,7 @@ class Trainer(TransformersSurface):
         try:
             num_samples = self.num_examples(dataloader)
         except TypeError:  # a stream has no length (also inside Accelerate's shard of it): count what came
-            num_samples = rows_seen * acc.num_processes
+            num_samples = rows_seen * acc.data_parallel_size
         return EvalLoopOutput(predictions=joined["predictions"], label_ids=joined["label_ids"], metrics=metrics,
                               num_samples=num_samples)
 

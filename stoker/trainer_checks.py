@@ -46,7 +46,7 @@ def run_problems(args, model, train_dataset, accelerator, loader, rollback) -> l
                  f"({'use_cpu=True' if a.use_cpu else 'no GPU'}), where Triton has no driver to run them (its "
                  f"error: '0 active drivers'); accepted on the CPU: use_liger_kernel=False")
     if a.spike_rollback:  # every process pins its own snapshot
-        level, line = rollback_line(model, a, processes)
+        level, line = rollback_line(model, a, processes, parallelism=accelerator.parallelism_config)
         if level == "error":
             p.append(line)
     if rollback is not None and rollback.sampler is None:

@@ -1,6 +1,6 @@
 """Tensor parallelism and FSDP2 applied by transformers' own plans: `parallelism_config` (Accelerate's
 ParallelismConfig, a dict or a JSON string, as transformers.Trainer takes it) and models that transformers sharded at
-load (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fsdp_size=...))`).
+load (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fsdp_size=..., dp_replicate_size=...))`).
 
     read_parallelism_config   the setting as Accelerate's ParallelismConfig, or the problems with it
     parallelism_problems      what stoker refuses, from the arguments alone (TrainingArguments' validation)
@@ -101,13 +101,17 @@ def read_parallelism_config(value):
 
 def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
     """What stoker refuses of args.parallelism_config before any work, each naming the size, why, and what is
-    accepted. Runs: tp_size (the model's tp_plan) or dp_shard_size (FSDP2 by the model's fsdp_plan) over every
-    process of the run."""
+    accepted. Runs: tp_size (the model's tp_plan), dp_shard_size (FSDP2 by the model's fsdp_plan), and any two of
+    dp_replicate_size, dp_shard_size and tp_size (HSDP, FSDP2 of a tensor-parallel model, a replicated
+    tensor-parallel model) over every process of the run."""
     config, p = read_parallelism_config(args.parallelism_config)
     if config is None:
         return p
     name = describe(config)
-    runs = "accepted: tp_size or dp_shard_size equal to the number of processes, the other sizes 1"
+    runs = ("accepted: sizes multiplying to the number of processes with at most two of dp_replicate_size, "
+            "dp_shard_size and tp_size above 1 (tp_size, dp_shard_size, HSDP dp_replicate_size x dp_shard_size, "
+            "tp_size x dp_shard_size, dp_replicate_size x tp_size), sp_size 1, and cp_size 1 (or with fsdp and "
+            "dp_shard_size alone, on CUDA)")
     if config.cp_size > 1:  # on a CPU, that refusal alone (stoker.distributed.context_parallel)
         p += context_parallel_problems(args, config, on_cuda, name)
         if not on_cuda:
@@ -116,12 +120,9 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
         p.append(f"{name}: sequence parallelism (sp_size={config.sp_size}, sp_backend={config.sp_backend!r}, "
                  "DeepSpeed's Ulysses) is not yet run by stoker: its data loader adapter splits each batch by "
                  f"sequence and its loss is averaged over the group outside stoker's token-exact normalisation; {runs}")
-    if config.dp_replicate_size > 1 and config.total_size > config.dp_replicate_size:
-        p.append(f"{name}: replicated data parallelism with another dimension (HSDP, or DDP with tensor "
-                 f"parallelism) is not yet run by stoker; {runs} (several processes without parallelism_config "
-                 "run DDP)")
-    if config.tp_size > 1 and config.dp_shard_size > 1:
-        p.append(f"{name}: tensor parallelism within FSDP2 (2-D) is not yet run by stoker; {runs}")
+    if config.dp_replicate_size > 1 and config.dp_shard_size > 1 and config.tp_size > 1:
+        p.append(f"{name}: dp_replicate_size, dp_shard_size and tp_size all above 1 (3-D: HSDP of a "
+                 f"tensor-parallel model) is not yet checked by stoker's tests, which would need 8 processes; {runs}")
     if not p and config.total_size != world_size and config.total_size > 1:
         p.append(f"{name}: its sizes multiply to {config.total_size} processes and this run has {world_size} (the "
                  f"launcher's WORLD_SIZE); accepted: sizes whose product is {world_size}")
@@ -131,11 +132,6 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
         if getattr(args, other) not in (None, "", {}, []) and config.total_size > 1:
             p.append(f"{name} and {other}={getattr(args, other)!r}: parallelism_config shards the model by its own "
                      f"plans (transformers' tp_plan and fsdp_plan); leave {other} unset")
-    if config.total_size > 1 and config.total_size != config.dp_replicate_size:
-        for field, reason in (("spike_rollback", "the rollback's snapshot is not yet taken per shard"),
-                              ("async_save", "a background write of DTensor shards is not yet checked")):
-            if getattr(args, field):
-                p.append(f"{name} and {field}=True: {reason}; accepted with parallelism_config: {field}=False")
     return p
 
 
@@ -147,12 +143,17 @@ def is_sharded_model(model) -> bool:
 
 
 def loaded_layout(model) -> dict | None:
-    """{tp_size, dp_shard_size} of a model transformers sharded at load (its DistributedConfig), or None."""
+    """{tp_size, dp_shard_size, dp_replicate_size} of a model transformers sharded at load (its DistributedConfig),
+    or None. Replicas alone (dp_replicate_size with fsdp_size and tp_size 1) are FSDP2 over a mesh of one shard per
+    replica, a sharded model all the same: read as dp_shard_size, as transformers.Trainer reads every layout."""
     base = getattr(model, "get_base_model", lambda: model)()
     distributed = getattr(getattr(base, "config", None), "distributed_config", None)
     if not getattr(base, "is_distributed_loading_by_transformers", False) or distributed is None:
         return None
-    return {"tp_size": distributed.tp_size, "dp_shard_size": distributed.dp_size}
+    if distributed.fsdp_size == distributed.tp_size == 1:
+        return {"tp_size": 1, "dp_shard_size": distributed.dp_size, "dp_replicate_size": 1}
+    return {"tp_size": distributed.tp_size, "dp_shard_size": distributed.fsdp_size,
+            "dp_replicate_size": distributed.dp_replicate_size}
 
 
 def run_parallelism(args, model, world_size: int):
@@ -178,8 +179,7 @@ def run_parallelism(args, model, world_size: int):
         problems += _plan_problems(model, config)
     if problems:
         raise ConfigError(problems, "distributed configuration")
-    sizes = ({k: getattr(config, k) for k in SETTINGS} if config is not None else
-             {"tp_size": layout["tp_size"], "dp_shard_size": layout["dp_shard_size"]} if layout else None)
+    sizes = {k: getattr(config, k) for k in SETTINGS} if config is not None else layout
     if sizes is None:
         return None
     if math.prod(sizes.get(k) or 1 for k in SIZES) == 1 and world_size > 1:
@@ -212,8 +212,9 @@ def is_layout_sharded(config) -> bool:
 
 
 def shard_with_plans(model, config, device):
-    """`model` sharded in place as from_pretrained(..., distributed_config=DistributedConfig(tp_size, fsdp_size))
-    shards it: its tp_plan over tp_size processes, then FSDP2 by its fsdp_plan over dp_shard_size; a model already
+    """`model` sharded in place as from_pretrained(..., distributed_config=DistributedConfig(tp_size, fsdp_size,
+    dp_replicate_size)) shards it: its tp_plan over tp_size processes, then FSDP2 by its fsdp_plan over
+    dp_shard_size (HSDP: replicated over dp_replicate_size, the one dimension without tp_size); a model already
     sharded is taken as it is. Every rank first takes rank 0's weights (as DDP does when it wraps a model), since each
     rank keeps its slice of its own copy."""
     if is_sharded_model(model):
@@ -226,9 +227,32 @@ def shard_with_plans(model, config, device):
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-    wanted = DistributedConfig(tp_size=config.tp_size, fsdp_size=config.dp_shard_size)
+    # dp_replicate_size beside a size that shards: transformers' HSDP, FSDP2 over the (dp_replicate, fsdp) mesh
+    # (sharded within a group, replicated across it; a tensor-parallel model with dp_shard_size 1 is replicated
+    # only), gradients averaged over every data-parallel rank
+    wanted = DistributedConfig(tp_size=config.tp_size, fsdp_size=config.dp_shard_size,
+                               dp_replicate_size=config.dp_replicate_size)
     wanted, _, mesh = type(model).prepare_distribute_model(wanted)
-    return type(model).maybe_distribute_model(model, wanted, mesh)
+    # from_pretrained distributes a model built untied (its plans name the head's weight and the embedding's
+    # apart) and ties them afterwards; a model built tied is untied the same way first, its head keeping the
+    # embedding's storage
+    tied = _untie(model)
+    model = type(model).maybe_distribute_model(model, wanted, mesh)
+    if tied:
+        model.tie_weights(recompute_mapping=False)
+    return model
+
+
+def _untie(model) -> bool:
+    """Give each tied weight of `model` (transformers' all_tied_weights_keys: the head tied to the embedding) a
+    parameter of its own over the same storage; whether any was tied."""
+    tied = [(target, source) for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items()
+            if model.get_parameter(target) is model.get_parameter(source)]
+    for target, _ in tied:
+        module, _, name = target.rpartition(".")
+        owner = model.get_submodule(module)
+        setattr(owner, name, torch.nn.Parameter(getattr(owner, name).data))
+    return bool(tied)
 
 
 def spans_meshes(parameters) -> bool:

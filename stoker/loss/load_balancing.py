@@ -125,7 +125,8 @@ class LoadBalancing:
         Run in training mode under one fork of the random state, so the passes draw the dropout masks (and any
         router jitter) the training forwards will draw after them, in the same order: the routing counted is
         the routing trained on. Buffers are put back."""
-        self.scale = 1 if averaged_across_devices else accelerator.num_processes
+        # the data-parallel ranks average the gradients (the ranks of a tensor-parallel group share theirs)
+        self.scale = 1 if averaged_across_devices else accelerator.data_parallel_size
         if len(window) == 1:  # counted from the training forward itself (aux_share)
             self.fraction = None
             return

@@ -27,13 +27,14 @@ from stoker.errors import ConfigError
 from tests.helpers.tiny_jobs import rows
 
 TRAIN = rows(40, seed=11)  # 5 steps of a global batch of 8 rows of 3 to 17 tokens
-EVAL = rows(8, seed=12)
+EVAL = rows(7, seed=12)  # in batches of 2: under FSDP2 one process's last batch is half real, half filler
 GLOBAL_BATCH, STEPS = 8, 5
 # layout -> (how the model reaches the Trainer, parallelism_config, optimizer, micro-batch per rank, accumulation)
 LAYOUTS = {
     "tp_sgd": ("plain", {"tp_size": 2}, "sgd", 8, 1),
     "tp_adamw": ("plain", {"tp_size": 2}, "adamw_torch", 8, 1),
     "tp_accumulation": ("plain", {"tp_size": 2}, "sgd", 4, 2),
+    "tp_tied": ("tied", {"tp_size": 2}, "sgd", 8, 1),
     "tp_at_load": ("tp_size", None, "sgd", 8, 1),
     "fsdp2_at_load": ("fsdp_size", None, "sgd", 4, 1),
     "dp_shard": ("plain", {"dp_shard_size": 2}, "sgd", 4, 1),
@@ -42,13 +43,15 @@ LAYOUTS = {
 TOLERANCE = {"sgd": 1e-6, "adamw_torch": 5e-4}
 
 
-def tiny_llama():
-    """The issue's tiny Llama: hidden 64, 2 layers, 4 heads, 2 KV heads (each splits over 2 ranks)."""
+def tiny_llama(tied: bool = False):
+    """A tiny Llama: hidden 64, 2 layers, 4 heads, 2 KV heads (each splits over 2 ranks); `tied`: its head is the
+    embedding (as the recipes' models and SmolLM2's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=tied))
 
 
 def sharded_at_load(model, size: str):
@@ -65,8 +68,16 @@ def training_args(out: str, optim: str, micro: int, accumulation: int, paralleli
     return TrainingArguments(output_dir=out, report_to="none", disable_tqdm=True, logging_steps=1, optim=optim,
                              learning_rate=0.05 if optim == "sgd" else 1e-2, lr_scheduler_type="linear",
                              max_grad_norm=1.0, seed=7, save_strategy=save_strategy, save_steps=3, max_steps=STEPS,
-                             per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                             per_device_train_batch_size=micro, per_device_eval_batch_size=2,
+                             gradient_accumulation_steps=accumulation,
                              include_num_input_tokens_seen="non_padding", parallelism_config=parallelism)
+
+
+def label_metrics(prediction) -> dict:
+    """What evaluation gathered: its rows, and a fingerprint of their labels and predicted tokens (each row once)."""
+    labels, predicted = torch.as_tensor(prediction.label_ids), torch.as_tensor(prediction.predictions).argmax(-1)
+    return {"rows": len(labels), "label_sum": int(labels.clamp(min=0).sum()),
+            "predicted_sum": int(predicted[labels >= 0].sum())}
 
 
 def whole(tensor) -> torch.Tensor:
@@ -78,18 +89,19 @@ def run_layouts(out: str) -> None:
     from safetensors.torch import save_file
 
     for name, (model_from, parallelism, optim, micro, accumulation) in LAYOUTS.items():
-        model = tiny_llama()
-        if model_from != "plain":
+        model = tiny_llama(tied=model_from == "tied")
+        if model_from not in ("plain", "tied"):
             model = sharded_at_load(model, model_from)
         # tp_adamw also checkpoints at step 3, which a fresh Trainer resumes (below)
         save = "steps" if name == "tp_adamw" else "no"
         trainer = Trainer(model, training_args(os.path.join(out, name), optim, micro, accumulation, parallelism,
-                                               save), train_dataset=TRAIN)
+                                               save), train_dataset=TRAIN, compute_metrics=label_metrics)
         trainer.train()
         params = {n: whole(p) for n, p in trainer.model.named_parameters()}  # a collective per DTensor
         evaluated = {}
-        if name == "tp_sgd":  # evaluation and save_model under tensor parallelism, every rank taking part
+        if name in ("tp_sgd", "dp_shard"):  # evaluation (and save_model), every rank taking part
             evaluated = trainer.evaluate(EVAL)
+        if name == "tp_sgd":
             trainer.save_model(os.path.join(out, name, "final"))
         if trainer.accelerator.is_main_process:
             save_file(params, os.path.join(out, name, "params.safetensors"))
@@ -121,12 +133,13 @@ def two_processes(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    """One process, batch 8, for each optimizer (and the SGD run's evaluation)."""
+    """One process, batch 8, for each optimizer and the tied model with SGD (and the SGD run's evaluation)."""
     out, runs = tmp_path_factory.mktemp("one_process"), {}
-    for optim in TOLERANCE:
-        trainer = Trainer(tiny_llama(), training_args(str(out / optim), optim, GLOBAL_BATCH, 1), train_dataset=TRAIN)
+    for name, optim, tied in (("sgd", "sgd", False), ("adamw_torch", "adamw_torch", False), ("tied", "sgd", True)):
+        trainer = Trainer(tiny_llama(tied), training_args(str(out / name), optim, GLOBAL_BATCH, 1),
+                          train_dataset=TRAIN, compute_metrics=label_metrics)
         trainer.train()
-        runs[optim] = trainer
+        runs[name] = trainer
     runs["evaluated"] = runs["sgd"].evaluate(EVAL)
     return runs
 
@@ -139,23 +152,25 @@ def max_difference(a: dict, b: dict) -> float:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes, one_process, layout):
-    """Tensor parallelism by the model's tp_plan (also with accumulation 4 x 2, and a model sharded at load), FSDP2
-    by its fsdp_plan (parallelism_config dp_shard_size=2, or a model sharded at load): the parameters after 5 steps,
-    the logged losses and gradient norms (clipping at 1.0 sees the whole gradient), the tokens seen and the global
-    batch equal one process's on 8 rows a step, within float summation order. Tokens are counted and the loss
-    normalised over the data-parallel ranks only: the two ranks of a tensor-parallel group read the same rows."""
+    """Tensor parallelism by the model's tp_plan (also with accumulation 4 x 2, a head tied to the embedding, and a
+    model sharded at load), FSDP2 by its fsdp_plan (parallelism_config dp_shard_size=2, or a model sharded at load):
+    the parameters after 5 steps, the logged losses and gradient norms (clipping at 1.0 sees the whole gradient),
+    the tokens seen and the global batch equal one process's on 8 rows a step, within float summation order. Tokens
+    are counted and the loss normalised over the data-parallel ranks only: the two ranks of a tensor-parallel group
+    read the same rows."""
     from safetensors.torch import load_file
 
     model_from, parallelism, optim, micro, accumulation = LAYOUTS[layout]
     run = json.loads((two_processes / layout / "run.json").read_text())
-    reference = one_process[optim]
+    reference = one_process["tied" if model_from == "tied" else optim]
     ours = load_file(two_processes / layout / "params.safetensors")
     theirs = {n: p.detach() for n, p in reference.model.named_parameters()}
     difference = max_difference(ours, theirs)
     print(f"{layout}: max |parameter difference| = {difference:.2e}")
     assert difference <= TOLERANCE[optim], difference
-    assert max_difference(ours, {n: p.detach() for n, p in tiny_llama().named_parameters()}) > 10 * TOLERANCE[optim]
-    assert run["ddp"] != "DistributedDataParallel" and run["dtensors"] >= 16
+    initial = {n: p.detach() for n, p in tiny_llama(model_from == "tied").named_parameters()}
+    assert max_difference(ours, initial) > 10 * TOLERANCE[optim]
+    assert run["ddp"] != "DistributedDataParallel" and run["dtensors"] >= 15
     assert run["global_batch"] == GLOBAL_BATCH and run["tokens"] == reference.state.num_input_tokens_seen
     expected = [e for e in reference.state.log_history if "loss" in e]
     assert [e["step"] for e in run["logs"]] == [e["step"] for e in expected] == list(range(1, STEPS + 1))
@@ -166,15 +181,27 @@ def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_evaluation_and_save_model_are_one_processs(two_processes, one_process):
-    """Under tp_size=2 evaluate() gives one process's eval_loss (the ranks of the group read the same rows and
-    count them once), and save_model writes an ordinary folder that from_pretrained loads in one process, with
-    the trained weights (gathered once, written by the main process, no distributed_config left in it)."""
+@pytest.mark.parametrize("layout", ["tp_sgd", "dp_shard"])
+def test_evaluation_under_tensor_parallelism_and_fsdp2_is_one_processs(two_processes, one_process, layout):
+    """evaluate() of 7 rows in batches of 2 after training gives one process's eval_loss and metrics, each row once:
+    under tp_size=2 the ranks of the group read the same rows (gathered from one of them); under FSDP2 the second
+    process's last batch is one real row and one filler, which every process scores once more together (the
+    sharded forward is a collective: one process alone would wait)."""
+    run = json.loads((two_processes / layout / "run.json").read_text())
+    expected = one_process["evaluated"]
+    assert run["evaluated"]["eval_loss"] == pytest.approx(expected["eval_loss"], abs=1e-6)
+    assert run["evaluated"]["eval_rows"] == expected["eval_rows"] == len(EVAL)
+    for key in ("eval_label_sum", "eval_predicted_sum"):
+        assert run["evaluated"][key] == expected[key]
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_save_model_writes_an_ordinary_folder(two_processes):
+    """Under tp_size=2 save_model writes an ordinary folder that from_pretrained loads in one process, with the
+    trained weights (gathered once, written by the main process, no distributed_config left in it)."""
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    run = json.loads((two_processes / "tp_sgd" / "run.json").read_text())
-    assert run["evaluated"]["eval_loss"] == pytest.approx(one_process["evaluated"]["eval_loss"], abs=1e-6)
     loaded = LlamaForCausalLM.from_pretrained(two_processes / "tp_sgd" / "final")
     assert getattr(loaded.config, "distributed_config", None) is None
     trained = load_file(two_processes / "tp_sgd" / "params.safetensors")
@@ -198,6 +225,30 @@ def test_a_tensor_parallel_checkpoint_is_written_by_every_rank_and_resumes_bit_e
     resumed = load_file(two_processes / "tp_adamw" / "resumed.safetensors")
     assert uninterrupted.keys() == resumed.keys()
     assert all(torch.equal(uninterrupted[n], resumed[n]) for n in resumed)
+
+
+@pytest.mark.distributed
+def test_a_recipe_takes_parallelism_config_on_the_command_line(tmp_path):
+    """The clm recipe under torchrun with --parallelism_config '{"tp_size": 2}' (its model's head tied to the
+    embedding): it trains, writes every rank's shards in its checkpoint, and its saved model loads in one process
+    as an ordinary one."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "clm"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+         "stoker.recipes.clm", "--output_dir", str(out), "--hidden_size", "64", "--intermediate_size", "128",
+         "--num_hidden_layers", "1", "--num_train_examples", "128", "--num_eval_examples", "16",
+         "--num_train_epochs", "1", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "16",
+         "--learning_rate", "3e-3", "--disable_tqdm", "true", "--eval_steps", "8", "--save_steps", "4",
+         "--parallelism_config", '{"tp_size": 2}'],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["after"]["eval_loss"] < results["before"]["eval_loss"] - 0.3
+    assert len(list((out / "checkpoint-8" / "model_shards").glob("*.safetensors"))) == 2
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.tie_word_embeddings and getattr(model.config, "distributed_config", None) is None
 
 
 # --- refusals, before any work -----------------------------------------------------------------------
@@ -238,7 +289,7 @@ def test_the_cli_parses_parallelism_config_as_json(tmp_path):
     ({"tp_size": 2}, ["parallelism_config={'tp_size': 2}: its sizes multiply to 2 processes and this run has 1",
                       "accepted: sizes whose product is 1"]),
     ({"cp_size": 1, "sp_size": 2}, ["parallelism_config={'sp_size': 2}: sequence parallelism", "not yet run",
-                                    "accepted: tp_size or dp_shard_size"]),
+                                    "accepted: sizes multiplying to the number of processes"]),
     ({"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "cp_size": 2},
      ["parallelism_config={'cp_size': 2}: context parallelism (cp_size=2) needs CUDA: torch registers its ring "
       "attention only for the CUDA sdpa kernels"]),
@@ -249,12 +300,8 @@ def test_what_stoker_does_not_run_is_refused_naming_the_size_the_reason_and_what
         assert w in message, message
 
 
-def test_tensor_parallelism_with_fsdp_or_a_rollback_is_refused(tmp_path, monkeypatch):
+def test_sizes_over_other_processes_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    message = refusal(tmp_path, parallelism_config={"tp_size": 2}, spike_rollback=True, use_cpu=True)
-    assert "parallelism_config={'tp_size': 2} and spike_rollback=True" in message
-    message = refusal(tmp_path, parallelism_config={"tp_size": 2, "dp_shard_size": 2}, use_cpu=True)
-    assert "tensor parallelism within FSDP2 (2-D) is not yet run" in message
     message = refusal(tmp_path, parallelism_config={"dp_shard_size": 4}, use_cpu=True)
     assert "parallelism_config={'dp_shard_size': 4}: its sizes multiply to 4 processes and this run has 2" in message
 

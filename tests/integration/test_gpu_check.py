@@ -4,6 +4,7 @@ on the CPU) so that a GPU session does not discover a broken script."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def test_the_checks_are_listed_and_the_qlora_path_runs_on_the_cpu():
     assert listed.stdout.split() == ["bf16", "nan_skip", "syncs", "fp16", "tf32", "compile", "fsdp2", "adamw_8bit",
                                      "qlora", "mfu_100m",
                                      "checkpoint", "fp16_overflow", "chunked_loss", "packing", "shared_prefix",
-                                     "ddp_2proc"]
+                                     "ddp_2proc", "parallelism"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, script, "--rehearse", "--only", "qlora"], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -146,12 +147,12 @@ def test_the_fp16_overflow_verdict():
 def test_the_cpu_capable_checks_run_checkpoint_chunked_loss_packing_shared_prefix_and_two_processes():
     script = str(ROOT / "benchmarks" / "gpu_check.py")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    names = ["checkpoint", "chunked_loss", "packing", "shared_prefix", "ddp_2proc"]
+    names = ["checkpoint", "chunked_loss", "packing", "shared_prefix", "ddp_2proc", "parallelism"]
     proc = subprocess.run([sys.executable, script, "--rehearse", "--only", *names], env=env, capture_output=True,
                           text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     table = proc.stdout[proc.stdout.rindex("check "):]
-    for name in names:
+    for name in names[:-1]:
         assert f"{name:<18} ok" in table
     # on a CPU every comparison is exact: the checkpoints are the live state of their step, resume is bit-exact
     # with and without full_determinism, and two identical runs do not differ
@@ -159,6 +160,9 @@ def test_the_cpu_capable_checks_run_checkpoint_chunked_loss_packing_shared_prefi
     assert "full_determinism resumed max |diff| 0.0e+00 sync, 0.0e+00 async" in table
     assert "without it: run-to-run noise 0.0e+00, resumed 0.0e+00" in table
     assert "2 ranks on cpu:0 and cpu:0, gloo" in table and "0 failed" in table
+    # the tiny model's 7 projections per layer and its tied embedding and head are sharded; one loss on both ranks
+    assert re.search(r"tp_2proc +ok .* tp_size=2 on cpu:0 and cpu:0, gloo: 15 DTensor parameters; loss [0-9.]+ on "
+                     r"every rank", table)
 
 
 def test_a_row_not_run_is_said_with_its_reason_and_is_not_a_failure(capsys):
@@ -204,3 +208,28 @@ def test_budget_sets_the_scripts_time_so_that_gpu_all_can_share_ten_minutes():
                            "--budget", "10"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "bf16               SKIPPED  " in proc.stdout  # 10 s less the reserve: under MIN_START_S, not started
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_parallelism_on_one_gpu_runs_tp_size_1_and_says_what_needs_two(gpus, monkeypatch):
+    """With one GPU the check runs tp_size=1 under torchrun and reports tensor, sequence and context parallelism
+    over 2 ranks as not run (nothing claims a figure not measured); with two, tp_size=2 over NCCL."""
+    g = gpu_check()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(g.torch.cuda, "device_count", lambda: gpus)
+    asked = []
+
+    def child(check, processes, rehearse=False):
+        asked.append((check, processes))
+        return [{"world": processes, "losses": [2.5] * processes, "devices": [f"cuda:{i}" for i in range(processes)],
+                 "backend": "nccl", "dtensors": 15 if processes > 1 else 0, "tokens_per_s": 10.0, "peak_gb": 1.0}]
+
+    monkeypatch.setattr(g, "torchrun_child", child)
+    rows = g.check_parallelism(g.TINY, 3, 2, 16)
+    assert asked == [("parallelism", gpus)]
+    assert rows[0]["name"] == f"tp_{gpus}gpu" and rows[0]["note"].startswith(f"tp_size={gpus} on cuda:0")
+    if gpus == 1:
+        assert [r["name"] for r in rows[1:]] == ["tp_2gpu", "sp_2gpu", "cp_2gpu"]
+        assert all("takes a device per rank" in r["not_run"] for r in rows[1:])
+    else:
+        assert len(rows) == 1 and "15 DTensor parameters" in rows[0]["note"]

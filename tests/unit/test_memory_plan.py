@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -121,6 +122,65 @@ def test_fsdp_shards_and_offload_moves_state_to_the_host():
     offloaded = estimate(SHAPE, Setup(world_size=8, fsdp="full_shard offload"))
     assert offloaded.optimizer == 0 and offloaded.host > sharded.optimizer and offloaded.peak < sharded.peak
     assert estimate(SHAPE, Setup(world_size=1, fsdp="full_shard")).peak == alone.peak  # nothing to shard over
+
+
+# the tiny Llama of tests/distributed/test_parallelism.py: hidden 64, MLP 128, 2 layers, 4 heads, 2 KV heads of 16
+TINY = ModelShape(params=82_240, linear_params=2 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3), embedding_params=4096,
+                  tied=False, layers=2, hidden=64, kv_width=32, intermediate=128, vocab=64, heads=4)
+
+
+def test_the_tiny_llama_shape_is_read_from_the_model(tiny_llama):
+    assert ModelShape.from_model(tiny_llama(hidden_size=64, intermediate_size=128)) == dataclasses.replace(
+        TINY, linear_shapes=((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)))
+
+
+def test_tensor_parallelism_divides_its_shards_and_the_sharded_projections_activations():
+    """tp_size=2: the decoder Linear weights (73,728), the embedding and the output layer (4,096 each) are halved,
+    the norms (320) whole on each rank: 41,280 parameters a process, with their gradients and AdamW's 8 bytes; per
+    token and layer the norms keep 2 x 3h = 384 values and the halved projections (q, its rotary copy, the output:
+    3h, k and v: 2kv, the gated MLP: 4i) 768 / 2; the final norm 3h. No DDP buckets: the model is never wrapped."""
+    setup = Setup(micro_batch=2, seq_len=16, world_size=2, tp_size=2, device="cpu")
+    alone, sharded = estimate(TINY, dataclasses.replace(setup, world_size=1, tp_size=1)), estimate(TINY, setup)
+    assert (sharded.weights, sharded.gradients, sharded.optimizer) == (4 * 41_280, 4 * 41_280, 8 * 41_280)
+    assert (alone.weights, alone.gradients, alone.optimizer) == (4 * 82_240, 4 * 82_240, 8 * 82_240)
+    tokens = 2 * 16
+    assert alone.activations == tokens * 4 * (2 * (2 * 192 + 768) + 192)
+    assert sharded.activations == tokens * 4 * (2 * (2 * 192 + 768 / 2) + 192)
+    assert sharded.logits == alone.logits == 3 * tokens * 64 * 4  # gathered whole on every rank
+    assert sharded.buckets == 0 and estimate(TINY, dataclasses.replace(setup, tp_size=1)).buckets > 0
+    assert setup.global_batch == 2  # both ranks read the same rows
+    rolling = estimate(TINY, dataclasses.replace(setup, spike_rollback=True, async_save=True))
+    assert rolling.rollback == 12 * 41_280 and rolling.snapshot == 12 * 41_280  # a process's own shards
+
+
+def test_fsdp2_by_the_fsdp_plan_divides_by_dp_shard_size():
+    """dp_shard_size=2: every parameter, gradient and optimizer value is halved, plus the two layers gathered
+    whole while computed (37,024 parameters each: the model but its embedding and output layer, per layer); the
+    gradients are reduce-scattered after each micro-batch, so accumulation keeps only the shards."""
+    setup = Setup(micro_batch=1, seq_len=16, accumulation=2, world_size=2, dp_shard_size=2, device="cpu")
+    sharded = estimate(TINY, setup)
+    assert sharded.weights == 4 * 82_240 / 2 + 2 * 4 * 37_024
+    assert (sharded.gradients, sharded.optimizer) == (4 * 82_240 / 2, 8 * 82_240 / 2)
+    assert sharded.buckets == sharded.unsharded_gradients == 0 and setup.global_batch == 4
+    assert sharded.activations == estimate(TINY, dataclasses.replace(setup, world_size=1, dp_shard_size=1)).activations
+    assert estimate(TINY, dataclasses.replace(setup, spike_rollback=True)).rollback == 12 * 82_240 / 2
+
+
+def test_the_trainers_lines_and_stoker_plan_read_parallelism_config(tiny_llama, make_args, tmp_path):
+    from stoker.cli import setup_from_arguments
+    from stoker.memory_plan import async_save_line, describe, rollback_line
+
+    model, args = tiny_llama(hidden_size=64, intermediate_size=128), make_args(optim="adamw_torch")
+    buffers = sum(b.numel() * 4 for b in model.buffers())
+    level, line = rollback_line(model, args, 2, memory=(2**40, 2**40), parallelism={"tp_size": 2})
+    share = 41_280 / 82_240
+    assert f"{(share * (4 * 82_240 + buffers) + share * 8 * 82_240) / 2**20:.1f} MiB" in line
+    assert f"{12 * 82_240 / 2**20:.1f} MiB" in rollback_line(model, args, 2, memory=(2**40, 2**40))[1]
+    assert f"{(12 * 82_240 + buffers) / 2 / 2**20:.1f} MiB" in async_save_line(model, args, 2, {"dp_shard_size": 2})
+    args.parallelism_config = {"tp_size": 2}
+    setup = setup_from_arguments(SimpleNamespace(), SimpleNamespace(max_length=16), args, 2)
+    assert (setup.tp_size, setup.dp_shard_size, setup.global_batch) == (2, 1, args.per_device_train_batch_size)
+    assert "parallelism_config tp_size=2, dp_shard_size=1 (1 data-parallel rank(s))" in describe(setup)
 
 
 def test_propose_keeps_the_global_batch_and_fits_cheapest_first():
