@@ -131,17 +131,6 @@ def run_layout(processes_: int, parallelism: dict[str, int] | None, data_paralle
     return f"{processes(processes_)} with parallelism_config={parallelism!r} ({ranks(data_parallel)})"
 
 
-def sharding_sizes(accelerator) -> dict[str, int] | None:
-    """The sizes of the run's parallelism_config that are not 1, where it shards the model (tensor parallelism,
-    FSDP2 by the model's plans); None for a data-parallel run (its processes are its layout)."""
-    from .distributed.parallelism import SIZES, is_layout_sharded
-
-    config = getattr(accelerator, "parallelism_config", None)
-    if not is_layout_sharded(config):
-        return None
-    return {name: getattr(config, name) for name in SIZES if getattr(config, name) != 1}
-
-
 def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: LoopPosition) -> dict[str, Any]:
     """Before a resumed run is set up: its checkpoint's loop state (loop_state.json), once the checkpoint is known
     to be of a kind this run can load (FSDP, DeepSpeed, data-parallel) and written with settings that keep the
@@ -164,7 +153,7 @@ def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: Lo
     changed = [f"{k}={loop.get(k)!r} (now {v!r})" for k, v in (("data_seed", args.data_seed), ("seed", args.seed),
                                                                ("train_dataset_len", dataset_len))
                if loop.get(k) != v]
-    parallel = loop.get("parallelism") or sharding_sizes(acc)  # either side sharded by the model's plans
+    parallel = loop.get("parallelism") or backend.sharding  # either side sharded by the model's plans
     terms, noun = (PARALLEL_LAYOUT_TERMS, ranks) if parallel else (LAYOUT_TERMS, processes)
     batch_changed = saved.global_batch != now.global_batch
     if batch_changed:
@@ -178,14 +167,20 @@ def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: Lo
             raise CheckpointError(f"{what}; {how}, or set resume_mismatch='warn' to continue from the same sample "
                                   "with the new settings")
         logger.warning(f"{what}; continuing from the same sample with the new settings (resume_mismatch='warn')")
-    elif not parallel and saved != now and acc.is_main_process:
-        logger.info(f"resuming a {loop['world_size']}-process checkpoint on {processes(acc.num_processes)}: global "
-                    f"batch {now}, unchanged ({LAYOUT_TERMS})")
-    elif parallel and (saved != now or loop.get("parallelism") != sharding_sizes(acc)) and acc.is_main_process:
-        was = run_layout(loop["world_size"], loop.get("parallelism"), saved.world_size)
-        logger.info(f"resuming a checkpoint of {was} on {run_layout(acc.num_processes, sharding_sizes(acc), world)}: "
-                    f"global batch {now}, unchanged ({PARALLEL_LAYOUT_TERMS})")
+    elif (saved != now or loop.get("parallelism") != backend.sharding) and acc.is_main_process:
+        logger.info(another_layout(loop, acc.num_processes, backend.sharding, now))
     return loop
+
+
+def another_layout(loop: dict[str, Any], processes_: int, sharding: dict[str, int] | None, now: Layout) -> str:
+    """What a resume of a checkpoint (its loop state) in another layout of its global batch (`now`) says: both
+    layouts, in processes, and where either shards the model by its plans, its sizes and data-parallel ranks."""
+    if not (loop.get("parallelism") or sharding):
+        return (f"resuming a {loop['world_size']}-process checkpoint on {processes(processes_)}: global batch {now}, "
+                f"unchanged ({LAYOUT_TERMS})")
+    was = run_layout(loop["world_size"], loop.get("parallelism"), saved_layout(loop).world_size)
+    return (f"resuming a checkpoint of {was} on {run_layout(processes_, sharding, now.world_size)}: global batch "
+            f"{now}, unchanged ({PARALLEL_LAYOUT_TERMS})")
 
 
 LAYOUT_TERMS = "processes x per_device_train_batch_size x gradient_accumulation_steps"
@@ -463,7 +458,7 @@ class Checkpointer:
             "data_seed": a.data_seed,
             "world_size": self.accelerator.num_processes,  # the process_<rank> parts written
             "data_parallel_size": layout.world_size,
-            "parallelism": sharding_sizes(self.accelerator),
+            "parallelism": self.backend.sharding,
             "seed": a.seed,
             "per_device_train_batch_size": position["micro_batch"],  # as run: auto_find_batch_size may halve it
             "gradient_accumulation_steps": position["accumulation"],

@@ -57,7 +57,7 @@ from .fsdp import (
     model_class_name,
     plan_shards,
 )
-from .parallelism import describe, is_layout_sharded, shard_with_plans
+from .parallelism import SIZES, describe, is_layout_sharded, shard_with_plans
 
 # how checkpoint messages name each kind of run
 PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"
@@ -145,6 +145,10 @@ class Backend:
     # whether a fused optimizer's update may be skipped on the device (skips_on_device): FSDP's DTensor shards and
     # DeepSpeed's engine keep the synchronous check
     skips_updates_on_device = True
+    # the sizes of parallelism_config that are not 1 where the model is sharded by its plans (tensor parallelism,
+    # FSDP2 by fsdp_plan): the layout a checkpoint records and resume messages name; None where the processes are
+    # the layout
+    sharding: dict[str, int] | None = None
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
@@ -433,8 +437,9 @@ class PlanShardedBackend(FSDPBackend):
 
     def __init__(self, accelerator, args):
         super().__init__(accelerator, args)
-        # as messages name this run: its layout, not the checkpoint format it shares with FSDP
-        self.kind = f"a {describe(accelerator.parallelism_config)}"
+        config = accelerator.parallelism_config
+        self.sharding = {name: getattr(config, name) for name in SIZES if getattr(config, name) != 1}
+        self.kind = f"a {describe(config)}"  # as messages name this run: its layout, not the format it shares with FSDP
 
     def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """The model sharded (in place, so that another train() takes it as it is), then the optimizer built on
