@@ -129,7 +129,8 @@ def run_job(out: Path, name: str) -> None:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> Path:
     """Every job, in the order that each resume finds the checkpoint it reads: the one-process run here, the
-    2-process launch, then the resume of its tensor-parallel checkpoint here."""
+    2-process launch, then the resume of its tensor-parallel checkpoint here (its tests are slow: about 30 s in
+    all, most of it the launch)."""
     out = tmp_path_factory.mktemp("parallel_resume")
     run_job(out, "one")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -171,6 +172,7 @@ CASES = {"a": ("tp", "one_from_tp"), "b": ("one", "tp_from_one"), "c": ("dp_shar
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_checkpoint_resumes_on_another_parallel_layout_as_the_same_run(resumed, case):
     """(a) tp_size=2 into one process, (b) one process into tp_size=2, (c) dp_shard_size=2 into tp_size=2: the
@@ -197,6 +199,7 @@ def test_a_checkpoint_resumes_on_another_parallel_layout_as_the_same_run(resumed
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_the_resume_messages_name_both_layouts(resumed):
     expected = {
         "one_from_tp": "resuming a checkpoint of 2 processes with parallelism_config={'tp_size': 2} (1 data-parallel "
@@ -213,6 +216,7 @@ def test_the_resume_messages_name_both_layouts(resumed):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_a_global_batch_the_data_parallel_ranks_cannot_keep_is_refused_before_any_work(resumed):
     """tp_size=2 with 4 rows per device reads 4 rows a step (one data-parallel rank), not the checkpoint's 8: refused
     on every rank before any step, naming both layouts and the flags that keep the global batch."""
