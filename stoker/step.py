@@ -292,12 +292,12 @@ class LogSums:
         tensor-parallel groups had `saved_ranks_per_batch` ranks) held, for a run on `world_size` processes in groups
         of `ranks_per_batch`: the next log then reports what it would have reported on the checkpoint's processes.
 
-        The sums over processes (loss, tokens) are what the log divides them by (the ranks of a tensor-parallel
-        group count one batch as many times; with average_tokens_across_devices=False, each process's loss is a
-        mean of its own and the log divides by the processes), so each is first brought back to the log's value,
-        then handed to the ranks of data-parallel rank 0 in the new run as its log counts it: every rank of that
-        group holds the same, as the ranks of a tensor-parallel group do. The rest is the same on every process
-        (step and sample counts, totals already reduced, the agreed non-finite counts)."""
+        The log divides its sums over processes (loss, tokens) by the ranks that read one batch (a tensor-parallel
+        group counts its batch once per rank), or, with average_tokens_across_devices=False, the loss by the
+        processes (each one's is a mean of its own). So each sum is first brought back to what the log would
+        report, then handed to the ranks of data-parallel rank 0 of the new run as its log will divide it, every
+        rank of that group holding the same, as the ranks of a tensor-parallel group do. The rest is the same on
+        every process (step and sample counts, totals already reduced, the agreed non-finite counts)."""
         first = pendings[0]
         loss, tokens = sum(p["loss"] for p in pendings), sum(p["tokens"] for p in pendings)
         if averaged_across_devices:
