@@ -201,6 +201,8 @@ def test_a_checkpoint_resumes_on_another_parallel_layout_as_the_same_run(resumed
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_resume_messages_name_both_layouts(resumed):
+    """Each resume says, before training, the checkpoint's layout and this run's: processes, the sharding sizes and
+    the data-parallel ranks, and the global batch they keep."""
     expected = {
         "one_from_tp": "resuming a checkpoint of 2 processes with parallelism_config={'tp_size': 2} (1 data-parallel "
                        "rank) on 1 process: global batch 8 = 1 x 8 x 1, unchanged",
@@ -220,7 +222,9 @@ def test_the_resume_messages_name_both_layouts(resumed):
 def test_a_global_batch_the_data_parallel_ranks_cannot_keep_is_refused_before_any_work(resumed):
     """tp_size=2 with 4 rows per device reads 4 rows a step (one data-parallel rank), not the checkpoint's 8: refused
     on every rank before any step, naming both layouts and the flags that keep the global batch."""
-    for rank in reports(resumed, "tp_refuses_batch_4"):
+    refused = reports(resumed, "tp_refuses_batch_4")
+    assert len(refused) == 2 and not list((resumed / "tp_refuses_batch_4").glob("checkpoint-*"))
+    for rank in refused:
         assert rank["trained_steps"] == 0, rank
         assert "global batch 8 = 1 x 8 x 1 (now 4 = 1 x 4 x 1; data-parallel ranks x per_device_train_batch_size x " \
                "gradient_accumulation_steps)" in rank["refused"], rank["refused"]
