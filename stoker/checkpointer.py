@@ -123,21 +123,22 @@ def ranks_per_batch(loop: dict[str, Any]) -> int:
     return loop["world_size"] // loop.get("data_parallel_size", loop["world_size"])
 
 
-def run_layout(processes_: int, parallelism: dict[str, int] | None, data_parallel: int) -> str:
+def run_layout(world: int, parallelism: dict[str, int] | None, data_parallel: int) -> str:
     """A run's layout as resume messages name it: "2 processes", or "2 processes with parallelism_config={'tp_size':
     2} (1 data-parallel rank)" where the model is sharded by its plans."""
     if not parallelism:
-        return processes(processes_)
-    return f"{processes(processes_)} with parallelism_config={parallelism!r} ({ranks(data_parallel)})"
+        return processes(world)
+    return f"{processes(world)} with parallelism_config={parallelism!r} ({ranks(data_parallel)})"
 
 
 def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: LoopPosition) -> dict[str, Any]:
     """Before a resumed run is set up: its checkpoint's loop state (loop_state.json), once the checkpoint is known
-    to be of a kind this run can load (FSDP, DeepSpeed, data-parallel) and written with settings that keep the
-    resume exact.
+    to be of a kind this run can load (sharded, DeepSpeed, whole) and written with settings that keep the resume
+    exact.
 
-    The same global batch in another layout (another number of processes, another split into micro-batch and
-    accumulation) is the same run (see Layout) and goes on, saying what changed. A changed global batch, dataset
+    The same global batch in another layout (another number of processes, another parallel layout: tensor
+    parallelism or FSDP2 by the model's plans, another split into micro-batch and accumulation) is the same run
+    (see Layout: counted in data-parallel ranks) and goes on, saying both layouts. A changed global batch, dataset
     length or seed is refused, naming the layouts that keep the global batch (or, with resume_mismatch='warn',
     reported). With auto_find_batch_size, `pos` adopts the micro-batch the checkpoint's run settled on when the
     layout is otherwise the same."""
@@ -172,14 +173,14 @@ def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: Lo
     return loop
 
 
-def another_layout(loop: dict[str, Any], processes_: int, sharding: dict[str, int] | None, now: Layout) -> str:
+def another_layout(loop: dict[str, Any], world: int, sharding: dict[str, int] | None, now: Layout) -> str:
     """What a resume of a checkpoint (its loop state) in another layout of its global batch (`now`) says: both
     layouts, in processes, and where either shards the model by its plans, its sizes and data-parallel ranks."""
     if not (loop.get("parallelism") or sharding):
-        return (f"resuming a {loop['world_size']}-process checkpoint on {processes(processes_)}: global batch {now}, "
+        return (f"resuming a {loop['world_size']}-process checkpoint on {processes(world)}: global batch {now}, "
                 f"unchanged ({LAYOUT_TERMS})")
     was = run_layout(loop["world_size"], loop.get("parallelism"), saved_layout(loop).world_size)
-    return (f"resuming a checkpoint of {was} on {run_layout(processes_, sharding, now.world_size)}: global batch "
+    return (f"resuming a checkpoint of {was} on {run_layout(world, sharding, now.world_size)}: global batch "
             f"{now}, unchanged ({PARALLEL_LAYOUT_TERMS})")
 
 
