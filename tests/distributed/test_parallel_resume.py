@@ -277,6 +277,45 @@ def test_the_logs_in_progress_move_between_tensor_parallel_groups_counted_once(s
     assert all((s["steps"], s["samples"], s["total_loss"]) == (3, 24, 1.5) for s in shares)
 
 
+def test_a_whole_checkpoint_loads_through_torchs_full_state_path_with_its_tied_copy_dropped(tmp_path):
+    """What a sharded run reads of a plain run's checkpoint (fsdp.load_whole, here into a plain model in one process,
+    where torch's full-state path copies; test (b) above slices into DTensors): the weights, also where the tied
+    lm_head.weight was left out of model.safetensors (as save_pretrained may leave it; torch's path loads a tied
+    parameter once), and AdamW's state, whose positions in the groups are matched to the model's names."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stoker import checkpoint_format as ckpt
+    from stoker.distributed.fsdp import load_whole
+
+    def tied():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+    def adamw(model):
+        return torch.optim.AdamW([{"params": list(model.model.parameters())}, {"params": [], "weight_decay": 0.0}],
+                                 lr=1e-2)
+
+    trained = tied()
+    optimizer = adamw(trained)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    trained(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    ckpt.save_weights(trained, str(tmp_path))
+    ckpt.save_state(str(tmp_path), "optimizer", optimizer.state_dict())
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({n: t for n, t in weights.items() if n != "lm_head.weight"}, tmp_path / "model.safetensors")
+    model = tied()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # the tied embeddings too: loaded, not kept
+    loaded = adamw(model)
+    load_whole(str(tmp_path), model, loaded)
+    assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), model.parameters(), strict=True))
+    for p, q in zip(trained.model.parameters(), model.model.parameters(), strict=True):
+        assert all(torch.equal(optimizer.state[p][k], loaded.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
 def test_a_checkpoint_a_parallel_layout_cannot_load_is_refused_naming_both_and_what_is_accepted(tmp_path):
     """ZeRO partitions into tensor parallelism: refused before any work (the checkpoint's kind is read from its
     files), naming the checkpoint's kind of run, this run's layout and the kinds it resumes."""
