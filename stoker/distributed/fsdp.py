@@ -415,7 +415,11 @@ def load_shards(folder: str, model, optimizer=None, trainable_only: bool = False
 
     def read(name: str, targets: dict) -> None:
         try:
-            dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(folder, name)))
+            with warnings.catch_warnings():
+                # torch warns that one process without a process group reads every shard itself (a plain run
+                # resuming a sharded checkpoint), which is the point
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(folder, name)))
         except Exception as e:  # torch raises CheckpointException and others, naming the keys
             raise CheckpointError(f"{folder}/{name} does not fit this model: {e}") from e
 
