@@ -157,8 +157,12 @@ def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: Lo
     parallel = loop.get("parallelism") or backend.sharding  # either side sharded by the model's plans
     terms, noun = (PARALLEL_LAYOUT_TERMS, ranks) if parallel else (LAYOUT_TERMS, processes)
     batch_changed = saved.global_batch != now.global_batch
+    # both layouts, where the processes alone do not say how many ranks read different rows
+    was = run_layout(loop["world_size"], loop.get("parallelism"), saved.world_size)
+    here = run_layout(acc.num_processes, backend.sharding, world)
     if batch_changed:
-        changed.insert(0, f"global batch {saved} (now {now}; {terms})")
+        changed.insert(0, f"global batch {saved} on {was} (now {now} on {here}; {terms})" if parallel
+                       else f"global batch {saved} (now {now}; {terms})")
     if changed:
         what = f"{folder} was written with {', '.join(changed)}: resuming cannot reproduce the original run"
         if args.resume_mismatch == "error":
@@ -169,19 +173,10 @@ def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: Lo
                                   "with the new settings")
         logger.warning(f"{what}; continuing from the same sample with the new settings (resume_mismatch='warn')")
     elif (saved != now or loop.get("parallelism") != backend.sharding) and acc.is_main_process:
-        logger.info(another_layout(loop, acc.num_processes, backend.sharding, now))
+        logger.info(f"resuming a checkpoint of {was} on {here}: global batch {now}, unchanged ({terms})" if parallel
+                    else f"resuming a {loop['world_size']}-process checkpoint on {here}: global batch {now}, unchanged "
+                    f"({terms})")
     return loop
-
-
-def another_layout(loop: dict[str, Any], world: int, sharding: dict[str, int] | None, now: Layout) -> str:
-    """What a resume of a checkpoint (its loop state) in another layout of its global batch (`now`) says: both
-    layouts, in processes, and where either shards the model by its plans, its sizes and data-parallel ranks."""
-    if not (loop.get("parallelism") or sharding):
-        return (f"resuming a {loop['world_size']}-process checkpoint on {processes(world)}: global batch {now}, "
-                f"unchanged ({LAYOUT_TERMS})")
-    was = run_layout(loop["world_size"], loop.get("parallelism"), saved_layout(loop).world_size)
-    return (f"resuming a checkpoint of {was} on {run_layout(world, sharding, now.world_size)}: global batch "
-            f"{now}, unchanged ({PARALLEL_LAYOUT_TERMS})")
 
 
 LAYOUT_TERMS = "processes x per_device_train_batch_size x gradient_accumulation_steps"

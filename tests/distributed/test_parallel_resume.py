@@ -232,8 +232,9 @@ def test_a_global_batch_the_data_parallel_ranks_cannot_keep_is_refused_before_an
     assert len(refused) == 2 and not list((resumed / "tp_refuses_batch_4").glob("checkpoint-*"))
     for rank in refused:
         assert rank["trained_steps"] == 0, rank
-        assert "global batch 8 = 1 x 8 x 1 (now 4 = 1 x 4 x 1; data-parallel ranks x per_device_train_batch_size x " \
-               "gradient_accumulation_steps)" in rank["refused"], rank["refused"]
+        assert "was written with global batch 8 = 1 x 8 x 1 on 1 process (now 4 = 1 x 4 x 1 on 2 processes with " \
+               "parallelism_config={'tp_size': 2} (1 data-parallel rank); data-parallel ranks x " \
+               "per_device_train_batch_size x gradient_accumulation_steps)" in rank["refused"], rank["refused"]
         assert "keep its global batch of 8 on 1 data-parallel rank with --per_device_train_batch_size 8 " \
                "--gradient_accumulation_steps 1" in rank["refused"], rank["refused"]
 
