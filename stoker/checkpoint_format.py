@@ -404,6 +404,16 @@ def _weight_files(folder: str, names: tuple[str, ...]) -> list[str]:
     raise CheckpointError(f"{folder}: no weights found (looked for {', '.join(names)})")
 
 
+def read_weights(folder: str) -> dict[str, torch.Tensor]:
+    """The whole model's tensors that `save_weights` wrote (model.safetensors, or its shards), by name."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in _weight_files(folder, ("model.safetensors",)):
+        state.update(load_file(f))
+    return state
+
+
 def load_weights(model: torch.nn.Module, folder: str) -> None:
     """Load weights saved by `save_weights` into `model`, refusing names or shapes that do not match."""
     from safetensors.torch import load_file
@@ -419,9 +429,7 @@ def load_weights(model: torch.nn.Module, folder: str) -> None:
         if unexpected:
             raise CheckpointError(f"{folder}: adapter tensors not in the model: {unexpected[:5]}")
         return
-    state = {}
-    for f in _weight_files(folder, ("model.safetensors",)):
-        state.update(load_file(f))
+    state = read_weights(folder)
     own = model.state_dict()
     problems = [f"{k} is not in the model" for k in state if k not in own]
     # a model with a load_state_dict of its own (one that resizes a buffer grown in training, say) decides how

@@ -112,24 +112,40 @@ def resolve_resume(resume, args) -> str | None:
 
 
 def saved_layout(loop: dict[str, Any]) -> Layout:
-    """The layout a checkpoint's run had (from its loop state; split_batches is recorded since elastic resume)."""
-    return Layout(loop["world_size"], loop["per_device_train_batch_size"], loop["gradient_accumulation_steps"],
-                  loop.get("split_batches", False))
+    """The layout a checkpoint's run had (from its loop state; split_batches is recorded since elastic resume, the
+    data-parallel size since parallel layouts resume: every process was one before)."""
+    return Layout(loop.get("data_parallel_size", loop["world_size"]), loop["per_device_train_batch_size"],
+                  loop["gradient_accumulation_steps"], loop.get("split_batches", False))
+
+
+def ranks_per_batch(loop: dict[str, Any]) -> int:
+    """The processes of a checkpoint's run that read the same rows (its tensor-parallel group; 1 without one)."""
+    return loop["world_size"] // loop.get("data_parallel_size", loop["world_size"])
+
+
+def run_layout(world: int, parallelism: dict[str, int] | None, data_parallel: int) -> str:
+    """A run's layout as resume messages name it: "2 processes", or "2 processes with parallelism_config={'tp_size':
+    2} (1 data-parallel rank)" where the model is sharded by its plans."""
+    if not parallelism:
+        return processes(world)
+    return f"{processes(world)} with parallelism_config={parallelism!r} ({ranks(data_parallel)})"
 
 
 def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: LoopPosition) -> dict[str, Any]:
     """Before a resumed run is set up: its checkpoint's loop state (loop_state.json), once the checkpoint is known
-    to be of a kind this run can load (FSDP, DeepSpeed, data-parallel) and written with settings that keep the
-    resume exact.
+    to be of a kind this run can load (sharded, DeepSpeed, whole) and written with settings that keep the resume
+    exact.
 
-    The same global batch in another layout (another number of processes, another split into micro-batch and
-    accumulation) is the same run (see Layout) and goes on, saying what changed. A changed global batch, dataset
+    The same global batch in another layout (another number of processes, another parallel layout: tensor
+    parallelism or FSDP2 by the model's plans, another split into micro-batch and accumulation) is the same run
+    (see Layout: counted in data-parallel ranks) and goes on, saying both layouts. A changed global batch, dataset
     length or seed is refused, naming the layouts that keep the global batch (or, with resume_mismatch='warn',
     reported). With auto_find_batch_size, `pos` adopts the micro-batch the checkpoint's run settled on when the
     layout is otherwise the same."""
     backend.check_checkpoint(folder)
     loop = ckpt.read_json(folder, "loop_state.json")
-    saved, world = saved_layout(loop), backend.accelerator.num_processes
+    acc = backend.accelerator
+    saved, world = saved_layout(loop), acc.data_parallel_size  # the ranks that read different rows
     split = args.accelerator_config.split_batches
     if (args.auto_find_batch_size and saved.world_size == world and saved.split_batches == split
             and saved.global_batch == Layout(world, pos.micro_batch, pos.accumulation, split).global_batch):
@@ -138,33 +154,47 @@ def resume_settings(folder: str, backend, args, dataset_len: int | None, pos: Lo
     changed = [f"{k}={loop.get(k)!r} (now {v!r})" for k, v in (("data_seed", args.data_seed), ("seed", args.seed),
                                                                ("train_dataset_len", dataset_len))
                if loop.get(k) != v]
+    parallel = loop.get("parallelism") or backend.sharding  # either side sharded by the model's plans
+    terms, noun = (PARALLEL_LAYOUT_TERMS, ranks) if parallel else (LAYOUT_TERMS, processes)
     batch_changed = saved.global_batch != now.global_batch
+    # both layouts, where the processes alone do not say how many ranks read different rows
+    was = run_layout(loop["world_size"], loop.get("parallelism"), saved.world_size)
+    here = run_layout(acc.num_processes, backend.sharding, world)
     if batch_changed:
-        changed.insert(0, f"global batch {saved} (now {now}; {LAYOUT_TERMS})")
+        changed.insert(0, f"global batch {saved} on {was} (now {now} on {here}; {terms})" if parallel
+                       else f"global batch {saved} (now {now}; {terms})")
     if changed:
         what = f"{folder} was written with {', '.join(changed)}: resuming cannot reproduce the original run"
         if args.resume_mismatch == "error":
-            how = (keep_global_batch(saved, world) + (" and restore the other settings" if len(changed) > 1 else "")
+            how = (keep_global_batch(saved, world, noun) + (" and restore the other settings" if len(changed) > 1
+                                                            else "")
                    if batch_changed else "restore those settings")
             raise CheckpointError(f"{what}; {how}, or set resume_mismatch='warn' to continue from the same sample "
                                   "with the new settings")
         logger.warning(f"{what}; continuing from the same sample with the new settings (resume_mismatch='warn')")
-    elif saved != now and backend.accelerator.is_main_process:
-        logger.info(f"resuming a {saved.world_size}-process checkpoint on {processes(world)}: global batch {now}, "
-                    f"unchanged ({LAYOUT_TERMS})")
+    elif (saved != now or loop.get("parallelism") != backend.sharding) and acc.is_main_process:
+        logger.info(f"resuming a checkpoint of {was} on {here}: global batch {now}, unchanged ({terms})" if parallel
+                    else f"resuming a {loop['world_size']}-process checkpoint on {here}: global batch {now}, unchanged "
+                    f"({terms})")
     return loop
 
 
 LAYOUT_TERMS = "processes x per_device_train_batch_size x gradient_accumulation_steps"
+# where a model is sharded by its plans, the ranks of a tensor-parallel group read the same rows and count once
+PARALLEL_LAYOUT_TERMS = "data-parallel ranks x per_device_train_batch_size x gradient_accumulation_steps"
 
 
 def processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
-def keep_global_batch(saved: Layout, world_size: int) -> str:
-    """How to keep a checkpoint's global batch: the flags of the layouts on `world_size` processes that keep it,
-    or, if there is none, the numbers of processes that can."""
+def ranks(n: int) -> str:
+    return f"{n} data-parallel rank" if n == 1 else f"{n} data-parallel ranks"
+
+
+def keep_global_batch(saved: Layout, world_size: int, noun: Callable[[int], str] = processes) -> str:
+    """How to keep a checkpoint's global batch: the flags of the layouts on `world_size` processes (or
+    data-parallel ranks: `noun` names them) that keep it, or, if there is none, the numbers that can."""
     def flags(layout: Layout) -> str:
         return (f"--per_device_train_batch_size {layout.micro_batch} "
                 f"--gradient_accumulation_steps {layout.accumulation}")
@@ -172,13 +202,13 @@ def keep_global_batch(saved: Layout, world_size: int) -> str:
     here = saved.keeping_global_batch(world_size)
     if here:
         others = ", ".join(f"{layout.micro_batch} x {layout.accumulation}" for layout in here[1:4])
-        return (f"keep its global batch of {saved.global_batch} on {processes(world_size)} with {flags(here[0])}"
+        return (f"keep its global batch of {saved.global_batch} on {noun(world_size)} with {flags(here[0])}"
                 + (f" (or per-device batch x accumulation {others})" if others else ""))
     elsewhere = [(n, layouts[0]) for n in range(1, saved.global_batch + 1)
                  if (layouts := saved.keeping_global_batch(n))]
     nearest = sorted(elsewhere, key=lambda item: abs(item[0] - world_size))[:3]
-    return (f"no layout of {world_size} processes makes its global batch of {saved.global_batch}: resume on "
-            + ", on ".join(f"{processes(n)} with {flags(layout)}" for n, layout in nearest))
+    return (f"no layout of {noun(world_size)} makes its global batch of {saved.global_batch}: resume on "
+            + ", on ".join(f"{noun(n)} with {flags(layout)}" for n, layout in nearest))
 
 
 class Checkpointer:
@@ -407,7 +437,7 @@ class Checkpointer:
 
     def layout(self, pos: LoopPosition) -> Layout:
         """This run's layout at `pos` (auto_find_batch_size may have halved the micro-batch)."""
-        return Layout(self.accelerator.num_processes, pos.micro_batch, pos.accumulation,
+        return Layout(self.accelerator.data_parallel_size, pos.micro_batch, pos.accumulation,
                       self.args.accelerator_config.split_batches)
 
     def loop_state(self, position: dict[str, int], spike: dict[str, Any] | None) -> dict[str, Any]:
@@ -422,7 +452,9 @@ class Checkpointer:
             "samples_in_epoch": position["batches"] * layout.rows_per_micro_step,
             "global_batch": layout.global_batch,
             "data_seed": a.data_seed,
-            "world_size": layout.world_size,
+            "world_size": self.accelerator.num_processes,  # the process_<rank> parts written
+            "data_parallel_size": layout.world_size,
+            "parallelism": self.backend.sharding,
             "seed": a.seed,
             "per_device_train_batch_size": position["micro_batch"],  # as run: auto_find_batch_size may halve it
             "gradient_accumulation_steps": position["accumulation"],
@@ -453,8 +485,10 @@ class Checkpointer:
         optimizer through the backend, then every other part the checkpoint holds handed to the run's
         `load_state_dict` (the schedule, scaler, TrainerState's progress, callback states with
         restore_callback_states_from_checkpoint, where the loop goes on in `start`'s layout, the log's sums, the
-        quarantine, this process's random streams). On another number of processes the per-process parts are
-        regrouped: the logs' sums dealt out, the random streams reseeded (see `reseed`)."""
+        quarantine, this process's random streams). On another number of processes, or another grouping of them
+        into tensor-parallel groups, the per-process parts are regrouped: the logs' sums dealt out (LogSums.regrouped),
+        the random streams of the same data-parallel rank taken where the data-parallel ranks are as many, else
+        reseeded (see `reseed`)."""
         acc, a = self.accelerator, self.args
         self.backend.load_training_state(folder, run.model, run.optimizer)
         saved = TrainerState.from_dict(ckpt.read_json(folder, "trainer_state.json"))
@@ -467,14 +501,18 @@ class Checkpointer:
         parts["position"] = dataclasses.replace(start, epoch=loop["epoch"], batches=skip).state_dict()
         if "quarantine" in loop:
             parts["spike"] = {"quarantine": loop["quarantine"], "spike_losses": loop.get("spike_losses", [])}
-        if loop["world_size"] == acc.num_processes:  # each process goes on with its own random streams and log
-            own = ckpt.load_state(folder, f"process_{acc.process_index}")
-        else:  # no process's streams are this one's (see reseed); the logs' sums are regrouped
-            own = ckpt.load_state(folder, f"process_{acc.process_index % loop['world_size']}")
-            reseed(a.seed, saved.global_step, acc.process_index)
+        group, saved_ranks = ranks_per_batch(loop), saved_layout(loop).world_size
+        if loop["world_size"] == acc.num_processes and group == acc.ranks_per_batch:
+            own = ckpt.load_state(folder, f"process_{acc.process_index}")  # its own random streams and log
+        else:  # the per-process parts regrouped (the ranks of a tensor-parallel group hold the same ones)
+            rank = acc.process_index // acc.ranks_per_batch  # data-parallel
+            own = ckpt.load_state(folder, f"process_{rank % saved_ranks * group}")
+            if saved_ranks != acc.data_parallel_size:  # no rank's streams are this one's (see reseed)
+                reseed(a.seed, saved.global_step, rank)
+                own["rng"] = rng_state()
             pendings = [ckpt.load_state(folder, f"process_{r}")["pending_log"] for r in range(loop["world_size"])]
-            own.update(rng=rng_state(), pending_log=LogSums.regrouped(
-                pendings, acc.num_processes, acc.process_index, a.average_tokens_across_devices))
+            own["pending_log"] = LogSums.regrouped(pendings, group, acc.num_processes, acc.ranks_per_batch,
+                                                   acc.process_index, a.average_tokens_across_devices)
         parts.update({PART_OF_PROCESS_KEY.get(key, key): value for key, value in own.items()})
         run.load_state_dict(parts)
         if acc.is_main_process:
@@ -526,7 +564,8 @@ def rng_state() -> dict[str, Any]:
 
 def reseed(seed: int, step: int, rank: int) -> None:
     """Seed this process's random number generators (Python's, numpy's, torch's on every device) from the run's
-    seed, the step and the rank, for a run resumed on another number of processes: the checkpoint's per-process
+    seed, the step and the data-parallel rank (the same for the ranks of a tensor-parallel group, whose replicated
+    computation draws alike), for a run resumed on another number of data-parallel ranks: the checkpoint's per-process
     streams cannot be dealt out to another number of processes (and the micro-batches they drew for, dropout's
     among them, differ in shape), so each process starts a stream of its own that the same resume draws again."""
     state = np.random.SeedSequence([seed, step, rank]).generate_state(2)

@@ -75,9 +75,9 @@ def split_batch(batch: dict, rows: int) -> list[dict]:
 
 
 def evaluation_readers(accelerator) -> int:
-    """The processes that read different evaluation rows: every one but the ranks of a tensor-parallel group, which
-    read the same (ranks_per_batch)."""
-    return accelerator.num_processes // accelerator.ranks_per_batch
+    """The processes that read different evaluation rows: every one but the ranks of a tensor- or context-parallel
+    group, which read the same (ranks_per_count; a sequence-parallel rank evaluates whole rows of its own)."""
+    return accelerator.num_processes // accelerator.ranks_per_count
 
 
 def genuine_rows(batch: dict, accelerator) -> tuple[int | None, bool]:
@@ -94,16 +94,16 @@ def genuine_rows(batch: dict, accelerator) -> tuple[int | None, bool]:
     if evaluation_readers(accelerator) == 1 or not state.end_of_dataloader or state.remainder <= 0:
         return None, False
     rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-    reader = accelerator.process_index // accelerator.ranks_per_batch
+    reader = accelerator.process_index // accelerator.ranks_per_count
     genuine = min(max(state.remainder - reader * rows, 0), rows)
     return (None if genuine == rows else genuine), state.remainder % rows != 0
 
 
 def gather_once_per_batch(accelerator, tensor: torch.Tensor, use_gather_object: bool):
     """Accelerate's gather_for_metrics of `tensor` from every process, where the ranks of a tensor-parallel group
-    hold the same rows (ranks_per_batch > 1): each group's rows are kept once (from its first rank), then the fill of
+    hold the same rows (ranks_per_count > 1): each group's rows are kept once (from its first rank), then the fill of
     the last batch is cut as gather_for_metrics cuts it."""
-    acc, k = accelerator, accelerator.ranks_per_batch
+    acc, k = accelerator, accelerator.ranks_per_count
     if k == 1:
         return acc.gather_for_metrics(tensor, use_gather_object=use_gather_object)
     if use_gather_object:

@@ -14,7 +14,8 @@ Everything that keeps or moves a run reads it through that one list:
                        layout) and a resume hands the parts it read back to `load_state_dict`
     the spike rollback stoker.rollback copies `state_dict()` to host memory and puts it back the same way
     an elastic resume  the checkpointer regroups the per-process parts (the log's sums, the random streams) for
-                       another number of processes before loading them
+                       another number of processes or another parallel layout before loading them (the ranks of a
+                       tensor-parallel group hold the same ones)
 
 A part added to the list is carried by all three, as `tests/unit/test_run.py` checks with a part of its own. The
 Trainer keeps transformers' attributes (`state`, `control`, `optimizer`, `lr_scheduler`, `model_wrapped`) for

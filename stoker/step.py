@@ -90,16 +90,19 @@ class LoopPosition:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How a run splits its global batch: processes x micro-batch x accumulation (with Accelerate's split_batches,
-    the micro-batch is the loader's batch over every process, split between them).
+    """How a run splits its global batch: data-parallel ranks x micro-batch x accumulation (with Accelerate's
+    split_batches, the micro-batch is the loader's batch over every rank, split between them). The data-parallel
+    ranks are the processes that read different rows: every process under DDP and FSDP, one per tensor-parallel
+    group (whose ranks read the same rows).
 
-    The seedable sampler's order does not depend on the layout, and Accelerate hands the processes consecutive
-    micro-batches of it in turn, so optimizer step j of an epoch trains rows [j x G, (j + 1) x G) of that order
-    whatever the layout of a global batch of G: two layouts of one global batch make the same steps of the same
-    samples. That is what lets a checkpoint resume on another number of processes as the same run.
+    The seedable sampler's order does not depend on the layout, and Accelerate hands the data-parallel ranks
+    consecutive micro-batches of it in turn, so optimizer step j of an epoch trains rows [j x G, (j + 1) x G) of
+    that order whatever the layout of a global batch of G: two layouts of one global batch make the same steps of
+    the same samples. That is what lets a checkpoint resume on another number of processes, or another parallel
+    layout, as the same run.
     """
 
-    world_size: int
+    world_size: int  # the data-parallel ranks
     micro_batch: int
     accumulation: int
     split_batches: bool = False
@@ -189,7 +192,7 @@ class LogSums:
         asks. A host sync, so done when logging and once at the end rather than per step."""
         counts = self.tokens.clone()
         if accelerator.num_processes > 1:
-            counts = accelerator.reduce(counts, reduction="sum") // accelerator.ranks_per_batch  # a batch counted once
+            counts = accelerator.reduce(counts, reduction="sum") // accelerator.ranks_per_count  # a batch counted once
         tokens, all_tokens = (int(c) for c in counts.tolist())
         self.tokens.zero_()
         self.tokens_seen += tokens
@@ -226,8 +229,9 @@ class LogSums:
         total = self.loss.clone()
         if accelerator.num_processes > 1:
             total = accelerator.reduce(total, reduction="sum")
-            # each process's loss is a mean of its own, or a share of the batch its tensor-parallel group reads
-            total /= accelerator.num_processes if not averaged_across_devices else accelerator.ranks_per_batch
+            # each process's loss is a mean of its own, or a share of the batch its tensor-parallel group reads (a
+            # context-parallel group's ranks each hold the share of their slice)
+            total /= accelerator.num_processes if not averaged_across_devices else accelerator.ranks_per_loss
         self.loss.zero_()
         self.steps = 0
         return total.item()
@@ -283,17 +287,26 @@ class LogSums:
         self.nonfinite_at_log = saved.get("nonfinite_at_log", self.nonfinite_total - self.nonfinite_run)
 
     @staticmethod
-    def regrouped(pendings: list[dict[str, Any]], world_size: int, rank: int,
-                  averaged_across_devices: bool) -> dict[str, Any]:
-        """This process's share of the logs in progress that `pendings` (one per process of a checkpoint's run)
-        held, for a run on `world_size` processes: the next log then reports what it would have reported on the
-        checkpoint's processes. The sums over processes (loss, tokens) go to rank 0; the rest is the same on every
-        process (step and sample counts, totals already reduced, the agreed non-finite counts)."""
+    def regrouped(pendings: list[dict[str, Any]], saved_ranks_per_batch: int, world_size: int, ranks_per_batch: int,
+                  rank: int, averaged_across_devices: bool) -> dict[str, Any]:
+        """This process's share of the logs in progress that `pendings` (one per process of a checkpoint's run, whose
+        tensor-parallel groups had `saved_ranks_per_batch` ranks) held, for a run on `world_size` processes in groups
+        of `ranks_per_batch`: the next log then reports what it would have reported on the checkpoint's processes.
+
+        The log divides its sums over processes (loss, tokens) by the ranks that read one batch (a tensor-parallel
+        group counts its batch once per rank), or, with average_tokens_across_devices=False, the loss by the
+        processes (each one's is a mean of its own). So each sum is first brought back to what the log would
+        report, then handed to the ranks of data-parallel rank 0 of the new run as its log will divide it, every
+        rank of that group holding the same, as the ranks of a tensor-parallel group do. The rest is the same on
+        every process (step and sample counts, totals already reduced, the agreed non-finite counts)."""
         first = pendings[0]
         loss, tokens = sum(p["loss"] for p in pendings), sum(p["tokens"] for p in pendings)
-        if not averaged_across_devices:  # each process's loss is a mean of its own: the log divides by the count
-            loss = loss * world_size / len(pendings)
-        if rank:
+        if averaged_across_devices:
+            loss = loss / saved_ranks_per_batch
+        else:  # the log divides by the processes, of which group 0 holds the sum
+            loss = loss * world_size / (len(pendings) * ranks_per_batch)
+        tokens = tokens // saved_ranks_per_batch
+        if rank >= ranks_per_batch:  # not of data-parallel rank 0
             loss, tokens = torch.zeros_like(loss), torch.zeros_like(tokens)
         return {**first, "loss": loss, "tokens": tokens}
 
@@ -386,8 +399,9 @@ class StepCheck:
                  averaged_across_devices: bool = True):
         self.accelerator, self.deferred, self.check_grad_norm = accelerator, deferred, check_grad_norm
         # each process's loss is a mean of its own where the losses are not averaged over the processes' tokens,
-        # else its share of the global batch, which the ranks of a tensor-parallel group hold alike
-        sharing = accelerator.ranks_per_batch if averaged_across_devices else accelerator.num_processes
+        # else its share of the global batch, which the ranks of a tensor-parallel group hold alike (those of a
+        # context-parallel group each the share of their slice: ranks_per_loss)
+        sharing = accelerator.ranks_per_loss if averaged_across_devices else accelerator.num_processes
         self._loss_share = 1.0 / sharing if reads_loss else None
         on_gpu = accelerator.device.type == "cuda"
         self._host = torch.zeros(4, pin_memory=on_gpu)  # bad anywhere, signalled anywhere, loss, bad here

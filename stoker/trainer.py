@@ -50,7 +50,9 @@ from .data import (
 from .diagnostics import peak_memory_metrics
 from .distributed.accelerator import build_accelerator
 from .distributed.backends import OptimizerSource, backend_for
+from .distributed.context_parallel import SequenceSplit, split_multiple
 from .distributed.deepspeed import non_embedding_parameters
+from .distributed.parallelism import read_parallelism_config
 from .errors import ConfigError, NonFiniteError, SpikeError, TrainingPreempted, exit_with_code_after_preemption
 from .evaluation import (
     Collected,
@@ -289,6 +291,9 @@ class Trainer(TransformersSurface):
         # built again in a Ray worker for a search trial's arguments (an Accelerator belongs to its process)
         self.accelerator = build_accelerator(self.args, model, self._given_optimizers)
         self._backend = backend_for(self.accelerator, self.args)
+        # context parallelism (parallelism_config cp_size > 1): how each micro-batch's sequence is split
+        config = self.accelerator.parallelism_config
+        self._sequence_split = SequenceSplit(self.accelerator) if config is not None and config.cp_size > 1 else None
         # async_save's writer: one checkpoint in flight at most, which save_model waits for as the run's end does
         self._checkpoint_writer = BackgroundWriter(self.accelerator)
 
@@ -351,8 +356,10 @@ class Trainer(TransformersSurface):
         return model
 
     def _set_collator(self, base) -> None:
+        # under context parallelism, rows padded to a length the sequence splits into (split_multiple)
         self.data_collator = self._given_collator or PaddingCollator(
-            self._pad_token_id(), always_mask=hasattr(base, "config") and "attention_mask" in forward_columns(base))
+            self._pad_token_id(), split_multiple(read_parallelism_config(self.args.parallelism_config)[0]),
+            always_mask=hasattr(base, "config") and "attention_mask" in forward_columns(base))
         if self.args.remove_unused_columns and hasattr(base, "config"):
             self.data_collator = ColumnFilter(self.data_collator, forward_columns(base) | set(self.label_names))
 
@@ -961,6 +968,8 @@ class Trainer(TransformersSurface):
         if window is not None and not run.rows_checked and not self._overridden(TRAIN_HOOKS):
             problems = batch_problems(self.model, "train_dataset", window[0], self.compute_loss_func,
                                       self.label_names, self._convention.family, self._filters_columns())
+        if window is not None and not run.rows_checked and self._sequence_split is not None and not problems:
+            problems = [f"train_dataset: {p}" for p in self._sequence_split.batch_problems(window[0])]
         empty, refused = window is None, bool(problems)
         if acc.num_processes > 1:
             flags = acc.reduce(torch.tensor([float(empty), float(refused)], device=acc.device), "sum").tolist()
@@ -1068,28 +1077,34 @@ class Trainer(TransformersSurface):
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
         if callable(getattr(inner, "train", None)):  # a schedule-free optimizer back on its training point
             inner.train()
+        # context parallelism: this rank's slice of the sequence (copies; `inputs` stays whole), for the forward and
+        # the backward, where the ring attention passes the keys and values around the group again
+        split, given = (self._sequence_split(inputs) if self._sequence_split is not None
+                        else (contextlib.nullcontext(), dict(inputs)))
         shares = []  # marked by stoker's compute_loss, if this micro-batch's loss goes through it
         token = _WINDOW_SHARES.set(shares)
-        try:  # rows counted unpadded on the host: sdpa's causal path without a read of the mask (stoker.sdpa_mask)
-            with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
-                loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
-        finally:
-            _WINDOW_SHARES.reset(token)
-        # an override of compute_loss that returned its own mean over the micro-batch (loss_is_scaled_for_ga False,
-        # or None with a model that takes no loss kwargs, where transformers divides by the accumulation steps) is
-        # weighed by the micro-batch's items over the window's: transformers' division where the micro-batches hold
-        # equal items, exact where they do not. A loss from stoker's own compute_loss already is the share
-        scaled = self.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
-        if not (shares or scaled or num_items_in_batch is None):
-            loss = self._convention.mean_share(loss, inputs, num_items_in_batch)
-        # DDP (and DeepSpeed) average gradients over processes; the loss is already normalised by the global
-        # item count, so scale back up to get the sum over the global window
-        # LOMO updates the parameters inside the backward, at the schedule's rate (Accelerate's lomo_backward)
-        fused = {"learning_rate": self._learning_rate()} if hasattr(inner, "fused_backward") else {}
-        self._backend.backward(loss * (self.accelerator.data_parallel_size if self.args.average_tokens_across_devices
-                                       else 1), **fused)
+        with split:
+            try:  # rows counted unpadded on the host: sdpa's causal path without a read of the mask (sdpa_mask)
+                with unpadded_attention(inputs) if self._answers_mask else contextlib.nullcontext():
+                    loss = self.compute_loss(model, given, num_items_in_batch=num_items_in_batch)
+            finally:
+                _WINDOW_SHARES.reset(token)
+            # an override of compute_loss that returned its own mean over the micro-batch (loss_is_scaled_for_ga
+            # False, or None with a model that takes no loss kwargs, where transformers divides by the accumulation
+            # steps) is weighed by the micro-batch's items over the window's: transformers' division where the
+            # micro-batches hold equal items, exact where they do not. A loss from stoker's compute_loss is the share
+            scaled = self.loss_is_scaled_for_ga
+            if scaled is None:
+                scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+            if not (shares or scaled or num_items_in_batch is None):
+                loss = self._convention.mean_share(loss, inputs, num_items_in_batch)
+            # DDP, FSDP (and DeepSpeed) average gradients over processes (FSDP2 over the context-parallel ranks as
+            # well: averaged_ranks); the loss is already normalised by the global item count, so scale back up to
+            # get the sum over the global window. LOMO updates the parameters inside the backward, at the
+            # schedule's rate (Accelerate's lomo_backward)
+            fused = {"learning_rate": self._learning_rate()} if hasattr(inner, "fused_backward") else {}
+            self._backend.backward(loss * (self.accelerator.averaged_ranks if self.args.average_tokens_across_devices
+                                           else 1), **fused)
         if self.args.torch_empty_cache_steps and self.state.global_step % self.args.torch_empty_cache_steps == 0:
             clear_device_cache()
         return loss.detach()
@@ -1114,7 +1129,7 @@ class Trainer(TransformersSurface):
         group each count their group's whole batch with the whole model's parameters, so a batch counts once."""
         flos = torch.tensor(float(self.current_flos), device=self.accelerator.device, dtype=torch.float64)
         if self.accelerator.num_processes > 1:
-            flos = self.accelerator.reduce(flos, reduction="sum") / self.accelerator.ranks_per_batch
+            flos = self.accelerator.reduce(flos, reduction="sum") / self.accelerator.ranks_per_count
         self.state.total_flos += flos.item()
         self.current_flos = 0
 

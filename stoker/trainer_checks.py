@@ -18,8 +18,10 @@ import torch
 
 from .checkpoint_format import is_peft_model
 from .data import unseeded_shuffle_problem
+from .distributed.context_parallel import context_parallel_model_problems
+from .distributed.parallelism import read_parallelism_config
 from .float8 import float8_kbit_problem, kbit_bits
-from .loss import chunked_loss_problems, load_balancing_problems, shared_prefix_problems
+from .loss import chunked_loss_problems, load_balancing_problems, model_family, shared_prefix_problems
 from .memory_plan import rollback_line
 
 
@@ -104,6 +106,9 @@ def trainer_input_problems(args, model, optimizers, train_dataset, eval_dataset,
     bits = kbit_bits(model) if a.fp8 is not None and isinstance(model, torch.nn.Module) else None
     if bits:
         p.append(float8_kbit_problem(a.fp8, bits))
+    parallelism = read_parallelism_config(a.parallelism_config)[0]  # validated already
+    if parallelism is not None and parallelism.cp_size > 1 and isinstance(model, torch.nn.Module):
+        p += context_parallel_model_problems(model, model_family(model), compute_loss_func)
     if getattr(model, "hf_quantizer", None) is not None and not is_peft_model(model):
         p.append("model: it is loaded in 4 or 8 bits, whose weights cannot be trained; pass peft_config "
                  "(LoRA) to train an adapter on it (QLoRA)")

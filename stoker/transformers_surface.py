@@ -109,8 +109,9 @@ class TransformersSurface:
         return config.tp_size if config is not None else 1
 
     def get_cp_size(self) -> int:
-        """Context-parallel degree: always 1, as stoker runs no context parallelism."""
-        return 1
+        """Context-parallel degree: parallelism_config's cp_size, else 1."""
+        config = self.accelerator.parallelism_config
+        return config.cp_size if config is not None else 1
 
     def get_sp_size(self) -> int:
         """Sequence-parallel degree: always 1, as stoker runs no sequence parallelism."""

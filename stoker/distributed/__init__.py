@@ -11,6 +11,7 @@ silently run as something else, and keeps sharded and partitioned state in stoke
     accelerator the arguments' problems, what this machine cannot run, the Accelerator options for a run
     parallelism parallelism_config and models transformers sharded at load (tensor parallelism, FSDP2 by the
                 model's own plans): refusals, the sharding, clipping over several meshes
+    context_parallel  cp_size > 1 (torch's ring attention under FSDP2): its refusals, each micro-batch's split
     backends    one object per backend (plain/DDP, FSDP1, FSDP2, plan-sharded, DeepSpeed) that the Trainer calls:
                 prepare, the state dict for saving, its checkpoint parts, its refusals
 

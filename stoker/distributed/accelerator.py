@@ -201,10 +201,20 @@ class ShareReadingAccelerator(Accelerator):
         # sum over every process counts each batch this many times (1 under DDP and FSDP)
         config = self.parallelism_config
         self.data_parallel_size = config.data_parallel_size if config is not None else self.num_processes
-        # the ranks of a sequence-parallel group read the same rows too, but each counts only its slice of them
-        # (SequenceShards), so a sum over every process counts each batch once
+        self.ranks_per_batch = self.num_processes // self.data_parallel_size
+        # context and sequence parallelism: the ranks of a group each hold a slice of the batch's sequence, so each has
+        # its own share of the loss (ranks_per_loss: the processes that compute the very same loss), and FSDP2 averages
+        # the gradients over the data-parallel and the context-parallel ranks (averaged_ranks), which the loss,
+        # normalised over the window's tokens, is multiplied back by (DeepSpeed sums a sequence-parallel group's, and
+        # its backend scales the loss where it averages them)
+        cp_size = config.cp_size if config is not None else 1
         self.sequence_parallel_size = config.sp_size if splits_sequences(config) else 1
-        self.ranks_per_batch = self.num_processes // self.data_parallel_size // self.sequence_parallel_size
+        self.ranks_per_loss = self.ranks_per_batch // cp_size // self.sequence_parallel_size
+        self.averaged_ranks = self.data_parallel_size * cp_size
+        # the processes whose counts of a batch (tokens, target items, FLOPs, evaluation rows) are the same: the ranks
+        # that read the same rows, but a sequence-parallel rank counts only its slice (SequenceShards), and evaluates
+        # whole rows of its own
+        self.ranks_per_count = self.ranks_per_batch // self.sequence_parallel_size
 
     def training_collator(self, collator, label_name: str):
         """The collator of the training loader: `collator`, or under sequence parallelism this rank's slice of

@@ -54,10 +54,18 @@ from .fsdp import (
     gathers_full_model,
     is_sharded,
     load_shards,
+    load_whole,
     model_class_name,
     plan_shards,
 )
-from .parallelism import fresh_sequence_parallelism, is_layout_sharded, shard_with_plans, splits_sequences
+from .parallelism import (
+    SIZES,
+    describe,
+    fresh_sequence_parallelism,
+    is_layout_sharded,
+    shard_with_plans,
+    splits_sequences,
+)
 
 # how checkpoint messages name each kind of run
 PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"
@@ -145,6 +153,10 @@ class Backend:
     # whether a fused optimizer's update may be skipped on the device (skips_on_device): FSDP's DTensor shards and
     # DeepSpeed's engine keep the synchronous check
     skips_updates_on_device = True
+    # the sizes of parallelism_config that are not 1 where the model is sharded by its plans (tensor parallelism,
+    # FSDP2 by fsdp_plan): the layout a checkpoint records and resume messages name; None where the processes are
+    # the layout
+    sharding: dict[str, int] | None = None
 
     def __init__(self, accelerator, args):
         self.accelerator, self.args = accelerator, args
@@ -360,8 +372,10 @@ class Backend:
         DeepSpeed, a whole optimizer state not into FSDP shards."""
         saved = checkpoint_kind(folder)
         if saved not in self.resumes:
-            raise CheckpointError(f"{folder} was written by {saved} run and this is {self.kind} run: resume it with "
-                                  "the fsdp / deepspeed settings it was written with")
+            accepted = " or ".join(f"{kind} run's" for kind in self.resumes)
+            raise CheckpointError(f"{folder} was written by {saved} run and this is {self.kind} run, which resumes "
+                                  f"{accepted} checkpoints: resume it with the fsdp / deepspeed / parallelism_config "
+                                  "settings it was written with")
 
 
 class FSDPBackend(Backend):
@@ -423,7 +437,17 @@ class PlanShardedBackend(FSDPBackend):
     sharded at load, and never wrapped in DDP: its DTensors reduce their own gradients (FSDP2 averaging them over
     its data-parallel ranks, as DDP does). Accelerate only patches its forward (mixed precision) and prepares the
     optimizer; its data loader hands the ranks of one tensor-parallel group the same rows. Every rank writes and
-    reads its own shards (torch.distributed.checkpoint, as FSDP's)."""
+    reads its own shards (torch.distributed.checkpoint, as FSDP's), which resume in any layout of the same global
+    batch (the plain backend reads them whole); it resumes a plain run's whole checkpoint too, each rank keeping
+    its slices."""
+
+    resumes = (FSDP_KIND, PLAIN_KIND)
+
+    def __init__(self, accelerator, args):
+        super().__init__(accelerator, args)
+        config = accelerator.parallelism_config
+        self.sharding = {name: getattr(config, name) for name in SIZES if getattr(config, name) != 1}
+        self.kind = f"a {describe(config)}"  # as messages name this run: its layout, not the format it shares with FSDP
 
     def _prepare(self, model, source: OptimizerSource, max_steps: int) -> Prepared:
         """The model sharded (in place, so that another train() takes it as it is), then the optimizer built on
@@ -437,6 +461,20 @@ class PlanShardedBackend(FSDPBackend):
     def writes_full_model(self, model) -> bool:
         """Shards only: no FSDP plugin to ask for a full state dict, and no rank gathers the whole model."""
         return False
+
+    def load_weights(self, folder: str, model) -> None:
+        """Every rank its slices of the checkpoint's model: its shards, or a plain run's whole model."""
+        if checkpoint_kind(folder) == PLAIN_KIND:
+            load_whole(folder, self.accelerator.unwrap_model(model))
+        else:
+            super().load_weights(folder, model)
+
+    def load_training_state(self, folder: str, model, optimizer) -> None:
+        """Every rank its slices of the model and optimizer state: its shards, or a plain run's whole state."""
+        if checkpoint_kind(folder) == PLAIN_KIND:
+            load_whole(folder, self.accelerator.unwrap_model(model), optimizer)
+        else:
+            super().load_training_state(folder, model, optimizer)
 
 
 class FSDP1Backend(FSDPBackend):

@@ -415,7 +415,11 @@ def load_shards(folder: str, model, optimizer=None, trainable_only: bool = False
 
     def read(name: str, targets: dict) -> None:
         try:
-            dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(folder, name)))
+            with warnings.catch_warnings():
+                # torch warns that one process without a process group reads every shard itself (a plain run
+                # resuming a sharded checkpoint), which is the point
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(targets, storage_reader=HuggingFaceStorageReader(os.path.join(folder, name)))
         except Exception as e:  # torch raises CheckpointException and others, naming the keys
             raise CheckpointError(f"{folder}/{name} does not fit this model: {e}") from e
 
@@ -432,6 +436,43 @@ def load_shards(folder: str, model, optimizer=None, trainable_only: bool = False
                               "in only one of the two")
     read(OPTIMIZER_SHARDS, tensors)
     set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), ckpt.unflatten(saved_tree, tensors))
+
+
+def load_whole(folder: str, model, optimizer=None) -> None:
+    """Every rank: a whole checkpoint (a plain run's model files, and its optimizer state as torch's state_dict()
+    writes it) into a model sharded by its plans, each rank keeping its slices of every tensor (a DTensor's by its
+    placements) through torch's full-state-dict loading (a collective). The whole state is read on every rank,
+    the size of the model and its optimizer state in host memory for the time of the load.
+
+    torch's optimizer state keys the parameters by their position in the groups, and the sharded run's optimizer
+    is built by the same groups in the same order (stoker.optim.parameter_groups), so position i is the i-th
+    parameter of this optimizer's groups, named for torch by the model's names."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    weights = ckpt.read_weights(folder)
+    try:
+        set_model_state_dict(model, weights, options=options)
+    except (KeyError, RuntimeError, ValueError) as e:  # torch names the missing, unexpected or misshapen keys
+        raise CheckpointError(f"{folder}/model.safetensors does not fit this model: {e}") from e
+    if optimizer is None:
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)
+    name_of = {p: n for n, p in model.named_parameters()}
+    names = [name_of[p] for group in inner.param_groups for p in group["params"]]
+    saved = ckpt.load_state(folder, "optimizer")
+    positions = [i for group in saved["param_groups"] for i in group["params"]]
+    if sorted(positions) != list(range(len(names))):
+        raise CheckpointError(f"{folder}/optimizer.json does not fit this optimizer: it holds the state of "
+                              f"{len(positions)} parameters and this optimizer has {len(names)}")
+    by_name = {"state": {names[i]: state for i, state in saved["state"].items()},
+               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                for group in saved["param_groups"]]}
+    set_optimizer_state_dict(model, inner, by_name, options=options)
 
 
 def _tensor_keys(tree) -> set[str]:

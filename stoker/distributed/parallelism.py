@@ -10,6 +10,9 @@ load (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=..., fs
     clip_across_meshes        gradient clipping over parameters whose gradients live on different meshes
     SequenceShards            sequence parallelism's collator: this rank's slice of every row of a batch
 
+Context parallelism (cp_size > 1, with the fsdp setting's FSDP2) is stoker.distributed.context_parallel's: refused
+here on a CPU, and its refusals gathered here with the others.
+
 What the layouts share: the ranks of one tensor-parallel group read the same rows (Accelerate's data loader follows
 the device mesh), so tokens are counted and the loss normalised over the data-parallel ranks only
 (`data_parallel_size`); a sharded model is never wrapped in DDP (its DTensors carry their own collectives).
@@ -37,6 +40,7 @@ import torch
 
 from ..data import IGNORE_INDEX
 from ..errors import ConfigError, suggest
+from .context_parallel import context_parallel_problems
 from .fsdp import fsdp_enabled
 
 # the sizes of a ParallelismConfig, as Accelerate names them, and its other settings
@@ -117,13 +121,12 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
     name = describe(config)
     runs = ("accepted: sizes multiplying to the number of processes with at most two of dp_replicate_size, "
             "dp_shard_size and tp_size above 1 (tp_size, dp_shard_size, HSDP dp_replicate_size x dp_shard_size, "
-            "tp_size x dp_shard_size, dp_replicate_size x tp_size), cp_size and sp_size 1")
-    if config.cp_size > 1:
-        p.append(f"{name}: context parallelism (cp_size={config.cp_size}) "
-                 + ("is not yet run by stoker: the loop does not enter torch's context_parallel around each micro-"
-                    "batch" if on_cuda else "needs CUDA: torch registers its ring attention only for the CUDA sdpa "
-                    "kernels, so on this machine the sequence would not be split")
-                 + f"; {runs}")
+            "tp_size x dp_shard_size, dp_replicate_size x tp_size), sp_size 1, and cp_size 1 (or with fsdp and "
+            "dp_shard_size alone, on CUDA)")
+    if config.cp_size > 1:  # on a CPU, that refusal alone (stoker.distributed.context_parallel)
+        p += context_parallel_problems(args, config, on_cuda, name)
+        if not on_cuda:
+            return p
     if config.sp_size > 1:
         p += sequence_parallel_problems(args, config)
     if config.dp_replicate_size > 1 and config.dp_shard_size > 1 and config.tp_size > 1:
@@ -134,6 +137,8 @@ def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
                  f"launcher's WORLD_SIZE); accepted: sizes whose product is {world_size}")
     for other in ("fsdp", "deepspeed"):
         if other == "deepspeed" and config.sp_size == config.total_size:  # sequence parallelism runs in DeepSpeed
+            continue
+        if other == "fsdp" and config.cp_size > 1:  # context parallelism runs with FSDP2 (asked for above)
             continue
         if getattr(args, other) not in (None, "", {}, []) and config.total_size > 1:
             p.append(f"{name} and {other}={getattr(args, other)!r}: parallelism_config shards the model by its own "
@@ -298,7 +303,8 @@ def run_parallelism(args, model, world_size: int):
         problems.append(f"{describe(config)}: the model was sharded at load with "
                         f"{', '.join(f'{k}={v}' for k, v in layout.items())}; accepted: the same sizes, or "
                         "parallelism_config unset")
-    if config is not None and not sharded and config.total_size > 1:
+    # (under context parallelism the fsdp setting's FSDP2 shards the model, not its plans)
+    if config is not None and not sharded and config.total_size > 1 and config.cp_size == 1:
         problems += _sequence_model_problems(model, config) if splits_sequences(config) else _plan_problems(model,
                                                                                                           config)
     if problems:
@@ -343,8 +349,9 @@ def _plan_problems(model, config) -> list[str]:
 
 
 def is_layout_sharded(config) -> bool:
-    """Whether a run's ParallelismConfig shards the model (tensor parallelism or FSDP2), rather than replicate it."""
-    return config is not None and (config.tp_size > 1 or config.dp_shard_size > 1)
+    """Whether a run's ParallelismConfig shards the model by its plans (tensor parallelism or FSDP2), rather than
+    replicate it; not under context parallelism, whose model the fsdp setting's FSDP2 shards."""
+    return config is not None and config.cp_size == 1 and (config.tp_size > 1 or config.dp_shard_size > 1)
 
 
 def shard_with_plans(model, config, device):

@@ -111,7 +111,7 @@ class LossConvention:
             if isinstance(c, torch.Tensor):
                 total = total + c.to(accelerator.device)
         if accelerator.num_processes > 1 and across_devices:
-            total = accelerator.reduce(total, reduction="sum") // accelerator.ranks_per_batch  # a batch counted once
+            total = accelerator.reduce(total, reduction="sum") // accelerator.ranks_per_count  # a batch counted once
         return total.clamp_min(1)  # an all-padding window contributes zero loss, not NaN
 
     def mean_share(self, loss: torch.Tensor, batch: dict, num_items) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_the_logs_in_progress_of_two_processes_continue_on_one_or_three(averaged
     pendings = [pending(3.0, [10, 12]), pending(5.0, [7, 9])]
     logged = 8.0 if averaged else 4.0
     for world in (1, 3):
-        shares = [LogSums.regrouped(pendings, world, rank, averaged) for rank in range(world)]
+        shares = [LogSums.regrouped(pendings, 1, world, 1, rank, averaged) for rank in range(world)]
         total = sum(s["loss"] for s in shares)
         assert float(total if averaged else total / world) == logged
         assert sum(s["tokens"] for s in shares).tolist() == [17, 21]

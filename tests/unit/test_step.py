@@ -16,7 +16,7 @@ from stoker.errors import NonFiniteError
 from stoker.run import Run
 from stoker.step import LogSums, LoopPosition, MicroBatchHalver, NonFinitePolicy, StepCheck, StepVerdict
 
-ONE_PROCESS = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+ONE_PROCESS = SimpleNamespace(num_processes=1, ranks_per_batch=1, ranks_per_loss=1, device=torch.device("cpu"))
 OOM = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
