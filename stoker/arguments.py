@@ -527,9 +527,10 @@ class TrainingArguments:
     ddp_static_graph: bool | None = field(default=None, metadata=_help(
         "DDP static_graph (the set of used parameters is the same every step; default: torch's)."))
     parallelism_config: dict | str | None = field(default=None, metadata=_help(
-        "Accelerate's ParallelismConfig, a dict or a JSON string of its sizes: tp_size (the model's tp_plan) or "
-        "dp_shard_size (FSDP2 by its fsdp_plan) over every process; cp_size (context parallelism, CUDA, with "
-        "fsdp='full_shard', alone or with dp_shard_size); sp_size and other combinations are refused."))
+        "Accelerate's ParallelismConfig, a dict or a JSON string of its sizes, multiplying to the number of "
+        "processes: tp_size (the model's tp_plan), dp_shard_size (FSDP2 by its fsdp_plan), dp_replicate_size "
+        "(HSDP) and their combinations; cp_size (context parallelism, CUDA, with fsdp='full_shard', alone or "
+        "with dp_shard_size); sp_size alone (Ulysses, with deepspeed)."))
     local_rank: int = field(default=-1, metadata=_help(
         "Set by launchers; stoker reads the process's rank from the environment (LOCAL_RANK) instead."))
 

@@ -112,26 +112,19 @@ def read_parallelism_config(value):
 
 def parallelism_problems(args, world_size: int, on_cuda: bool) -> list[str]:
     """What stoker refuses of args.parallelism_config before any work, each naming the size, why, and what is
-    accepted. Runs: tp_size (the model's tp_plan), dp_shard_size (FSDP2 by the model's fsdp_plan), and any two of
-    dp_replicate_size, dp_shard_size and tp_size (HSDP, FSDP2 of a tensor-parallel model, a replicated
-    tensor-parallel model) over every process of the run."""
+    accepted. Runs, over every process of the run: tp_size (the model's tp_plan), dp_shard_size (FSDP2 by the model's
+    fsdp_plan), dp_replicate_size beside them (HSDP, a replicated tensor-parallel model) and their combinations;
+    cp_size on CUDA (stoker.distributed.context_parallel); sp_size alone, in DeepSpeed."""
     config, p = read_parallelism_config(args.parallelism_config)
     if config is None:
         return p
     name = describe(config)
-    runs = ("accepted: sizes multiplying to the number of processes with at most two of dp_replicate_size, "
-            "dp_shard_size and tp_size above 1 (tp_size, dp_shard_size, HSDP dp_replicate_size x dp_shard_size, "
-            "tp_size x dp_shard_size, dp_replicate_size x tp_size), sp_size 1, and cp_size 1 (or with fsdp and "
-            "dp_shard_size alone, on CUDA)")
     if config.cp_size > 1:  # on a CPU, that refusal alone (stoker.distributed.context_parallel)
         p += context_parallel_problems(args, config, on_cuda, name)
         if not on_cuda:
             return p
     if config.sp_size > 1:
         p += sequence_parallel_problems(args, config)
-    if config.dp_replicate_size > 1 and config.dp_shard_size > 1 and config.tp_size > 1:
-        p.append(f"{name}: dp_replicate_size, dp_shard_size and tp_size all above 1 (3-D: HSDP of a "
-                 f"tensor-parallel model) is not yet checked by stoker's tests, which would need 8 processes; {runs}")
     if not p and config.total_size != world_size and config.total_size > 1:
         p.append(f"{name}: its sizes multiply to {config.total_size} processes and this run has {world_size} (the "
                  f"launcher's WORLD_SIZE); accepted: sizes whose product is {world_size}")
