@@ -32,15 +32,14 @@ from .launch import (
     wants_cpu,
 )
 from .parallelism import (
-    SequenceShards,
     clip_across_meshes,
     is_layout_sharded,
     parallelism_problems,
     read_parallelism_config,
     run_parallelism,
     spans_meshes,
-    splits_sequences,
 )
+from .sequence_parallel import SequenceShards, splits_sequences
 
 
 def argument_problems(args) -> list[str]:

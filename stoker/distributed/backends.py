@@ -58,14 +58,8 @@ from .fsdp import (
     model_class_name,
     plan_shards,
 )
-from .parallelism import (
-    SIZES,
-    describe,
-    fresh_sequence_parallelism,
-    is_layout_sharded,
-    shard_with_plans,
-    splits_sequences,
-)
+from .parallelism import SIZES, describe, is_layout_sharded, shard_with_plans
+from .sequence_parallel import fresh_sequence_parallelism, splits_sequences
 
 # how checkpoint messages name each kind of run
 PLAIN_KIND, FSDP_KIND, DEEPSPEED_KIND = "a data-parallel (or single-process)", "an FSDP", "a DeepSpeed"

@@ -14,8 +14,9 @@ import re
 from .. import checkpoint_format as ckpt
 from ..errors import CheckpointError, ConfigError
 from .launch import launcher_world_size
-from .parallelism import describe, read_parallelism_config, splits_sequences
+from .parallelism import describe, read_parallelism_config
 from .parsing import load_json_config
+from .sequence_parallel import splits_sequences
 
 # ---------------------------------------------------------------------------------------------------
 # DeepSpeed: transformers' `deepspeed` -> accelerate.DeepSpeedPlugin, "auto" values filled from the arguments

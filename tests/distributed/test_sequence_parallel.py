@@ -255,7 +255,7 @@ def test_a_slice_of_each_row_keeps_the_labels_shifted_before_the_cut():
     labels shifted over the whole row, then each rank's half; the halves put together are the padded row. A
     left-padded batch is refused (the Ulysses attention drops the mask): the first batch's check reports it."""
     from stoker.data import PaddingCollator
-    from stoker.distributed.parallelism import SequenceShards
+    from stoker.distributed.sequence_parallel import SequenceShards
 
     rows = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 9]}]
     halves = [SequenceShards(PaddingCollator(), rank, 2)(rows) for rank in (0, 1)]
