@@ -22,7 +22,6 @@ import contextlib
 import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,6 +35,8 @@ import torch
 from stoker import Trainer, TrainingArguments
 from stoker.distributed.context_parallel import SequenceSplit
 from stoker.errors import ConfigError
+from tests.distributed.test_parallelism import assert_logged_like, max_difference
+from tests.helpers.launching import run_ranks
 from tests.helpers.tiny_jobs import llama, rows
 
 TRAIN = rows(16, seed=21, lo=5, hi=15)  # 4 steps of a global batch of 4 rows, padded by the collator
@@ -195,10 +196,7 @@ def run_layouts(out: str) -> None:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("context_parallel")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    return out
+    return run_ranks(__file__, out)
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +210,6 @@ def one_process(tmp_path_factory) -> dict:
             runs[optim] = trainer
         runs["evaluated"] = runs["sgd"].evaluate(EVAL)
     return runs
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
 @pytest.mark.distributed
@@ -244,12 +237,7 @@ def test_context_parallel_trains_like_one_process_on_the_same_global_batch(two_p
     lengths = run["lengths"]
     assert len(lengths) == STEPS * accumulation and all(n % 4 == 0 for n in lengths), lengths
     assert run["seen"][-len(lengths):] == [n // 2 for n in lengths], (run["seen"], lengths)
-    assert run["global_batch"] == GLOBAL_BATCH and run["tokens"] == reference.state.num_input_tokens_seen
-    expected = [e for e in reference.state.log_history if "loss" in e]
-    assert [e["step"] for e in run["logs"]] == [e["step"] for e in expected] == list(range(1, STEPS + 1))
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor([e[key] for e in run["logs"]]),
-                                   torch.tensor([e[key] for e in expected]), rtol=1e-4, atol=1e-5)
+    assert_logged_like(run, reference, GLOBAL_BATCH, STEPS)
 
 
 @pytest.mark.distributed

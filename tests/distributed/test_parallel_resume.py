@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -35,7 +34,8 @@ import torch
 from stoker import Trainer, TrainerCallback, TrainingArguments
 from stoker.errors import CheckpointError
 from stoker.step import LogSums
-from tests.distributed.test_parallelism import TRAIN, tiny_llama, whole
+from tests.distributed.test_parallelism import TRAIN, max_difference, tiny_llama, whole
+from tests.helpers.launching import run_ranks
 
 STEPS, SAVED_AT, LOGGED_AT = 5, 3, 4
 # the resumed runs end within float summation order of the uninterrupted one: measured up to 1.3e-7 here (two steps
@@ -138,9 +138,7 @@ def resumed(tmp_path_factory) -> Path:
     all, most of it the launch)."""
     out = tmp_path_factory.mktemp("parallel_resume")
     run_job(out, "one")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    run_ranks(__file__, out)
     run_job(out, "one_from_tp")
     return out
 
@@ -166,11 +164,6 @@ def params(out: Path, name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(out / name / "params.safetensors"))
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys() and a
-    return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
 CASES = {"a": ("tp", "one_from_tp"), "b": ("one", "tp_from_one"), "c": ("dp_shard", "tp_from_dp_shard")}

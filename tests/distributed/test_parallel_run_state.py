@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from stoker import checkpoint_format as ckpt
 from stoker.goodput import PARTS, summary_line
 from stoker.report import REPORT_NAME, quarantine_lines
 from stoker.rollback import SpikeRollback
-from tests.distributed.test_parallelism import TRAIN, tiny_llama, training_args, whole
+from tests.distributed.test_parallelism import TRAIN, max_difference, tiny_llama, training_args, whole
+from tests.helpers.launching import run_ranks
 from tests.helpers.rollback_jobs import HEAL, clm, poisoned_loss, records
 from tests.helpers.rollback_jobs import args as rollback_args
 
@@ -143,10 +143,7 @@ def run_scenarios(out: str) -> None:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel_run_state")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(out)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    return out
+    return run_ranks(__file__, out)
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +158,6 @@ def without_the_rows(tmp_path_factory):
 
 def parameters(trainer) -> dict:
     return {n: p.detach() for n, p in trainer.model.named_parameters()}
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
 @pytest.mark.distributed

@@ -24,6 +24,7 @@ import torch
 
 from stoker import Trainer, TrainingArguments
 from stoker.errors import ConfigError
+from tests.helpers.launching import run_ranks
 from tests.helpers.tiny_jobs import rows
 
 TRAIN = rows(40, seed=11)  # 5 steps of a global batch of 8 rows of 3 to 17 tokens
@@ -125,10 +126,7 @@ def run_layouts(out: str) -> None:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallelism")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    return out
+    return run_ranks(__file__, out)
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +145,17 @@ def one_process(tmp_path_factory) -> dict:
 def max_difference(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def assert_logged_like(run: dict, reference, global_batch: int = GLOBAL_BATCH, steps: int = STEPS) -> None:
+    """A run's record (run.json) against one process's Trainer: the global batch, the tokens seen, and the logged
+    steps, losses and gradient norms."""
+    assert run["global_batch"] == global_batch and run["tokens"] == reference.state.num_input_tokens_seen
+    expected = [e for e in reference.state.log_history if "loss" in e]
+    assert [e["step"] for e in run["logs"]] == [e["step"] for e in expected] == list(range(1, steps + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([e[key] for e in run["logs"]]),
+                                   torch.tensor([e[key] for e in expected]), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.distributed
@@ -171,13 +180,8 @@ def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes
     initial = {n: p.detach() for n, p in tiny_llama(model_from == "tied").named_parameters()}
     assert max_difference(ours, initial) > 10 * TOLERANCE[optim]
     assert run["ddp"] != "DistributedDataParallel" and run["dtensors"] >= 15
-    assert run["global_batch"] == GLOBAL_BATCH and run["tokens"] == reference.state.num_input_tokens_seen
-    expected = [e for e in reference.state.log_history if "loss" in e]
-    assert [e["step"] for e in run["logs"]] == [e["step"] for e in expected] == list(range(1, STEPS + 1))
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(torch.tensor([e[key] for e in run["logs"]]),
-                                   torch.tensor([e[key] for e in expected]), rtol=1e-4, atol=1e-5)
-    assert max(e["grad_norm"] for e in expected) > 1.0  # clipping took part
+    assert_logged_like(run, reference)
+    assert max(e["grad_norm"] for e in reference.state.log_history if "loss" in e) > 1.0  # clipping took part
 
 
 @pytest.mark.distributed

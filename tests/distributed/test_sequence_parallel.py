@@ -15,7 +15,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from tests.distributed.test_parallelism import (
     tiny_llama,
     training_args,
 )
+from tests.helpers.launching import run_ranks
 
 SEQUENCE = {"sp_size": 2, "sp_backend": "deepspeed"}
 # scenario -> (ZeRO stage, optimizer, micro-batch, accumulation): the group of 2 ranks reads a micro-batch's rows
@@ -113,10 +113,7 @@ def one_process(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sequence_parallel")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(out)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    return out
+    return run_ranks(__file__, out)
 
 
 @pytest.mark.distributed

@@ -2,6 +2,7 @@
 multi-process tests (tests/distributed/, conftest.py's `two_ranks`).
 
     launch, check    run scenarios on 2 ranks (CPU, gloo) and require that torchrun exited 0
+    run_ranks        a test file that is its own ranks' script (the parallel layouts'), under torchrun
     ranks            the rank_<r>.json that each of the 2 ranks wrote for a scenario
     free_port        a TCP port free on this host, for a rendezvous
 """
@@ -31,6 +32,14 @@ def launch(out: Path, *scenarios: str) -> subprocess.CompletedProcess:
 def check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, (f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                                   f"{proc.stderr[-8000:]}")
+
+
+def run_ranks(script: str, out: Path, processes: int = 2, timeout: int = 900) -> Path:
+    """`script` as the ranks' script of `processes` CPU processes under torchrun, writing under `out` (returned);
+    the test fails with their output unless torchrun exits 0."""
+    check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                          str(processes), script, str(out)], capture_output=True, text=True, timeout=timeout))
+    return out
 
 
 def ranks(out: Path, scenario: str) -> list[dict]:
