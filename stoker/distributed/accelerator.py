@@ -188,8 +188,10 @@ class ShareReadingAccelerator(Accelerator):
     with False: every process reads an IterableDataset itself and keeps its share of each global batch.
     Accelerate's None would have the main process read every batch and concatenate whole batches for the others,
     which fails on rows of different lengths (README's differences table); map-style datasets are read so either
-    way. An explicit True or False is Accelerate's. Also the run's data-parallel size (data_parallel_size,
-    ranks_per_batch), which differs from the number of processes under tensor parallelism."""
+    way. An explicit True or False is Accelerate's. Also how the run's processes share its work, which under
+    tensor, context and sequence parallelism is not one batch each: how many read different rows
+    (data_parallel_size), and how many share a batch, a loss, a count or a gradient average (ranks_per_batch,
+    ranks_per_loss, ranks_per_count, averaged_ranks)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
