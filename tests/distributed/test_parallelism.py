@@ -102,7 +102,7 @@ def run_layouts(out: str) -> None:
         evaluated = {}
         if name in ("tp_sgd", "dp_shard"):  # evaluation (and save_model), every rank taking part
             evaluated = trainer.evaluate(EVAL)
-        if name == "tp_sgd":
+        if name in ("tp_sgd", "dp_shard"):
             trainer.save_model(os.path.join(out, name, "final"))
         if trainer.accelerator.is_main_process:
             save_file(params, os.path.join(out, name, "params.safetensors"))
@@ -200,15 +200,16 @@ def test_evaluation_under_tensor_parallelism_and_fsdp2_is_one_processs(two_proce
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_save_model_writes_an_ordinary_folder(two_processes):
-    """Under tp_size=2 save_model writes an ordinary folder that from_pretrained loads in one process, with the
-    trained weights (gathered once, written by the main process, no distributed_config left in it)."""
+@pytest.mark.parametrize("layout", ["tp_sgd", "dp_shard"])
+def test_save_model_writes_an_ordinary_folder_from_a_sharded_layout(two_processes, layout):
+    """Under tp_size=2 and dp_shard_size=2 save_model writes an ordinary folder that from_pretrained loads in one
+    process, with the trained weights (gathered once, written by the main process, no distributed_config left)."""
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    loaded = LlamaForCausalLM.from_pretrained(two_processes / "tp_sgd" / "final")
+    loaded = LlamaForCausalLM.from_pretrained(two_processes / layout / "final")
     assert getattr(loaded.config, "distributed_config", None) is None
-    trained = load_file(two_processes / "tp_sgd" / "params.safetensors")
+    trained = load_file(two_processes / layout / "params.safetensors")
     assert max_difference({n: p.detach() for n, p in loaded.named_parameters()}, trained) == 0
 
 
