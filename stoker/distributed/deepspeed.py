@@ -167,7 +167,8 @@ def deepspeed_trainer_problems(config: dict, args, optimizers=(None, None)) -> l
                      f"({type(given).__name__}): DeepSpeed builds the config's; remove one of the two")
     stage = zero.get("stage", 0)
     if stage == 0 and splits_sequences(read_parallelism_config(args.parallelism_config)[0]):
-        p.append("deepspeed['zero_optimization.stage']=0 with sequence parallelism is not yet run by stoker; "
+        p.append("deepspeed['zero_optimization.stage']=0 with sequence parallelism is not yet run by stoker: "
+                 "DeepSpeed's stage-0 engine reports no gradient norm, which the step's check and log read; "
                  "accepted: stage 1, 2 or 3")
     elif stage == 0:
         p.append("deepspeed['zero_optimization.stage']=0: that is plain data parallelism, which stoker does without "
