@@ -145,6 +145,7 @@ def one_process_runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the module fixture's 4-process launch: about 30 s
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_two_dimensional_layout_trains_like_one_process_on_the_same_global_batch(four_processes, one_process_runs,
                                                                                   layout):
@@ -173,6 +174,7 @@ def test_a_two_dimensional_layout_trains_like_one_process_on_the_same_global_bat
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the module fixture's 4-process launch: about 30 s
 def test_an_hsdp_model_sharded_at_load_runs_its_own_layout_with_or_without_parallelism_config(four_processes):
     """A model transformers sharded at load with DistributedConfig(dp_replicate_size=2, fsdp_size=2) is run with
     that layout (hsdp_at_load above trains it like one process), and parallelism_config naming the same sizes is
@@ -182,6 +184,7 @@ def test_an_hsdp_model_sharded_at_load_runs_its_own_layout_with_or_without_paral
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the module fixture's 4-process launch: about 30 s
 def test_a_two_dimensional_checkpoint_is_written_by_every_rank_and_resumes_bit_equal(four_processes):
     """Under tp_size=2 x dp_shard_size=2 with AdamW, the checkpoint at step 3 holds the 4 ranks' own shards of the
     model and the optimizer state (only safetensors and JSON, nothing gathered); a fresh Trainer on the same
