@@ -35,7 +35,7 @@ import torch
 from stoker import Trainer, TrainingArguments
 from stoker.distributed.context_parallel import SequenceSplit
 from stoker.errors import ConfigError
-from tests.distributed.test_parallelism import assert_logged_like, max_difference
+from tests.distributed.test_parallelism import assert_logged_like, assert_trained_like
 from tests.helpers.launching import run_ranks
 from tests.helpers.tiny_jobs import llama, rows
 
@@ -226,11 +226,7 @@ def test_context_parallel_trains_like_one_process_on_the_same_global_batch(two_p
     run = json.loads((two_processes / layout / "run.json").read_text())
     reference = one_process[optim]
     ours = load_file(two_processes / layout / "params.safetensors")
-    theirs = {n: p.detach() for n, p in reference.model.named_parameters()}
-    difference = max_difference(ours, theirs)
-    print(f"{layout}: max |parameter difference| = {difference:.2e}")
-    assert difference <= TOLERANCE[optim], difference
-    assert max_difference(ours, {n: p.detach() for n, p in llama().named_parameters()}) > 10 * TOLERANCE[optim]
+    assert_trained_like(ours, reference, llama(), TOLERANCE[optim], layout)
     assert run["cp_size"] == 2 and run["mesh"] == 2 and run["dtensors"] > 0
     # every micro-batch was padded to a multiple of 2 x cp_size, and its forward got half of it (the forwards
     # before them: the loss convention's probes of the first batch, whole)

@@ -27,7 +27,7 @@ from tests.distributed.test_parallelism import (
     TOLERANCE,
     TRAIN,
     assert_logged_like,
-    max_difference,
+    assert_trained_like,
     tiny_llama,
     training_args,
     whole,
@@ -161,10 +161,7 @@ def test_a_two_dimensional_layout_trains_like_one_process_on_the_same_global_bat
     run = json.loads((four_processes / layout / "run.json").read_text())
     reference = one_process_runs[optim]
     ours = load_file(four_processes / layout / "params.safetensors")
-    difference = max_difference(ours, {n: p.detach() for n, p in reference.model.named_parameters()})
-    print(f"{layout}: max |parameter difference| = {difference:.2e}")
-    assert difference <= TOLERANCE[optim], difference
-    assert max_difference(ours, {n: p.detach() for n, p in tiny_llama().named_parameters()}) > 10 * TOLERANCE[optim]
+    assert_trained_like(ours, reference, tiny_llama(), TOLERANCE[optim], layout)
     dims, sizes, rows = EXPECTED_MESH[layout.split("_")[0]]
     assert (run["probe"]["dims"], run["probe"]["sizes"], run["probe"]["rows"]) == (dims, sizes, rows), run["probe"]
     assert run["sizes"] == EXPECTED_SIZES[layout.split("_")[0]]

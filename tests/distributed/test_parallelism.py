@@ -147,6 +147,15 @@ def max_difference(a: dict, b: dict) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
+def assert_trained_like(ours: dict, reference, initial, tolerance: float, name: str) -> None:
+    """A run's whole parameters (`ours`) within `tolerance` of one process's Trainer (`reference`), and more than ten
+    times that from the `initial` model's: it trained, like one process."""
+    difference = max_difference(ours, {n: p.detach() for n, p in reference.model.named_parameters()})
+    print(f"{name}: max |parameter difference| = {difference:.2e}")
+    assert difference <= tolerance, difference
+    assert max_difference(ours, {n: p.detach() for n, p in initial.named_parameters()}) > 10 * tolerance
+
+
 def assert_logged_like(run: dict, reference, global_batch: int = GLOBAL_BATCH, steps: int = STEPS) -> None:
     """A run's record (run.json) against one process's Trainer: the global batch, the tokens seen, and the logged
     steps, losses and gradient norms."""
@@ -173,12 +182,7 @@ def test_a_layout_trains_like_one_process_on_the_same_global_batch(two_processes
     run = json.loads((two_processes / layout / "run.json").read_text())
     reference = one_process["tied" if model_from == "tied" else optim]
     ours = load_file(two_processes / layout / "params.safetensors")
-    theirs = {n: p.detach() for n, p in reference.model.named_parameters()}
-    difference = max_difference(ours, theirs)
-    print(f"{layout}: max |parameter difference| = {difference:.2e}")
-    assert difference <= TOLERANCE[optim], difference
-    initial = {n: p.detach() for n, p in tiny_llama(model_from == "tied").named_parameters()}
-    assert max_difference(ours, initial) > 10 * TOLERANCE[optim]
+    assert_trained_like(ours, reference, tiny_llama(model_from == "tied"), TOLERANCE[optim], layout)
     assert run["ddp"] != "DistributedDataParallel" and run["dtensors"] >= 15
     assert_logged_like(run, reference)
     assert max(e["grad_norm"] for e in reference.state.log_history if "loss" in e) > 1.0  # clipping took part
